@@ -1,0 +1,5 @@
+"""Expert backends. Each declares its capabilities on its class; the oracle reads them."""
+
+from fusedmoe.experts.torch_ref import TorchExperts
+
+__all__ = ["TorchExperts"]

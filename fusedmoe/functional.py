@@ -1,0 +1,224 @@
+"""Functional entry points: fused_experts (given the routing) and fused_moe (routing included).
+
+Legend: M tokens, H hidden, I intermediate, N = 2I (gated) or I, E global experts,
+E_l local experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_ids_in_range,
+    check_shape,
+    check_tensor,
+)
+from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.modular.kernel import FusedMoEModularKernel
+from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem
+from fusedmoe.oracle import select_backend
+from fusedmoe.router import create_router, split_zero_experts
+
+
+def check_expert_weights(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: MoEActivation,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+) -> ExpertWeights:
+    """Check the expert weights against each other and the input. -> ExpertWeights."""
+    x = hidden_states
+    check_tensor("w13", w13, ndim=3, device=x.device)
+    check_tensor("w2", w2, ndim=3, device=x.device)
+    num_local, gemm1_out, hidden = w13.shape
+    if hidden != x.shape[1]:
+        raise ValueError(
+            f"w13 must be [E, N, H={x.shape[1]}] (H of hidden_states), got {tuple(w13.shape)}"
+        )
+    intermediate = w2.shape[2]
+    expected_n = activation.gemm1_out_size(intermediate)
+    check_shape("w2", w2, (num_local, hidden, intermediate))
+    if gemm1_out != expected_n:
+        kind = "gated (2 * I)" if activation.is_gated else "non-gated (I)"
+        raise ValueError(
+            f"w13 must have {expected_n} rows per expert for the {kind} activation "
+            f"{activation.value!r} with I = {intermediate} (from w2), got {tuple(w13.shape)}"
+        )
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != x.dtype:
+            raise TypeError(
+                f"{name} has dtype {w.dtype} but hidden_states has {x.dtype}: unquantized experts "
+                "need both in one dtype (cast explicitly, or pass a quant_config)"
+            )
+    if w13_bias is not None:
+        check_tensor("w13_bias", w13_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        check_shape("w13_bias", w13_bias, (num_local, gemm1_out))
+    if w2_bias is not None:
+        check_tensor("w2_bias", w2_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        check_shape("w2_bias", w2_bias, (num_local, hidden))
+    return ExpertWeights(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def check_routing(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    global_num_experts: int,
+) -> None:
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=hidden_states.device)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, device=hidden_states.device)
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} "
+            "must have the same shape [M, k]"
+        )
+    if topk_ids.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"topk_ids has {topk_ids.shape[0]} tokens but hidden_states has {hidden_states.shape[0]}"
+        )
+    if topk_ids.shape[1] == 0:
+        raise ValueError("top_k must be >= 1, got topk_ids with 0 columns")
+    # -1 marks an empty slot (a zero expert taken out of the routing)
+    check_ids_in_range("topk_ids", topk_ids, -1, global_num_experts)
+
+
+def check_expert_map(
+    expert_map: torch.Tensor | None,
+    global_num_experts: int | None,
+    num_local_experts: int,
+    device: torch.device,
+) -> int:
+    """-> the global expert count."""
+    if expert_map is None:
+        if global_num_experts not in (None, num_local_experts):
+            raise ValueError(
+                f"global_num_experts={global_num_experts} differs from the {num_local_experts} "
+                "experts in w13: pass the expert_map that places them"
+            )
+        return num_local_experts
+    check_tensor("expert_map", expert_map, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if global_num_experts is not None and expert_map.shape[0] != global_num_experts:
+        raise ValueError(
+            f"expert_map must be [global_num_experts={global_num_experts}], "
+            f"got {tuple(expert_map.shape)}"
+        )
+    check_ids_in_range("expert_map", expert_map, -1, num_local_experts)
+    return expert_map.shape[0]
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: MoEActivation | str = "silu",
+    activation_params: ActivationParams | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    global_num_experts: int | None = None,
+    apply_router_weight_on_input: bool = False,
+    quant_config: object | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The experts given the routing: hidden_states [M, H] -> [M, H].
+
+        out[m] = sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(hidden_states[m])
+        expert_e(x) = act(x @ w13[e].T + w13_bias[e]) @ w2[e].T + w2_bias[e]
+
+    topk_ids are global expert ids (-1 marks an empty slot); with an expert_map, experts that
+    are not on this rank contribute zero.
+    """
+    spec = ActivationSpec.make(activation, activation_params)
+    x = check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
+    weights = check_expert_weights(x, w13, w2, spec.kind, w13_bias, w2_bias)
+    num_global = check_expert_map(expert_map, global_num_experts, weights.num_local_experts, x.device)
+    check_routing(x, topk_weights, topk_ids, num_global)
+    if apply_router_weight_on_input and topk_ids.shape[1] != 1:
+        raise ValueError(
+            f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}"
+        )
+    problem = MoEProblem(
+        device=x.device,
+        dtype=x.dtype,
+        hidden_size=weights.hidden_size,
+        intermediate_size=w2.shape[2],
+        num_experts=num_global,
+        top_k=topk_ids.shape[1],
+        activation=spec,
+        quant_config=quant_config,
+        has_bias=weights.has_bias,
+        has_expert_map=expert_map is not None,
+    )
+    choice = select_backend(problem, backend=backend)
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls())
+    return kernel.forward(
+        x,
+        weights,
+        topk_weights.float(),
+        topk_ids,
+        activation=spec,
+        global_num_experts=num_global,
+        expert_map=expert_map,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        quant_config=quant_config,
+    )
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool = True,
+    scoring_func: str = "softmax",
+    use_grouped_topk: bool = False,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    custom_routing_function=None,
+    zero_expert_num: int = 0,
+    zero_expert_type: str | None = None,
+    hash_indices_table: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    **experts_kwargs,
+) -> torch.Tensor:
+    """Routing plus experts: router_logits [M, E (+ zero experts)] -> output [M, H].
+
+    The router keywords are those of `create_router`; `experts_kwargs` those of `fused_experts`.
+    """
+    num_experts = experts_kwargs.get("global_num_experts") or w13.shape[0]
+    router = create_router(
+        top_k,
+        num_experts,
+        renormalize=renormalize,
+        scoring_func=scoring_func,
+        use_grouped_topk=use_grouped_topk,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+        custom_routing_function=custom_routing_function,
+        zero_expert_num=zero_expert_num,
+        zero_expert_type=zero_expert_type,
+        hash_indices_table=hash_indices_table,
+    )
+    topk_weights, topk_ids = router.select_experts(hidden_states, router_logits, input_ids)
+    zero_output = None
+    if zero_expert_num > 0:
+        split = split_zero_experts(
+            hidden_states, topk_weights, topk_ids, router.num_experts, router.zero_expert_type
+        )
+        topk_weights, topk_ids, zero_output = split.topk_weights, split.topk_ids, split.zero_output
+    out = fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, **experts_kwargs)
+    return out if zero_output is None else out + zero_output

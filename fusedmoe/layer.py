@@ -1,0 +1,358 @@
+"""FusedMoE: the MoE layer as an nn.Module.
+
+Legend: T tokens (all leading dimensions flattened), H hidden, I intermediate, E experts.
+
+forward(hidden_states [..., H], router_logits [..., E (+ zero experts)], input_ids [...]):
+    x_r    = routed_input_transform(x)                  (identity by default)
+    w, ids = router(x_r, logits, input_ids)             (routed_scaling_factor is in w)
+    w, ids, zero_out = split_zero_experts(x_r, w, ids)  (zero experts never reach a backend)
+    y      = modular_kernel(pad(x_r), w, ids)           (pad: when the backend needs an H multiple)
+    y      = unpad(y) + zero_out
+    y      = routed_output_transform(y)                 (identity by default)
+    y     += shared_experts(x) * sigmoid(shared_expert_gate(x))   (gate optional)
+
+routed_scaling_factor is applied to the router weights in float32, so identity zero experts
+are scaled like every other routed expert.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
+from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.functional import check_routing
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.kernel import FusedMoEModularKernel
+from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem
+from fusedmoe.oracle import BackendChoice, get_backend, select_backend
+from fusedmoe.parallel import ParallelConfig
+from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
+from fusedmoe.weights import resolve_expert_weight
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: MoEActivation | str = "silu",
+        activation_params: ActivationParams | None = None,
+        renormalize: bool = True,
+        scoring_func: str = "softmax",
+        use_grouped_topk: bool = False,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        e_score_correction_bias: torch.Tensor | None = None,
+        routed_scaling_factor: float = 1.0,
+        custom_routing_function=None,
+        zero_expert_num: int = 0,
+        zero_expert_type: ZeroExpertType | str | None = None,
+        hash_indices_table: torch.Tensor | None = None,
+        has_bias: bool = False,
+        shared_experts: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+        routed_input_transform: Transform | None = None,
+        routed_output_transform: Transform | None = None,
+        quant_config: object | None = None,
+        parallel_config: ParallelConfig | None = None,
+        backend: str | type[Experts] = "auto",
+        params_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = check_positive_int("num_experts", num_experts)
+        self.top_k = check_positive_int("top_k", top_k)
+        self.hidden_size = check_positive_int("hidden_size", hidden_size)
+        self.intermediate_size = check_positive_int("intermediate_size", intermediate_size)
+        self.activation = ActivationSpec.make(activation, activation_params)
+        if params_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"params_dtype must be a float dtype, got {params_dtype}")
+        self.parallel_config = parallel_config or ParallelConfig()
+        if not isinstance(self.parallel_config, ParallelConfig):
+            raise TypeError(
+                f"parallel_config must be a ParallelConfig, got {type(parallel_config).__name__}"
+            )
+        if self.parallel_config.use_ep:
+            raise ValueError(
+                "parallel_config.ep_size > 1: expert parallelism needs an EP prepare/finalize, "
+                "which this version of fusedmoe does not have yet; use ep_size=1"
+            )
+        if shared_expert_gate is not None and shared_experts is None:
+            raise ValueError("shared_expert_gate needs shared_experts")
+        self.quant_config = quant_config
+        self.backend = backend if backend == "auto" else get_backend(backend).name
+        self._backend_arg = backend
+        self.zero_expert_num = zero_expert_num
+        self.routed_input_transform = routed_input_transform
+        self.routed_output_transform = routed_output_transform
+        self.shared_experts = shared_experts
+        self.shared_expert_gate = shared_expert_gate
+
+        factory = {"dtype": params_dtype, "device": device}
+        num_n = self.activation.kind.gemm1_out_size(intermediate_size)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, num_n, hidden_size, **factory))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.has_bias = has_bias
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, num_n, **factory))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        else:
+            self.register_parameter("w13_bias", None)
+            self.register_parameter("w2_bias", None)
+        self.register_buffer("e_score_correction_bias", _as_buffer(e_score_correction_bias, device))
+        self.register_buffer("hash_indices_table", _as_buffer(hash_indices_table, device))
+        self._router_kwargs = dict(
+            renormalize=renormalize,
+            scoring_func=scoring_func,
+            use_grouped_topk=use_grouped_topk,
+            num_expert_group=num_expert_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+            custom_routing_function=custom_routing_function,
+            zero_expert_num=zero_expert_num,
+            zero_expert_type=zero_expert_type,
+        )
+        self.router = self._make_router()
+        self._kernels: dict[tuple[torch.device, torch.dtype], tuple[BackendChoice, FusedMoEModularKernel]] = {}
+        self._padded_weights: tuple[tuple, ExpertWeights] | None = None
+        self.reset_parameters()
+        # refuse an impossible configuration now rather than at the first forward
+        self.backend_choice(torch.device(device or "cpu"), params_dtype)
+
+    # ---- construction helpers ----
+    def _make_router(self):
+        return create_router(
+            self.top_k,
+            self.num_experts,
+            e_score_correction_bias=self.e_score_correction_bias,
+            hash_indices_table=self.hash_indices_table,
+            **self._router_kwargs,
+        )
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() replace the buffers the router holds: rebuild it on the new ones
+        result = super()._apply(fn, recurse)
+        self.router = self._make_router()
+        return result
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init as nn.Linear does: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        for param, fan_in in (
+            (self.w13_weight, self.hidden_size),
+            (self.w2_weight, self.intermediate_size),
+            (self.w13_bias, self.hidden_size),
+            (self.w2_bias, self.intermediate_size),
+        ):
+            if param is not None:
+                bound = 1.0 / math.sqrt(fan_in)
+                param.uniform_(-bound, bound)
+
+    # ---- backend ----
+    def backend_choice(
+        self, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> BackendChoice:
+        """The backend this layer runs on `device` / `dtype` (default: the parameters'), and why."""
+        device = device or self.w13_weight.device
+        dtype = dtype or self.w13_weight.dtype
+        return self._kernel(device, dtype)[0]
+
+    def _kernel(self, device: torch.device, dtype: torch.dtype):
+        key = (device, dtype)
+        if key not in self._kernels:
+            problem = MoEProblem(
+                device=device,
+                dtype=dtype,
+                hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size,
+                num_experts=self.num_experts,
+                top_k=self.top_k,
+                activation=self.activation,
+                quant_config=self.quant_config,
+                has_bias=self.has_bias,
+                ep_size=self.parallel_config.ep_size,
+            )
+            choice = select_backend(problem, backend=self._backend_arg)
+            self._kernels[key] = (choice, FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls()))
+        return self._kernels[key]
+
+    def _expert_weights(self, alignment: int) -> ExpertWeights:
+        """The weights as the backend consumes them; zero-padded copies when H must be aligned."""
+        weights = ExpertWeights(self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        pad = -self.hidden_size % alignment
+        if pad == 0:
+            return weights
+        params = [p for p in (self.w13_weight, self.w2_weight, self.w2_bias) if p is not None]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if self._padded_weights is None or self._padded_weights[0] != key:
+            padded = ExpertWeights(
+                w13=nn.functional.pad(self.w13_weight.detach(), (0, pad)),
+                w2=nn.functional.pad(self.w2_weight.detach(), (0, 0, 0, pad)),
+                w13_bias=self.w13_bias,
+                w2_bias=None if self.w2_bias is None else nn.functional.pad(self.w2_bias.detach(), (0, pad)),
+            )
+            self._padded_weights = (key, padded)
+        return self._padded_weights[1]
+
+    # ---- forward ----
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states [..., H], router_logits [..., E] -> [..., H]."""
+        x = check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES)
+        check_tensor("router_logits", router_logits, dtypes=FLOAT_DTYPES, device=x.device)
+        if x.dim() == 0 or router_logits.shape[:-1] != x.shape[:-1]:
+            raise ValueError(
+                f"hidden_states {tuple(x.shape)} and router_logits {tuple(router_logits.shape)} "
+                "must share their leading dimensions"
+            )
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        logits = router_logits.reshape(-1, router_logits.shape[-1])
+        if input_ids is not None:
+            check_tensor("input_ids", input_ids, device=x.device)
+            if input_ids.shape != lead:
+                raise ValueError(f"input_ids must have shape {tuple(lead)}, got {tuple(input_ids.shape)}")
+            input_ids = input_ids.reshape(-1)
+
+        x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
+        self._check_routed_input(x_routed, x)
+        topk_weights, topk_ids = self.router.select_experts(x_routed, logits, input_ids)
+        zero_output = None
+        if self.zero_expert_num > 0:
+            split = split_zero_experts(
+                x_routed, topk_weights, topk_ids, self.num_experts, self.router.zero_expert_type
+            )
+            topk_weights, topk_ids, zero_output = split.topk_weights, split.topk_ids, split.zero_output
+        check_routing(x_routed, topk_weights, topk_ids, self.num_experts)
+
+        choice, kernel = self._kernel(x_routed.device, x_routed.dtype)
+        alignment = choice.experts_cls.hidden_size_alignment
+        pad = -self.hidden_size % alignment
+        x_in = nn.functional.pad(x_routed, (0, pad)) if pad else x_routed
+        y = kernel.forward(
+            x_in,
+            self._expert_weights(alignment),
+            topk_weights,
+            topk_ids,
+            activation=self.activation,
+            global_num_experts=self.num_experts,
+            quant_config=self.quant_config,
+        )
+        if pad:
+            y = y[:, : self.hidden_size]
+        if zero_output is not None:
+            y = y + zero_output
+        if self.routed_output_transform is not None:
+            y = self.routed_output_transform(y)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            y = y + shared
+        return y.reshape(*lead, y.shape[-1])
+
+    def _check_routed_input(self, x_routed: torch.Tensor, x: torch.Tensor) -> None:
+        where = "" if self.routed_input_transform is None else " (after routed_input_transform)"
+        if x_routed.dim() != 2 or x_routed.shape != (x.shape[0], self.hidden_size):
+            raise ValueError(
+                f"hidden_states{where} must be [..., {self.hidden_size}], got {tuple(x_routed.shape)}"
+            )
+        if x_routed.dtype != self.w13_weight.dtype:
+            raise TypeError(
+                f"hidden_states{where} has dtype {x_routed.dtype} but the experts are "
+                f"{self.w13_weight.dtype}: cast the input or the layer (layer.to(dtype))"
+            )
+        if x_routed.device != self.w13_weight.device:
+            raise ValueError(
+                f"hidden_states is on {x_routed.device} but the layer is on {self.w13_weight.device}"
+            )
+
+    # ---- weights ----
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy checkpoint tensors into the layer; returns the names loaded.
+
+        Expert weights in the namings of fusedmoe.weights; also `e_score_correction_bias` and,
+        when the layer has them, `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`.
+        Tensors are cast to the parameters' dtype. An unknown name or a wrong shape is a
+        ValueError that names the tensor; nothing is loaded after it.
+        """
+        loaded = []
+        for name, tensor in weights:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            target = resolve_expert_weight(
+                name,
+                num_experts=self.num_experts,
+                hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size,
+                activation=self.activation.kind,
+            )
+            if target is not None:
+                param = getattr(self, target.param)
+                if param is None:
+                    raise ValueError(f"{name}: the layer has no biases (construct with has_bias=True)")
+                _copy_checked(name, param[target.index] if target.index else param, tensor, target.shape)
+            elif not self._load_other(name, tensor):
+                raise ValueError(f"{name}: not a weight of this FusedMoE layer")
+            loaded.append(name)
+        return loaded
+
+    def _load_other(self, name: str, tensor: torch.Tensor) -> bool:
+        if name.endswith("e_score_correction_bias"):
+            if self.e_score_correction_bias is None:
+                raise ValueError(f"{name}: the layer was built without e_score_correction_bias")
+            buf = self.e_score_correction_bias
+            _copy_checked(name, buf, tensor, tuple(buf.shape))
+            return True
+        for prefix, module in (
+            ("shared_expert_gate.", self.shared_expert_gate),
+            ("shared_experts.", self.shared_experts),
+            ("shared_expert.", self.shared_experts),
+        ):
+            head, sep, tail = name.partition(prefix)
+            if sep and (head == "" or head.endswith(".")) and module is not None:
+                state = dict(module.named_parameters()) | dict(module.named_buffers())
+                if tail not in state:
+                    raise ValueError(f"{name}: {tail!r} is not a tensor of the shared experts module")
+                _copy_checked(name, state[tail], tensor, tuple(state[tail].shape))
+                return True
+        return False
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, activation={self.activation.kind.value}, "
+            f"has_bias={self.has_bias}, backend={self.backend!r}, router={self.router!r}"
+        )
+
+
+def _as_buffer(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    return t.detach().clone().to(device) if device is not None else t.detach().clone()
+
+
+def _copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(src.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(src.shape)}")
+    if not (src.is_floating_point() or dst.dtype == src.dtype):
+        raise TypeError(f"{name}: expected a floating-point tensor, got {src.dtype}")
+    dst.copy_(src)

@@ -1,0 +1,37 @@
+"""The seams of the modular kernel: prepare/finalize, experts, reduce, and their composition."""
+
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.kernel import FusedMoEModularKernel, WorkspaceCache
+from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize, PrepareFinalize
+from fusedmoe.modular.reduce import (
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNoOp,
+)
+from fusedmoe.modular.types import (
+    ActivationSpec,
+    ExpertTokensMeta,
+    ExpertWeights,
+    MoEProblem,
+    PrepareResult,
+    WorkspaceShapes,
+)
+
+__all__ = [
+    "ActivationSpec",
+    "ExpertTokensMeta",
+    "ExpertWeights",
+    "Experts",
+    "FusedMoEModularKernel",
+    "MoEProblem",
+    "NoEPPrepareFinalize",
+    "PrepareFinalize",
+    "PrepareResult",
+    "TopKWeightAndReduce",
+    "TopKWeightAndReduceContiguous",
+    "TopKWeightAndReduceDelegate",
+    "TopKWeightAndReduceNoOp",
+    "WorkspaceCache",
+    "WorkspaceShapes",
+]

@@ -1,0 +1,155 @@
+"""The Experts interface: what every expert backend declares and does.
+
+A backend computes, for each (token m, slot j) with a local expert e = expert_map[topk_ids[m, j]]:
+
+    h = a1q[m] @ w13[e].T (+ w13_bias[e])        # GEMM1, [N]
+    a = act(h)                                   # [N/2] gated, [N] otherwise
+    y = a @ w2[e].T (+ w2_bias[e])               # GEMM2, [H]
+
+and either leaves y per slot ([M, k, H], finalize reduces) or does the weighted top-k sum
+itself ([M, H]). A slot whose id is -1, or whose expert is not local, contributes zero.
+
+Capabilities are declared once, here, as class-level predicates; the oracle reads them
+(nowhere else re-declares them) and reports the first one that fails as the refusal reason.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+
+from fusedmoe.activation import MoEActivation
+from fusedmoe.modular.reduce import TopKWeightAndReduce
+from fusedmoe.modular.types import (
+    ActivationSpec,
+    ExpertTokensMeta,
+    ExpertWeights,
+    MoEProblem,
+    WorkspaceShapes,
+)
+
+
+class Experts(abc.ABC):
+    #: the name users pass as backend=...
+    name: ClassVar[str]
+    #: the hidden size must be a multiple of this (the layer pads to it when needed)
+    hidden_size_alignment: ClassVar[int] = 1
+
+    # ---- capabilities (class-level: the oracle asks before building anything) ----
+    @classmethod
+    def is_available(cls) -> str | None:
+        """None when the backend's dependencies are importable here, else why not."""
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    def supports_device(cls, device: torch.device) -> bool: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def supports_quant_config(cls, quant_config: object | None) -> bool: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def supports_activation(cls, activation: MoEActivation) -> bool: ...
+
+    @classmethod
+    def supports_hidden_size(cls, hidden_size: int) -> bool:
+        return True
+
+    @classmethod
+    def supports_bias(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_expert_map(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_ep(cls, ep_size: int) -> bool:
+        return ep_size == 1
+
+    @classmethod
+    def refusal_reason(cls, problem: MoEProblem) -> str | None:
+        """None when this backend can run `problem`, else the first reason it cannot."""
+        checks = (
+            (cls.is_available() is None, lambda: cls.is_available()),
+            (cls.supports_device(problem.device), lambda: f"does not run on {problem.device.type}"),
+            (cls.supports_dtype(problem.dtype), lambda: f"no {problem.dtype} activations"),
+            (
+                cls.supports_quant_config(problem.quant_config),
+                lambda: f"does not support quant config {problem.quant_config!r}",
+            ),
+            (
+                cls.supports_activation(problem.activation.kind),
+                lambda: f"no {problem.activation.kind.value} activation",
+            ),
+            (
+                cls.supports_hidden_size(problem.hidden_size),
+                lambda: f"hidden_size {problem.hidden_size} not supported",
+            ),
+            (not problem.has_bias or cls.supports_bias(), lambda: "no expert biases"),
+            (not problem.has_expert_map or cls.supports_expert_map(), lambda: "no expert_map"),
+            (cls.supports_ep(problem.ep_size), lambda: f"no expert parallelism (ep={problem.ep_size})"),
+        )
+        for ok, reason in checks:
+            if not ok:
+                return reason()
+        return None
+
+    # ---- contract of one call ----
+    def supports_chunking(self) -> bool:
+        """Whether the modular kernel may split M into chunks around this backend."""
+        return True
+
+    def wants_unquantized_input(self) -> bool:
+        """True when the backend quantizes activations itself (prepare must not)."""
+        return False
+
+    @abc.abstractmethod
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        top_k: int,
+        global_num_experts: int,
+        local_num_experts: int,
+        activation: MoEActivation,
+    ) -> WorkspaceShapes:
+        """Shapes of the buffers for M tokens, GEMM1 width N, hidden size K."""
+
+    @abc.abstractmethod
+    def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce: ...
+
+    def workspace_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
+        return act_dtype
+
+    @abc.abstractmethod
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        weights: ExpertWeights,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        activation: ActivationSpec,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: ExpertTokensMeta | None,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        """Write the experts' result into `output` (shape from workspace_shapes)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,173 @@
+"""The modular kernel: one PrepareFinalize composed with one Experts backend.
+
+    for each chunk of at most chunk_size tokens:
+        prepared = prepare_finalize.prepare(x[chunk], ...)
+        experts.apply(out_buffer, prepared.a1q, ...)        # into reused workspaces
+        prepare_finalize.finalize(output[chunk], out_buffer, ...)
+
+Every token's result depends on that token alone, so chunking changes nothing in the output;
+it bounds the workspace memory for long prefills.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.prepare_finalize import PrepareFinalize
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights
+
+CHUNK_SIZE_ENV = "FUSEDMOE_CHUNK_SIZE"
+DEFAULT_CHUNK_SIZE = 32768
+
+
+def default_chunk_size() -> int:
+    value = os.environ.get(CHUNK_SIZE_ENV)
+    if not value:
+        return DEFAULT_CHUNK_SIZE
+    try:
+        size = int(value)
+    except ValueError:
+        raise ValueError(f"{CHUNK_SIZE_ENV} must be a positive int, got {value!r}") from None
+    if size <= 0:
+        raise ValueError(f"{CHUNK_SIZE_ENV} must be a positive int, got {value!r}")
+    return size
+
+
+@dataclass
+class WorkspaceCache:
+    """Grow-only buffers, one per role, reused across calls (no allocation at steady state)."""
+
+    buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        numel = 1
+        for size in shape:
+            numel *= size
+        key = (role, device, dtype)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self.buffers[key] = buf
+        return buf[:numel].view(shape)
+
+
+class FusedMoEModularKernel:
+    def __init__(
+        self,
+        prepare_finalize: PrepareFinalize,
+        experts: Experts,
+        *,
+        chunk_size: int | None = None,
+    ) -> None:
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+        self.chunk_size = default_chunk_size() if chunk_size is None else chunk_size
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        self.workspaces = WorkspaceCache()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        weights: ExpertWeights,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        activation: ActivationSpec,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None = None,
+        apply_router_weight_on_input: bool = False,
+        quant_config: object | None = None,
+    ) -> torch.Tensor:
+        """hidden_states [M, H] -> [M, H]. Inputs are assumed checked by the caller."""
+        num_tokens = hidden_states.shape[0]
+        output = torch.empty_like(hidden_states)
+        if num_tokens == 0:
+            return output
+        step = self.chunk_size if self.experts.supports_chunking() else num_tokens
+        for start in range(0, num_tokens, step):
+            end = min(start + step, num_tokens)
+            self._forward_chunk(
+                output[start:end],
+                hidden_states[start:end],
+                weights,
+                topk_weights[start:end],
+                topk_ids[start:end],
+                activation=activation,
+                global_num_experts=global_num_experts,
+                expert_map=expert_map,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+                quant_config=quant_config,
+            )
+        return output
+
+    def _forward_chunk(
+        self,
+        output,
+        hidden_states,
+        weights,
+        topk_weights,
+        topk_ids,
+        *,
+        activation,
+        global_num_experts,
+        expert_map,
+        apply_router_weight_on_input,
+        quant_config,
+    ) -> None:
+        experts = self.experts
+        prepared = self.prepare_finalize.prepare(
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            global_num_experts,
+            expert_map,
+            apply_router_weight_on_input,
+            quant_config,
+            defer_input_quant=experts.wants_unquantized_input(),
+        )
+        num_tokens, top_k = prepared.topk_ids.shape
+        shapes = experts.workspace_shapes(
+            num_tokens,
+            weights.gemm1_out_size,
+            weights.hidden_size,
+            top_k,
+            global_num_experts,
+            weights.num_local_experts,
+            activation.kind,
+        )
+        dtype = experts.workspace_dtype(hidden_states.dtype)
+        device = hidden_states.device
+        workspace13 = self.workspaces.get("workspace13", shapes.workspace13, dtype, device)
+        workspace2 = self.workspaces.get("workspace2", shapes.workspace2, dtype, device)
+        expert_output = self.workspaces.get("output", shapes.output, hidden_states.dtype, device)
+        experts.apply(
+            expert_output,
+            prepared.a1q,
+            weights,
+            prepared.topk_weights,
+            prepared.topk_ids,
+            activation=activation,
+            global_num_experts=global_num_experts,
+            expert_map=expert_map,
+            a1q_scale=prepared.a1q_scale,
+            workspace13=workspace13,
+            workspace2=workspace2,
+            expert_tokens_meta=prepared.expert_tokens_meta,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+        )
+        self.prepare_finalize.finalize(
+            output,
+            expert_output,
+            prepared.topk_weights,
+            prepared.topk_ids,
+            apply_router_weight_on_input,
+            experts.finalize_weight_and_reduce_impl(),
+        )
+
+    def __repr__(self) -> str:
+        return f"FusedMoEModularKernel({self.prepare_finalize!r}, {self.experts!r})"

@@ -1,0 +1,125 @@
+"""PrepareFinalize: the stage before and after the experts.
+
+    prepare:  x [M, H] -> (apply the router weight on the input) -> quantize -> EP dispatch
+    finalize: expert output -> weighted top-k reduce (if the experts left it) -> EP combine
+
+Only PrepareFinalize objects talk to a process group; the no-EP one here only quantizes.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from fusedmoe.modular.reduce import (
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+)
+from fusedmoe.modular.types import PrepareResult
+
+
+def quantize_input(
+    a1: torch.Tensor, quant_config: object | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize the activations for GEMM1 as the quant config says. -> (a1q, a1q_scale)."""
+    if quant_config is None:
+        return a1, None
+    raise ValueError(
+        f"quant_config {quant_config!r}: quantized experts are not available in this version "
+        "of fusedmoe (only unquantized bf16/fp16/fp32 experts are)"
+    )
+
+
+def apply_weight_on_input(a1: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """x * w for top-1 routing: the router weight scales the input instead of the output."""
+    if topk_weights.shape[1] != 1:
+        raise ValueError(
+            f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_weights.shape[1]}"
+        )
+    return (a1.float() * topk_weights.float()).to(a1.dtype)
+
+
+class PrepareFinalize(abc.ABC):
+    @abc.abstractmethod
+    def prepare(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        quant_config: object | None,
+        defer_input_quant: bool = False,
+    ) -> PrepareResult: ...
+
+    @abc.abstractmethod
+    def finalize(
+        self,
+        output: torch.Tensor,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+        weight_and_reduce: TopKWeightAndReduce,
+    ) -> None:
+        """Reduce (when asked) and combine into `output` [M, H] (this rank's tokens)."""
+
+    def num_dispatchers(self) -> int:
+        """How many ranks send tokens to this rank's experts."""
+        return 1
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        """The id dtype the dispatch needs, or None for any."""
+        return None
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return None
+
+    def default_reduce(self) -> TopKWeightAndReduce:
+        return TopKWeightAndReduceContiguous()
+
+    def resolve_reduce(self, weight_and_reduce: TopKWeightAndReduce) -> TopKWeightAndReduce:
+        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
+            return self.default_reduce()
+        return weight_and_reduce
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class NoEPPrepareFinalize(PrepareFinalize):
+    """Single rank: prepare quantizes (unless the experts defer it), finalize reduces."""
+
+    def prepare(
+        self,
+        a1,
+        topk_weights,
+        topk_ids,
+        num_experts,
+        expert_map,
+        apply_router_weight_on_input,
+        quant_config,
+        defer_input_quant=False,
+    ):
+        if apply_router_weight_on_input:
+            a1 = apply_weight_on_input(a1, topk_weights)
+        if defer_input_quant:
+            a1q, a1q_scale = a1, None
+        else:
+            a1q, a1q_scale = quantize_input(a1, quant_config)
+        return PrepareResult(a1q=a1q, a1q_scale=a1q_scale, topk_weights=topk_weights, topk_ids=topk_ids)
+
+    def finalize(
+        self,
+        output,
+        fused_expert_output,
+        topk_weights,
+        topk_ids,
+        apply_router_weight_on_input,
+        weight_and_reduce,
+    ):
+        reduce = self.resolve_reduce(weight_and_reduce)
+        reduce.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)

@@ -1,0 +1,103 @@
+"""The typed state passed between the stages of one MoE forward call.
+
+Legend: M tokens (on this rank, after dispatch), E experts (global), E_l local experts,
+k top-k, H hidden_size, I intermediate_size, N = 2I (gated) or I (non-gated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusedmoe.activation import ActivationParams, MoEActivation
+
+
+@dataclass
+class ExpertWeights:
+    """The weights of the experts on this rank, as the backend consumes them."""
+
+    w13: torch.Tensor  # [E_l, N, H]; gate rows [0, I) then up rows [I, 2I) (interleaved: SWIGLUOAI)
+    w2: torch.Tensor  # [E_l, H, I]
+    w13_bias: torch.Tensor | None = None  # [E_l, N]
+    w2_bias: torch.Tensor | None = None  # [E_l, H]
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def gemm1_out_size(self) -> int:
+        return self.w13.shape[1]
+
+    @property
+    def has_bias(self) -> bool:
+        return self.w13_bias is not None or self.w2_bias is not None
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """Which activation runs between the GEMMs, with its parameters."""
+
+    kind: MoEActivation = MoEActivation.SILU
+    params: ActivationParams = ActivationParams()
+
+    @classmethod
+    def make(cls, activation: MoEActivation | str, params: ActivationParams | None = None):
+        kind = MoEActivation.parse(activation)
+        params = params or ActivationParams()
+        if not isinstance(params, ActivationParams):
+            raise TypeError(
+                f"activation_params must be an ActivationParams, got {type(params).__name__}"
+            )
+        params.check_for(kind)
+        return cls(kind, params)
+
+
+@dataclass
+class ExpertTokensMeta:
+    """How many tokens each local expert receives, when prepare knows it (EP dispatch)."""
+
+    expert_num_tokens: torch.Tensor  # int32 [E_l]
+    expert_num_tokens_cpu: torch.Tensor | None = None  # the same on the host, if already synced
+
+
+@dataclass
+class PrepareResult:
+    """What prepare hands to the experts."""
+
+    a1q: torch.Tensor  # [M, H] activations for GEMM1, quantized when the scheme says so
+    a1q_scale: torch.Tensor | None  # scales of a1q, None when unquantized
+    topk_weights: torch.Tensor  # float32 [M, k]
+    topk_ids: torch.Tensor  # int32 [M, k], global expert ids; -1 marks an empty slot
+    expert_tokens_meta: ExpertTokensMeta | None = None
+
+
+@dataclass(frozen=True)
+class WorkspaceShapes:
+    """Buffers the modular kernel allocates (and reuses) for one call of the experts."""
+
+    workspace13: tuple[int, ...]  # scratch shared by GEMM1 output and GEMM2 output
+    workspace2: tuple[int, ...]  # scratch for the activation output
+    output: tuple[int, ...]  # [M, k, H] when finalize reduces, [M, H] when the backend does
+
+
+@dataclass(frozen=True)
+class MoEProblem:
+    """Everything a backend needs to know to say whether it can run a call."""
+
+    device: torch.device
+    dtype: torch.dtype  # activation dtype
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int  # global
+    top_k: int
+    activation: ActivationSpec = ActivationSpec()
+    quant_config: object | None = None
+    has_bias: bool = False
+    has_expert_map: bool = False
+    ep_size: int = 1

@@ -1,0 +1,149 @@
+"""The oracle: picks the expert backend for a call, and says why every other was refused.
+
+Backends are listed once, in order of preference (fastest first, the reference last). Each
+declares what it supports on its own class (fusedmoe.modular.experts.Experts); the oracle
+only asks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.experts.torch_ref import TorchExperts
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.types import ActivationSpec, MoEProblem
+
+#: every backend, most preferred first
+BACKENDS: tuple[type[Experts], ...] = (TorchExperts,)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str
+    experts_cls: type[Experts]
+    reason: str  # why this backend was chosen
+    refused: dict[str, str] = field(default_factory=dict)  # backend name -> why not
+
+    def explain(self) -> str:
+        lines = [f"{self.name}: {self.reason}"]
+        lines += [f"  not {name}: {why}" for name, why in self.refused.items()]
+        return "\n".join(lines)
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(cls.name for cls in BACKENDS)
+
+
+def get_backend(name: str | type[Experts]) -> type[Experts]:
+    """A backend by name; an Experts subclass (a backend of your own) is returned as is."""
+    if isinstance(name, type) and issubclass(name, Experts):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str or an Experts subclass, got {name!r}")
+    for cls in BACKENDS:
+        if cls.name == name:
+            return cls
+    raise ValueError(f"unknown backend {name!r}; expected 'auto' or one of {list(backend_names())}")
+
+
+def _local_devices() -> list[torch.device]:
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    return devices
+
+
+def available_backends() -> list[str]:
+    """The backends that can run on this machine (dependencies importable, a device present)."""
+    return [
+        cls.name
+        for cls in BACKENDS
+        if cls.is_available() is None and any(cls.supports_device(d) for d in _local_devices())
+    ]
+
+
+def select_backend(
+    problem: MoEProblem | None = None,
+    *,
+    backend: str | type[Experts] = "auto",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    activation: MoEActivation | str = "silu",
+    activation_params: ActivationParams | None = None,
+    quant_config: object | None = None,
+    has_bias: bool = False,
+    has_expert_map: bool = False,
+    ep_size: int = 1,
+) -> BackendChoice:
+    """Choose the backend for `problem` (or for the problem the keywords describe).
+
+    backend="auto" takes the most preferred backend that supports the problem; a named backend
+    is checked and refused with a ValueError that says why.
+    """
+    if problem is None:
+        missing = [
+            name
+            for name, value in (
+                ("hidden_size", hidden_size),
+                ("intermediate_size", intermediate_size),
+                ("num_experts", num_experts),
+                ("top_k", top_k),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ValueError(f"select_backend needs a problem or {', '.join(missing)}")
+        problem = MoEProblem(
+            device=torch.device(device),
+            dtype=dtype,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_experts=num_experts,
+            top_k=top_k,
+            activation=ActivationSpec.make(activation, activation_params),
+            quant_config=quant_config,
+            has_bias=has_bias,
+            has_expert_map=has_expert_map,
+            ep_size=ep_size,
+        )
+    refused = {cls.name: cls.refusal_reason(problem) for cls in BACKENDS}
+
+    if not (isinstance(backend, str) and backend == "auto"):
+        cls = get_backend(backend)
+        why = cls.refusal_reason(problem)
+        if why is not None:
+            raise ValueError(f"backend {backend!r} cannot run this call: {why}")
+        others = {n: r or "not requested" for n, r in refused.items() if n != cls.name}
+        return BackendChoice(cls.name, cls, "requested explicitly", others)
+
+    for cls in BACKENDS:
+        if refused[cls.name] is None:
+            preferred = [c.name for c in BACKENDS[: BACKENDS.index(cls)]]
+            reason = (
+                f"most preferred backend that supports {_describe(problem)}"
+                if preferred
+                else f"first choice, supports {_describe(problem)}"
+            )
+            others = {
+                n: r if r is not None else f"supported, but {cls.name} is preferred"
+                for n, r in refused.items()
+                if n != cls.name
+            }
+            return BackendChoice(cls.name, cls, reason, others)
+    details = "; ".join(f"{n}: {r}" for n, r in refused.items())
+    raise ValueError(f"no backend supports {_describe(problem)} ({details})")
+
+
+def _describe(problem: MoEProblem) -> str:
+    quant = "unquantized" if problem.quant_config is None else repr(problem.quant_config)
+    return (
+        f"{problem.device.type}, {str(problem.dtype).removeprefix('torch.')}, {quant}, "
+        f"{problem.activation.kind.value}"
+    )

@@ -1,0 +1,137 @@
+"""Grouped top-k (DeepSeek-V2/V3): choose groups of experts first, then experts inside them.
+
+    scores       = score(logits)                               # [M, E] float32
+    choice       = scores + bias  (or scores without a bias)
+    group_score  = sum of the top-2 of `choice` in the group   if a bias is given
+                   max of `scores` in the group                otherwise       # [M, G]
+    kept groups  = topk(group_score, topk_group)
+    ids          = topk(choice restricted to kept groups, k)
+    weights      = scores[ids]  (renormalized, times routed_scaling_factor)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe._checks import check_positive_int
+from fusedmoe.router.base import Router, ScoringFunc, compute_scores, finish_weights
+from fusedmoe.router.topk import check_bias
+
+
+def check_groups(num_experts: int, top_k: int, num_expert_group: object, topk_group: object) -> None:
+    check_positive_int("num_expert_group", num_expert_group)
+    check_positive_int("topk_group", topk_group)
+    if num_experts % num_expert_group != 0:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by num_expert_group ({num_expert_group})"
+        )
+    if topk_group > num_expert_group:
+        raise ValueError(f"topk_group ({topk_group}) must be <= num_expert_group ({num_expert_group})")
+    kept = topk_group * (num_experts // num_expert_group)
+    if top_k > kept:
+        raise ValueError(
+            f"top_k ({top_k}) must be <= the experts in the kept groups "
+            f"(topk_group * num_experts / num_expert_group = {kept})"
+        )
+
+
+def grouped_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    *,
+    scoring: ScoringFunc = ScoringFunc.SOFTMAX,
+    renormalize: bool = True,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [M, E] -> (weights float32 [M, k], ids int64 [M, k])."""
+    num_tokens, num_experts = logits.shape
+    scores = compute_scores(logits, scoring)
+    if e_score_correction_bias is not None:
+        choice = scores + e_score_correction_bias.float()
+        per_group = choice.view(num_tokens, num_expert_group, -1)
+        group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+    else:
+        choice = scores
+        group_score = scores.view(num_tokens, num_expert_group, -1).amax(dim=-1)  # [M, G]
+    kept = group_score.topk(topk_group, dim=-1).indices  # [M, topk_group]
+    group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+    expert_mask = group_mask.repeat_interleave(num_experts // num_expert_group, dim=1)
+    masked = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = masked.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    return finish_weights(weights, renormalize, routed_scaling_factor), ids
+
+
+def grouped_topk_ref(
+    logits: torch.Tensor,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    *,
+    scoring: ScoringFunc = ScoringFunc.SOFTMAX,
+    renormalize: bool = True,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = logits.shape
+    size = num_experts // num_expert_group
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    for m in range(num_tokens):
+        scores = compute_scores(logits[m : m + 1], scoring)[0].tolist()
+        if e_score_correction_bias is None:
+            choice = scores
+        else:
+            choice = [s + float(b) for s, b in zip(scores, e_score_correction_bias, strict=True)]
+        group_scores = []
+        for g in range(num_expert_group):
+            if e_score_correction_bias is not None:
+                group_scores.append(sum(sorted(choice[g * size : (g + 1) * size])[-2:]))
+            else:
+                group_scores.append(max(scores[g * size : (g + 1) * size]))
+        groups = sorted(range(num_expert_group), key=lambda g: -group_scores[g])[:topk_group]
+        candidates = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        chosen = sorted(candidates, key=lambda e: -choice[e])[:top_k]
+        w = [scores[e] for e in chosen]
+        if renormalize:
+            w = [v / sum(w) for v in w]
+        weights[m] = torch.tensor([v * routed_scaling_factor for v in w])
+        ids[m] = torch.tensor(chosen)
+    return weights, ids
+
+
+class GroupedTopKRouter(Router):
+    def __init__(
+        self,
+        top_k: int,
+        num_experts: int,
+        *,
+        num_expert_group: int,
+        topk_group: int,
+        e_score_correction_bias: torch.Tensor | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(top_k, num_experts, **kwargs)
+        check_groups(self.num_logits, top_k, num_expert_group, topk_group)
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.e_score_correction_bias = (
+            None if e_score_correction_bias is None
+            else check_bias(e_score_correction_bias, self.num_logits)
+        )  # fmt: skip
+
+    def _select(self, x, logits, input_ids):
+        bias = self.e_score_correction_bias
+        return grouped_topk(
+            logits,
+            self.top_k,
+            self.num_expert_group,
+            self.topk_group,
+            scoring=self.scoring,
+            renormalize=self.renormalize,
+            e_score_correction_bias=None if bias is None else bias.to(logits.device),
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
