@@ -70,7 +70,9 @@ def check_routing(
     topk_ids: torch.Tensor,
     global_num_experts: int,
 ) -> None:
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=hidden_states.device)
+    check_tensor(
+        "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=hidden_states.device
+    )
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, device=hidden_states.device)
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(
@@ -79,7 +81,7 @@ def check_routing(
         )
     if topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(
-            f"topk_ids has {topk_ids.shape[0]} tokens but hidden_states has {hidden_states.shape[0]}"
+            f"topk_ids has {topk_ids.shape[0]} tokens, hidden_states {hidden_states.shape[0]}"
         )
     if topk_ids.shape[1] == 0:
         raise ValueError("top_k must be >= 1, got topk_ids with 0 columns")
@@ -139,7 +141,9 @@ def fused_experts(
     spec = ActivationSpec.make(activation, activation_params)
     x = check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
     weights = check_expert_weights(x, w13, w2, spec.kind, w13_bias, w2_bias)
-    num_global = check_expert_map(expert_map, global_num_experts, weights.num_local_experts, x.device)
+    num_global = check_expert_map(
+        expert_map, global_num_experts, weights.num_local_experts, x.device
+    )
     check_routing(x, topk_weights, topk_ids, num_global)
     if apply_router_weight_on_input and topk_ids.shape[1] != 1:
         raise ValueError(

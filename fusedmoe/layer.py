@@ -102,7 +102,9 @@ class FusedMoE(nn.Module):
         factory = {"dtype": params_dtype, "device": device}
         num_n = self.activation.kind.gemm1_out_size(intermediate_size)
         self.w13_weight = nn.Parameter(torch.empty(num_experts, num_n, hidden_size, **factory))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, **factory)
+        )
         self.has_bias = has_bias
         if has_bias:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, num_n, **factory))
@@ -124,7 +126,9 @@ class FusedMoE(nn.Module):
             zero_expert_type=zero_expert_type,
         )
         self.router = self._make_router()
-        self._kernels: dict[tuple[torch.device, torch.dtype], tuple[BackendChoice, FusedMoEModularKernel]] = {}
+        self._kernels: dict[
+            tuple[torch.device, torch.dtype], tuple[BackendChoice, FusedMoEModularKernel]
+        ] = {}
         self._padded_weights: tuple[tuple, ExpertWeights] | None = None
         self.reset_parameters()
         # refuse an impossible configuration now rather than at the first forward
@@ -184,7 +188,10 @@ class FusedMoE(nn.Module):
                 ep_size=self.parallel_config.ep_size,
             )
             choice = select_backend(problem, backend=self._backend_arg)
-            self._kernels[key] = (choice, FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls()))
+            self._kernels[key] = (
+                choice,
+                FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls()),
+            )
         return self._kernels[key]
 
     def _expert_weights(self, alignment: int) -> ExpertWeights:
@@ -200,7 +207,9 @@ class FusedMoE(nn.Module):
                 w13=nn.functional.pad(self.w13_weight.detach(), (0, pad)),
                 w2=nn.functional.pad(self.w2_weight.detach(), (0, 0, 0, pad)),
                 w13_bias=self.w13_bias,
-                w2_bias=None if self.w2_bias is None else nn.functional.pad(self.w2_bias.detach(), (0, pad)),
+                w2_bias=None
+                if self.w2_bias is None
+                else nn.functional.pad(self.w2_bias.detach(), (0, pad)),
             )
             self._padded_weights = (key, padded)
         return self._padded_weights[1]
@@ -226,7 +235,9 @@ class FusedMoE(nn.Module):
         if input_ids is not None:
             check_tensor("input_ids", input_ids, device=x.device)
             if input_ids.shape != lead:
-                raise ValueError(f"input_ids must have shape {tuple(lead)}, got {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"input_ids must have shape {tuple(lead)}, got {tuple(input_ids.shape)}"
+                )
             input_ids = input_ids.reshape(-1)
 
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
@@ -237,7 +248,11 @@ class FusedMoE(nn.Module):
             split = split_zero_experts(
                 x_routed, topk_weights, topk_ids, self.num_experts, self.router.zero_expert_type
             )
-            topk_weights, topk_ids, zero_output = split.topk_weights, split.topk_ids, split.zero_output
+            topk_weights, topk_ids, zero_output = (
+                split.topk_weights,
+                split.topk_ids,
+                split.zero_output,
+            )
         check_routing(x_routed, topk_weights, topk_ids, self.num_experts)
 
         choice, kernel = self._kernel(x_routed.device, x_routed.dtype)
@@ -270,7 +285,8 @@ class FusedMoE(nn.Module):
         where = "" if self.routed_input_transform is None else " (after routed_input_transform)"
         if x_routed.dim() != 2 or x_routed.shape != (x.shape[0], self.hidden_size):
             raise ValueError(
-                f"hidden_states{where} must be [..., {self.hidden_size}], got {tuple(x_routed.shape)}"
+                f"hidden_states{where} must be [..., {self.hidden_size}], "
+                f"got {tuple(x_routed.shape)}"
             )
         if x_routed.dtype != self.w13_weight.dtype:
             raise TypeError(
@@ -279,7 +295,7 @@ class FusedMoE(nn.Module):
             )
         if x_routed.device != self.w13_weight.device:
             raise ValueError(
-                f"hidden_states is on {x_routed.device} but the layer is on {self.w13_weight.device}"
+                f"hidden_states is on {x_routed.device}, the layer on {self.w13_weight.device}"
             )
 
     # ---- weights ----
@@ -306,8 +322,12 @@ class FusedMoE(nn.Module):
             if target is not None:
                 param = getattr(self, target.param)
                 if param is None:
-                    raise ValueError(f"{name}: the layer has no biases (construct with has_bias=True)")
-                _copy_checked(name, param[target.index] if target.index else param, tensor, target.shape)
+                    raise ValueError(
+                        f"{name}: the layer has no biases (construct with has_bias=True)"
+                    )
+                _copy_checked(
+                    name, param[target.index] if target.index else param, tensor, target.shape
+                )
             elif not self._load_other(name, tensor):
                 raise ValueError(f"{name}: not a weight of this FusedMoE layer")
             loaded.append(name)
@@ -329,7 +349,9 @@ class FusedMoE(nn.Module):
             if sep and (head == "" or head.endswith(".")) and module is not None:
                 state = dict(module.named_parameters()) | dict(module.named_buffers())
                 if tail not in state:
-                    raise ValueError(f"{name}: {tail!r} is not a tensor of the shared experts module")
+                    raise ValueError(
+                        f"{name}: {tail!r} is not a tensor of the shared experts module"
+                    )
                 _copy_checked(name, state[tail], tensor, tuple(state[tail].shape))
                 return True
         return False

@@ -28,7 +28,11 @@ class ParallelConfig:
     group: object | None = None  # a torch.distributed ProcessGroup, or None for the default
 
     def __post_init__(self) -> None:
-        for size_name, rank_name in (("ep_size", "ep_rank"), ("dp_size", "dp_rank"), ("tp_size", "tp_rank")):
+        for size_name, rank_name in (
+            ("ep_size", "ep_rank"),
+            ("dp_size", "dp_rank"),
+            ("tp_size", "tp_rank"),
+        ):
             size, rank = getattr(self, size_name), getattr(self, rank_name)
             for name, value in ((size_name, size), (rank_name, rank)):
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -53,7 +57,9 @@ class ParallelConfig:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("ParallelConfig.from_process_group needs torch.distributed initialized")
+            raise ValueError(
+                "ParallelConfig.from_process_group needs torch.distributed initialized"
+            )
         return cls(
             ep_size=dist.get_world_size(group),
             ep_rank=dist.get_rank(group),

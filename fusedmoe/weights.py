@@ -16,8 +16,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 from fusedmoe.activation import MoEActivation
 
 _PER_EXPERT = re.compile(
@@ -25,7 +23,14 @@ _PER_EXPERT = re.compile(
 )
 _FUSED = re.compile(r"(?:^|\.)experts\.(gate_up_proj|down_proj)(_bias)?$")
 
-_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_ROLE = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 
 
 @dataclass(frozen=True)

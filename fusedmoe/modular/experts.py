@@ -96,7 +96,10 @@ class Experts(abc.ABC):
             ),
             (not problem.has_bias or cls.supports_bias(), lambda: "no expert biases"),
             (not problem.has_expert_map or cls.supports_expert_map(), lambda: "no expert_map"),
-            (cls.supports_ep(problem.ep_size), lambda: f"no expert parallelism (ep={problem.ep_size})"),
+            (
+                cls.supports_ep(problem.ep_size),
+                lambda: f"no expert parallelism (ep={problem.ep_size})",
+            ),
         )
         for ok, reason in checks:
             if not ok:

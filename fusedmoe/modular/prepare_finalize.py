@@ -110,7 +110,9 @@ class NoEPPrepareFinalize(PrepareFinalize):
             a1q, a1q_scale = a1, None
         else:
             a1q, a1q_scale = quantize_input(a1, quant_config)
-        return PrepareResult(a1q=a1q, a1q_scale=a1q_scale, topk_weights=topk_weights, topk_ids=topk_ids)
+        return PrepareResult(
+            a1q=a1q, a1q_scale=a1q_scale, topk_weights=topk_weights, topk_ids=topk_ids
+        )
 
     def finalize(
         self,
@@ -122,4 +124,6 @@ class NoEPPrepareFinalize(PrepareFinalize):
         weight_and_reduce,
     ):
         reduce = self.resolve_reduce(weight_and_reduce)
-        reduce.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+        reduce.apply(
+            output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input
+        )

@@ -32,7 +32,9 @@ class TopKWeightAndReduce(abc.ABC):
 
 
 class TopKWeightAndReduceNoOp(TopKWeightAndReduce):
-    def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+    def apply(
+        self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input
+    ):
         if fused_expert_output.dim() != 2:
             raise AssertionError("NoOp reduce expects an already reduced [M, H] expert output")
         if output is None:
@@ -43,7 +45,9 @@ class TopKWeightAndReduceNoOp(TopKWeightAndReduce):
 
 
 class TopKWeightAndReduceContiguous(TopKWeightAndReduce):
-    def apply(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
+    def apply(
+        self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input
+    ):
         num_tokens, top_k = topk_ids.shape
         y = fused_expert_output.view(num_tokens, top_k, -1)
         if apply_router_weight_on_input:  # the weight was applied to x in prepare

@@ -6,7 +6,7 @@ k top-k, H hidden_size, I intermediate_size, N = 2I (gated) or I (non-gated).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,7 +44,7 @@ class ActivationSpec:
     """Which activation runs between the GEMMs, with its parameters."""
 
     kind: MoEActivation = MoEActivation.SILU
-    params: ActivationParams = ActivationParams()
+    params: ActivationParams = field(default_factory=ActivationParams)
 
     @classmethod
     def make(cls, activation: MoEActivation | str, params: ActivationParams | None = None):

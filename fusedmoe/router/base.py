@@ -87,7 +87,9 @@ class Router(abc.ABC):
         #: columns of router_logits; more than num_experts with zero experts
         self.num_logits = num_experts if num_logits is None else num_logits
         if top_k > self.num_logits:
-            raise ValueError(f"top_k ({top_k}) must be <= the number of experts ({self.num_logits})")
+            raise ValueError(
+                f"top_k ({top_k}) must be <= the number of experts ({self.num_logits})"
+            )
         if not isinstance(renormalize, bool):
             raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
         self.renormalize = renormalize

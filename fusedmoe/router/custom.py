@@ -10,7 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from fusedmoe._checks import FLOAT_DTYPES, INDEX_DTYPES, check_ids_in_range, check_shape, check_tensor
+from fusedmoe._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_ids_in_range,
+    check_shape,
+    check_tensor,
+)
 from fusedmoe.router.base import Router
 
 CustomRoutingFunction = Callable[

@@ -41,7 +41,9 @@ def create_router(
 ) -> Router:
     """Build the router for these parameters. num_experts counts real experts only."""
     common = dict(
-        renormalize=renormalize, scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor
+        renormalize=renormalize,
+        scoring_func=scoring_func,
+        routed_scaling_factor=routed_scaling_factor,
     )
     if isinstance(zero_expert_num, bool) or not isinstance(zero_expert_num, int):
         raise TypeError(f"zero_expert_num must be an int, got {type(zero_expert_num).__name__}")

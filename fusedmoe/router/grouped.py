@@ -1,12 +1,12 @@
 """Grouped top-k (DeepSeek-V2/V3): choose groups of experts first, then experts inside them.
 
-    scores       = score(logits)                               # [M, E] float32
-    choice       = scores + bias  (or scores without a bias)
-    group_score  = sum of the top-2 of `choice` in the group   if a bias is given
-                   max of `scores` in the group                otherwise       # [M, G]
-    kept groups  = topk(group_score, topk_group)
-    ids          = topk(choice restricted to kept groups, k)
-    weights      = scores[ids]  (renormalized, times routed_scaling_factor)
+scores       = score(logits)                               # [M, E] float32
+choice       = scores + bias  (or scores without a bias)
+group_score  = sum of the top-2 of `choice` in the group   if a bias is given
+               max of `scores` in the group                otherwise       # [M, G]
+kept groups  = topk(group_score, topk_group)
+ids          = topk(choice restricted to kept groups, k)
+weights      = scores[ids]  (renormalized, times routed_scaling_factor)
 """
 
 from __future__ import annotations
@@ -18,15 +18,20 @@ from fusedmoe.router.base import Router, ScoringFunc, compute_scores, finish_wei
 from fusedmoe.router.topk import check_bias
 
 
-def check_groups(num_experts: int, top_k: int, num_expert_group: object, topk_group: object) -> None:
+def check_groups(
+    num_experts: int, top_k: int, num_expert_group: object, topk_group: object
+) -> None:
     check_positive_int("num_expert_group", num_expert_group)
     check_positive_int("topk_group", topk_group)
     if num_experts % num_expert_group != 0:
         raise ValueError(
-            f"num_experts ({num_experts}) must be divisible by num_expert_group ({num_expert_group})"
+            f"num_experts ({num_experts}) must be divisible by "
+            f"num_expert_group ({num_expert_group})"
         )
     if topk_group > num_expert_group:
-        raise ValueError(f"topk_group ({topk_group}) must be <= num_expert_group ({num_expert_group})")
+        raise ValueError(
+            f"topk_group ({topk_group}) must be <= num_expert_group ({num_expert_group})"
+        )
     kept = topk_group * (num_experts // num_expert_group)
     if top_k > kept:
         raise ValueError(

@@ -40,7 +40,9 @@ class RoutingSimulatorRouter(Router):
     def __init__(self, top_k: int, num_experts: int, *, strategy: str, seed: int = 0, **kwargs):
         super().__init__(top_k, num_experts, **kwargs)
         if strategy not in STRATEGIES:
-            raise ValueError(f"unknown routing simulation {strategy!r}; expected one of {STRATEGIES}")
+            raise ValueError(
+                f"unknown routing simulation {strategy!r}; expected one of {STRATEGIES}"
+            )
         self.strategy = strategy
         self.seed = seed
 

@@ -112,7 +112,9 @@ class BiasedTopKRouter(Router):
         if e_score_correction_bias is not None:
             self.e_score_correction_bias = check_bias(e_score_correction_bias, self.num_logits)
         else:
-            table = check_tensor("hash_indices_table", hash_indices_table, ndim=2, dtypes=INDEX_DTYPES)
+            table = check_tensor(
+                "hash_indices_table", hash_indices_table, ndim=2, dtypes=INDEX_DTYPES
+            )
             if table.shape[1] != top_k:
                 raise ValueError(
                     f"hash_indices_table must be [vocab, top_k={top_k}], got {tuple(table.shape)}"

@@ -1,0 +1,70 @@
+"""The one tolerance helper every test uses, and small shared builders.
+
+Indices and counts compare exactly. Floats compare against a float64 (or float32) reference
+by normalised max error |a - e|.max() / max(|e|.max(), tiny), with a bound tied to the dtype
+the computation ran in; on failure the worst coordinates are printed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bound on normalised max error for a computation carried out in `dtype`
+# (a few roundings of the dtype's epsilon, as an MoE pipeline stores h, act(h) and y).
+TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 2e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    *,
+    tol: float | None = None,
+    what: str = "output",
+) -> None:
+    """actual ~= expected within the bound of `dtype` (default: actual's dtype)."""
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    dtype = dtype or actual.dtype
+    bound = TOLERANCE[dtype] if tol is None else tol
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if a.numel() == 0:
+        return
+    nan_a, nan_e = a.isnan(), e.isnan()
+    assert torch.equal(nan_a, nan_e), (
+        f"{what}: NaN at different places ({int(nan_a.sum())} vs {int(nan_e.sum())})"
+    )
+    a, e = a.nan_to_num(0.0), e.nan_to_num(0.0)
+    scale = max(float(e.abs().max()), 1e-30)
+    diff = (a - e).abs()
+    err = float(diff.max()) / scale
+    if err > bound:
+        flat = int(diff.argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+        rms = float(diff.square().mean().sqrt()) / scale
+        raise AssertionError(
+            f"{what}: normalised max error {err:.3e} > {bound:.1e} ({dtype}); rms {rms:.3e}; "
+            f"worst at {idx}: got {float(a[idx]):.6g}, expected {float(e[idx]):.6g} "
+            f"(scale {scale:.3g})"
+        )
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "tensor") -> None:
+    """Exact comparison for indices and counts."""
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    if not torch.equal(actual.cpu(), expected.cpu().to(actual.dtype)):
+        bad = (actual.cpu() != expected.cpu().to(actual.dtype)).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: differs first at {bad}")
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN so that any element left unwritten fails the comparison."""
+    return t.fill_(float("nan"))
