@@ -19,7 +19,7 @@ Non-gated activations keep the width (w13 is [E, I, H]):
     SILU_NO_MUL   silu(h)      GELU_NO_MUL   gelu_erf(h)      RELU2_NO_MUL   relu(h) ** 2
 
 `apply_activation` is the torch twin of every fused activation kernel: it computes in float32
-and returns float32; callers round to their storage dtype.
+(float64 for float64 input) and returns that; callers round to their storage dtype.
 """
 
 from __future__ import annotations
@@ -124,11 +124,11 @@ def apply_activation(
     h: torch.Tensor,
     params: ActivationParams | None = None,
 ) -> torch.Tensor:
-    """The exact definition of every activation. h [..., N] -> float32 [..., N/2 or N]."""
+    """The exact definition of every activation. h [..., N] -> [..., N/2 or N], float32 or wider."""
     act = MoEActivation.parse(activation)
     p = params or ActivationParams()
     p.check_for(act)
-    h = h.float()
+    h = h.to(torch.promote_types(h.dtype, torch.float32))
     if act.is_gated and h.shape[-1] % 2 != 0:
         raise ValueError(f"gated activation {act.value!r} needs an even width, got {h.shape[-1]}")
     if act is MoEActivation.SWIGLUOAI:

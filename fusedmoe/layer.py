@@ -91,8 +91,6 @@ class FusedMoE(nn.Module):
         if shared_expert_gate is not None and shared_experts is None:
             raise ValueError("shared_expert_gate needs shared_experts")
         self.quant_config = quant_config
-        self.backend = backend if backend == "auto" else get_backend(backend).name
-        self._backend_arg = backend
         self.zero_expert_num = zero_expert_num
         self.routed_input_transform = routed_input_transform
         self.routed_output_transform = routed_output_transform
@@ -126,13 +124,9 @@ class FusedMoE(nn.Module):
             zero_expert_type=zero_expert_type,
         )
         self.router = self._make_router()
-        self._kernels: dict[
-            tuple[torch.device, torch.dtype], tuple[BackendChoice, FusedMoEModularKernel]
-        ] = {}
         self._padded_weights: tuple[tuple, ExpertWeights] | None = None
         self.reset_parameters()
-        # refuse an impossible configuration now rather than at the first forward
-        self.backend_choice(torch.device(device or "cpu"), params_dtype)
+        self.set_backend(backend)
 
     # ---- construction helpers ----
     def _make_router(self):
@@ -164,6 +158,18 @@ class FusedMoE(nn.Module):
                 param.uniform_(-bound, bound)
 
     # ---- backend ----
+    def set_backend(self, backend: str | type[Experts]) -> None:
+        """Run on `backend` ("auto": the oracle's choice per device and dtype) from now on.
+
+        Checked at once for the parameters' device and dtype: an impossible choice is refused
+        here rather than at the first forward.
+        """
+        if not (isinstance(backend, str) and backend == "auto"):
+            get_backend(backend)
+        self.backend = backend
+        self._kernels: dict[tuple, tuple[BackendChoice, FusedMoEModularKernel]] = {}
+        self.backend_choice()
+
     def backend_choice(
         self, device: torch.device | None = None, dtype: torch.dtype | None = None
     ) -> BackendChoice:
@@ -187,7 +193,7 @@ class FusedMoE(nn.Module):
                 has_bias=self.has_bias,
                 ep_size=self.parallel_config.ep_size,
             )
-            choice = select_backend(problem, backend=self._backend_arg)
+            choice = select_backend(problem, backend=self.backend)
             self._kernels[key] = (
                 choice,
                 FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls()),
@@ -360,7 +366,8 @@ class FusedMoE(nn.Module):
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, activation={self.activation.kind.value}, "
-            f"has_bias={self.has_bias}, backend={self.backend!r}, router={self.router!r}"
+            f"has_bias={self.has_bias}, backend={getattr(self.backend, 'name', self.backend)!r}, "
+            f"router={self.router!r}"
         )
 
 

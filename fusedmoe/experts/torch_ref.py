@@ -1,7 +1,7 @@
 """TorchExperts ("torch"): the reference backend, on any device, in plain torch.
 
 It is the spec every fast backend is checked against, so it rounds exactly where a fused
-pipeline stores to memory, and computes in float32 everywhere else:
+pipeline stores to memory, and computes in float32 (float64 for float64 input) elsewhere:
 
     for each local expert e, rows r = (m, j) routed to it:
         h[r] = round(x[m] @ w13[e].T + w13_bias[e])       # GEMM1 output stored in x.dtype
@@ -96,6 +96,7 @@ class TorchExperts(Experts):
         n_act = activation.kind.output_size(weights.gemm1_out_size)
         y_slots = output.view(num_tokens * top_k, hidden)
         y_slots.zero_()
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
 
         local_ids = local_expert_ids(topk_ids, expert_map).flatten()  # [M*k]
         order = torch.argsort(local_ids, stable=True)
@@ -106,20 +107,19 @@ class TorchExperts(Experts):
                 continue
             rows = order[start : start + count]
             start += count
-            x = hidden_states[rows // top_k].float()  # [c, H]
+            x = hidden_states[rows // top_k].to(compute)  # [c, H]
             h = workspace13[:count]
             h.copy_(self._linear(x, weights.w13[expert], weights.w13_bias, expert))
             a = workspace2[:count, :n_act]
             a.copy_(apply_activation(activation.kind, h, activation.params))
-            y_slots[rows] = self._linear(a.float(), weights.w2[expert], weights.w2_bias, expert).to(
-                output.dtype
-            )
+            y = self._linear(a.to(compute), weights.w2[expert], weights.w2_bias, expert)
+            y_slots[rows] = y.to(output.dtype)
 
     @staticmethod
     def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, expert: int):
-        y = x @ w.float().t()
+        y = x @ w.to(x.dtype).t()
         if bias is not None:
-            y = y + bias[expert].float()
+            y = y + bias[expert].to(x.dtype)
         return y
 
 

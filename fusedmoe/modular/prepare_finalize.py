@@ -38,7 +38,8 @@ def apply_weight_on_input(a1: torch.Tensor, topk_weights: torch.Tensor) -> torch
         raise ValueError(
             f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_weights.shape[1]}"
         )
-    return (a1.float() * topk_weights.float()).to(a1.dtype)
+    acc = torch.promote_types(a1.dtype, torch.float32)
+    return (a1.to(acc) * topk_weights.to(acc)).to(a1.dtype)
 
 
 class PrepareFinalize(abc.ABC):

@@ -50,10 +50,11 @@ class TopKWeightAndReduceContiguous(TopKWeightAndReduce):
     ):
         num_tokens, top_k = topk_ids.shape
         y = fused_expert_output.view(num_tokens, top_k, -1)
+        acc = torch.promote_types(y.dtype, torch.float32)  # float32, float64 for float64
         if apply_router_weight_on_input:  # the weight was applied to x in prepare
-            reduced = y.float().sum(dim=1)
+            reduced = y.to(acc).sum(dim=1)
         else:
-            reduced = torch.einsum("mk,mkh->mh", topk_weights.float(), y.float())
+            reduced = torch.einsum("mk,mkh->mh", topk_weights.to(acc), y.to(acc))
         if output is None:
             return reduced.to(fused_expert_output.dtype)
         output.copy_(reduced)

@@ -85,7 +85,8 @@ def split_zero_experts(
     zero_output = None
     if zero_expert_type is ZeroExpertType.IDENTITY:
         identity_weight = (topk_weights * is_zero).sum(dim=-1, keepdim=True)  # [M, 1]
-        zero_output = (x.float() * identity_weight).to(x.dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        zero_output = (x.to(acc) * identity_weight.to(acc)).to(x.dtype)
     return ZeroExpertSplit(
         zero_output=zero_output,
         topk_weights=topk_weights.masked_fill(is_zero, 0.0),

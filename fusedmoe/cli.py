@@ -1,0 +1,143 @@
+"""The `fusedmoe` command.
+
+fusedmoe demo [--preset qwen3-30b-a3b] [--tokens N] [--device cpu|cuda] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from fusedmoe.presets import PRESETS, get_preset
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: on the CPU the demo divides hidden and intermediate sizes by this, so it runs in seconds
+CPU_SCALE = 16
+
+
+def _time_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of fn() in milliseconds, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _table(rows: list[dict[str, str]]) -> str:
+    keys = list(rows[0])
+    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in keys}
+    lines = ["  ".join(k.ljust(widths[k]) for k in keys)]
+    lines.append("  ".join("-" * widths[k] for k in keys))
+    lines += ["  ".join(r[k].ljust(widths[k]) for k in keys) for r in rows]
+    return "\n".join(lines)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("fusedmoe demo: --device cuda, but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    if args.tokens < 0:
+        print(f"fusedmoe demo: --tokens must be >= 0, got {args.tokens}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    preset = get_preset(args.preset)
+    scale = args.scale if args.scale is not None else (CPU_SCALE if device.type == "cpu" else 1)
+    if scale < 1:
+        print(f"fusedmoe demo: --scale must be >= 1, got {scale}", file=sys.stderr)
+        return 2
+    preset = preset.scaled(scale)
+
+    torch.manual_seed(args.seed)
+    layer = preset.build(dtype=dtype, device=device, backend=args.backend)
+    x = torch.randn(args.tokens, preset.hidden_size, dtype=dtype, device=device)
+    logits = torch.randn(args.tokens, preset.num_experts, dtype=torch.float32, device=device)
+    choice = layer.backend_choice()
+
+    with torch.inference_mode():
+        out = layer(x, logits)
+        # the reference: the torch backend on float64 copies, routed identically
+        reference_layer = copy.deepcopy(layer).to(torch.float64)
+        reference_layer.set_backend("torch")
+        ref = reference_layer(x.double(), logits)
+        err = float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+        ms = _time_ms(lambda: layer(x, logits), device, args.repeats)
+
+    print(
+        f"fusedmoe demo: {preset.label}: E={preset.num_experts} k={preset.top_k} "
+        f"H={preset.hidden_size} I={preset.intermediate_size}, {args.tokens} tokens, "
+        f"{args.dtype} on {device.type}"
+    )
+    if scale > 1:
+        print(
+            f"  (hidden and intermediate sizes divided by {scale} so the run takes seconds; "
+            "--scale 1 for the real sizes)"
+        )
+    tokens_per_s = args.tokens / (ms / 1e3) if ms > 0 else float("inf")
+    row = {
+        "backend": choice.name,
+        "why chosen": choice.reason,
+        "time_ms": f"{ms:.3f}",
+        "tokens/s": f"{tokens_per_s:,.0f}",
+        "rel_err": f"{err:.2e}",
+    }
+    print(_table([row]))
+    for name, why in choice.refused.items():
+        print(f"  not {name}: {why}")
+    tolerance = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    if not err <= tolerance:
+        print(f"FAILED: relative error {err:.2e} above {tolerance:.0e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusedmoe", description=__doc__.strip().splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="run one MoE layer of a real model's shape, checked")
+    demo.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    demo.add_argument("--tokens", type=int, default=64)
+    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    demo.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    demo.add_argument("--backend", default="auto")
+    demo.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        help=f"divide hidden and intermediate sizes by this (default {CPU_SCALE} on cpu, 1 on gpu)",
+    )
+    demo.add_argument("--repeats", type=int, default=5)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=run_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as exc:
+        print(f"fusedmoe {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
