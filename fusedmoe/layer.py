@@ -25,7 +25,6 @@ from torch import nn
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
-from fusedmoe.functional import check_routing
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
@@ -259,7 +258,6 @@ class FusedMoE(nn.Module):
                 split.topk_ids,
                 split.zero_output,
             )
-        check_routing(x_routed, topk_weights, topk_ids, self.num_experts)
 
         choice, kernel = self._kernel(x_routed.device, x_routed.dtype)
         alignment = choice.experts_cls.hidden_size_alignment

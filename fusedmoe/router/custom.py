@@ -16,6 +16,7 @@ from fusedmoe._checks import (
     check_ids_in_range,
     check_shape,
     check_tensor,
+    value_checks_enabled,
 )
 from fusedmoe.router.base import Router
 
@@ -44,6 +45,9 @@ class CustomRoutingRouter(Router):
         check_shape("custom routing weights", weights, expected)
         check_shape("custom routing ids", ids, expected)
         check_ids_in_range("custom routing ids", ids, 0, self.num_logits)
+        repeated = ids.numel() > 0 and value_checks_enabled(ids)
+        if repeated and ids.sort(dim=1).values.diff(dim=1).eq(0).any():
+            raise ValueError("custom routing ids name the same expert twice for a token")
         weights = weights.float()
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor

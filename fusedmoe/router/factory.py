@@ -74,6 +74,7 @@ def create_router(
 
     strategy = routing_simulation or simulation_from_env()
     if strategy is not None:
+        unused()
         num_logits = num_experts + zero_expert_num
         return RoutingSimulatorRouter(top_k, num_logits, strategy=strategy, **common)
     if zero_expert_num > 0:

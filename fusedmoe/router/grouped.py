@@ -1,9 +1,9 @@
 """Grouped top-k (DeepSeek-V2/V3): choose groups of experts first, then experts inside them.
 
 scores       = score(logits)                               # [M, E] float32
-choice       = scores + bias  (or scores without a bias)
+choice       = scores + bias  (or scores without a bias); -inf where the logit is -inf
 group_score  = sum of the top-2 of `choice` in the group   if a bias is given
-               max of `scores` in the group                otherwise       # [M, G]
+               max of `choice` in the group                otherwise       # [M, G]
 kept groups  = topk(group_score, topk_group)
 ids          = topk(choice restricted to kept groups, k)
 weights      = scores[ids]  (renormalized, times routed_scaling_factor)
@@ -53,14 +53,16 @@ def grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [M, E] -> (weights float32 [M, k], ids int64 [M, k])."""
     num_tokens, num_experts = logits.shape
+    group_size = num_experts // num_expert_group  # explicit: view(..., -1) fails for M = 0
     scores = compute_scores(logits, scoring)
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    # -inf logits are never chosen while k finite experts remain (see router/base.py).
+    choice = choice.masked_fill(logits.isneginf(), float("-inf"))
+    per_group = choice.view(num_tokens, num_expert_group, group_size)
     if e_score_correction_bias is not None:
-        choice = scores + e_score_correction_bias.float()
-        per_group = choice.view(num_tokens, num_expert_group, -1)
-        group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+        group_score = per_group.topk(min(2, group_size), dim=-1).values.sum(dim=-1)
     else:
-        choice = scores
-        group_score = scores.view(num_tokens, num_expert_group, -1).amax(dim=-1)  # [M, G]
+        group_score = per_group.amax(dim=-1)  # [M, G]
     kept = group_score.topk(topk_group, dim=-1).indices  # [M, topk_group]
     group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
     expert_mask = group_mask.repeat_interleave(num_experts // num_expert_group, dim=1)
@@ -88,15 +90,18 @@ def grouped_topk_ref(
     for m in range(num_tokens):
         scores = compute_scores(logits[m : m + 1], scoring)[0].tolist()
         if e_score_correction_bias is None:
-            choice = scores
+            choice = list(scores)
         else:
             choice = [s + float(b) for s, b in zip(scores, e_score_correction_bias, strict=True)]
+        for e in range(num_experts):
+            if float(logits[m, e]) == float("-inf"):
+                choice[e] = float("-inf")
         group_scores = []
         for g in range(num_expert_group):
             if e_score_correction_bias is not None:
                 group_scores.append(sum(sorted(choice[g * size : (g + 1) * size])[-2:]))
             else:
-                group_scores.append(max(scores[g * size : (g + 1) * size]))
+                group_scores.append(max(choice[g * size : (g + 1) * size]))
         groups = sorted(range(num_expert_group), key=lambda g: -group_scores[g])[:topk_group]
         candidates = [e for g in groups for e in range(g * size, (g + 1) * size)]
         chosen = sorted(candidates, key=lambda e: -choice[e])[:top_k]

@@ -36,6 +36,9 @@ def topk_route(
     """logits [M, E] -> (weights float32 [M, k], ids int64 [M, k])."""
     scores = compute_scores(logits, scoring)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    # A -inf logit scores 0, which a bias can lift or an underflowed finite score can tie:
+    # mask it so it is never chosen while k finite experts remain (see router/base.py).
+    choice = choice.masked_fill(logits.isneginf(), float("-inf"))
     ids = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     return finish_weights(weights, renormalize, routed_scaling_factor), ids
@@ -56,7 +59,11 @@ def topk_route_ref(
     bias = [0.0] * num_experts if e_score_correction_bias is None else e_score_correction_bias
     for m in range(num_tokens):
         scores = compute_scores(logits[m : m + 1], scoring)[0].tolist()
-        order = sorted(range(num_experts), key=lambda e: -(scores[e] + float(bias[e])))
+        choice = [
+            float("-inf") if float(logits[m, e]) == float("-inf") else scores[e] + float(bias[e])
+            for e in range(num_experts)
+        ]
+        order = sorted(range(num_experts), key=lambda e: -choice[e])
         chosen = order[:top_k]
         w = [scores[e] for e in chosen]
         if renormalize:
