@@ -20,7 +20,7 @@ from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem
 from fusedmoe.oracle import select_backend
-from fusedmoe.router import create_router, split_zero_experts
+from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
 
 
 def check_expert_weights(
@@ -221,7 +221,11 @@ def fused_moe(
     zero_output = None
     if zero_expert_num > 0:
         split = split_zero_experts(
-            hidden_states, topk_weights, topk_ids, router.num_experts, router.zero_expert_type
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            num_experts,
+            ZeroExpertType.parse(zero_expert_type),
         )
         topk_weights, topk_ids, zero_output = split.topk_weights, split.topk_ids, split.zero_output
     out = fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, **experts_kwargs)

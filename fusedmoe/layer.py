@@ -91,6 +91,9 @@ class FusedMoE(nn.Module):
             raise ValueError("shared_expert_gate needs shared_experts")
         self.quant_config = quant_config
         self.zero_expert_num = zero_expert_num
+        self.zero_expert_type = (
+            None if zero_expert_type is None else ZeroExpertType.parse(zero_expert_type)
+        )
         self.routed_input_transform = routed_input_transform
         self.routed_output_transform = routed_output_transform
         self.shared_experts = shared_experts
@@ -251,7 +254,7 @@ class FusedMoE(nn.Module):
         zero_output = None
         if self.zero_expert_num > 0:
             split = split_zero_experts(
-                x_routed, topk_weights, topk_ids, self.num_experts, self.router.zero_expert_type
+                x_routed, topk_weights, topk_ids, self.num_experts, self.zero_expert_type
             )
             topk_weights, topk_ids, zero_output = (
                 split.topk_weights,

@@ -65,7 +65,7 @@ def grouped_topk(
         group_score = per_group.amax(dim=-1)  # [M, G]
     kept = group_score.topk(topk_group, dim=-1).indices  # [M, topk_group]
     group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
-    expert_mask = group_mask.repeat_interleave(num_experts // num_expert_group, dim=1)
+    expert_mask = group_mask.repeat_interleave(group_size, dim=1)
     masked = choice.masked_fill(~expert_mask, float("-inf"))
     ids = masked.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
@@ -90,12 +90,11 @@ def grouped_topk_ref(
     for m in range(num_tokens):
         scores = compute_scores(logits[m : m + 1], scoring)[0].tolist()
         if e_score_correction_bias is None:
-            choice = list(scores)
+            choice = scores
         else:
             choice = [s + float(b) for s, b in zip(scores, e_score_correction_bias, strict=True)]
-        for e in range(num_experts):
-            if float(logits[m, e]) == float("-inf"):
-                choice[e] = float("-inf")
+        row = logits[m].float().tolist()  # a -inf logit is never chosen (router/base.py)
+        choice = [c if x != float("-inf") else x for x, c in zip(row, choice, strict=True)]
         group_scores = []
         for g in range(num_expert_group):
             if e_score_correction_bias is not None:

@@ -59,8 +59,9 @@ def topk_route_ref(
     bias = [0.0] * num_experts if e_score_correction_bias is None else e_score_correction_bias
     for m in range(num_tokens):
         scores = compute_scores(logits[m : m + 1], scoring)[0].tolist()
+        row = logits[m].float().tolist()
         choice = [
-            float("-inf") if float(logits[m, e]) == float("-inf") else scores[e] + float(bias[e])
+            float("-inf") if row[e] == float("-inf") else scores[e] + float(bias[e])
             for e in range(num_experts)
         ]
         order = sorted(range(num_experts), key=lambda e: -choice[e])
