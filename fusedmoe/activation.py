@@ -126,6 +126,8 @@ def apply_activation(
 ) -> torch.Tensor:
     """The exact definition of every activation. h [..., N] -> [..., N/2 or N], float32 or wider."""
     act = MoEActivation.parse(activation)
+    if params is not None and not isinstance(params, ActivationParams):
+        raise TypeError(f"params must be an ActivationParams, got {type(params).__name__}")
     p = params or ActivationParams()
     p.check_for(act)
     h = h.to(torch.promote_types(h.dtype, torch.float32))

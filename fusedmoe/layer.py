@@ -168,9 +168,14 @@ class FusedMoE(nn.Module):
         """
         if not (isinstance(backend, str) and backend == "auto"):
             get_backend(backend)
+        previous = getattr(self, "backend", None), getattr(self, "_kernels", None)
         self.backend = backend
         self._kernels: dict[tuple, tuple[BackendChoice, FusedMoEModularKernel]] = {}
-        self.backend_choice()
+        try:
+            self.backend_choice()
+        except (ValueError, TypeError):
+            self.backend, self._kernels = previous  # a refused choice changes nothing
+            raise
 
     def backend_choice(
         self, device: torch.device | None = None, dtype: torch.dtype | None = None

@@ -67,9 +67,11 @@ def resolve_expert_weight(
         param = "w13_bias" if is_bias else "w13_weight"
         shape = (num_i,) if is_bias else (num_i, num_h)
         if not activation.is_gated:
-            if role == "gate":
+            # one projection before the activation: up_proj, or w1 in Mixtral naming
+            if match.group(2) in ("gate_proj", "w3"):
                 raise ValueError(
-                    f"{name}: the non-gated activation {activation.value!r} has no gate projection"
+                    f"{name}: the non-gated activation {activation.value!r} has one projection "
+                    "before the activation (up_proj or w1), no gate_proj / w3"
                 )
             return WeightTarget(param, (expert,), shape)
         if activation is MoEActivation.SWIGLUOAI:  # gate and up rows alternate
