@@ -12,6 +12,7 @@ from fusedmoe._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_ids_in_range,
+    check_quant_config,
     check_shape,
     check_tensor,
 )
@@ -139,6 +140,7 @@ def fused_experts(
     are not on this rank contribute zero.
     """
     spec = ActivationSpec.make(activation, activation_params)
+    check_quant_config(quant_config)
     x = check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
     weights = check_expert_weights(x, w13, w2, spec.kind, w13_bias, w2_bias)
     num_global = check_expert_map(

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
+from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_quant_config, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel
@@ -89,6 +89,7 @@ class FusedMoE(nn.Module):
             )
         if shared_expert_gate is not None and shared_experts is None:
             raise ValueError("shared_expert_gate needs shared_experts")
+        check_quant_config(quant_config)
         self.quant_config = quant_config
         self.zero_expert_num = zero_expert_num
         self.zero_expert_type = (
@@ -126,7 +127,6 @@ class FusedMoE(nn.Module):
             zero_expert_type=zero_expert_type,
         )
         self.router = self._make_router()
-        self._padded_weights: tuple[tuple, ExpertWeights] | None = None
         self.reset_parameters()
         self.set_backend(backend)
 
@@ -208,24 +208,21 @@ class FusedMoE(nn.Module):
         return self._kernels[key]
 
     def _expert_weights(self, alignment: int) -> ExpertWeights:
-        """The weights as the backend consumes them; zero-padded copies when H must be aligned."""
-        weights = ExpertWeights(self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        """The weights as the backend consumes them.
+
+        When the backend needs H to be a multiple of `alignment`, zero-padded copies are made on
+        every call: correct whatever wrote the parameters (in place, through .data), at the cost
+        of a copy. Backends built for speed keep alignment 1 and lay out their own weights.
+        """
         pad = -self.hidden_size % alignment
         if pad == 0:
-            return weights
-        params = [p for p in (self.w13_weight, self.w2_weight, self.w2_bias) if p is not None]
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if self._padded_weights is None or self._padded_weights[0] != key:
-            padded = ExpertWeights(
-                w13=nn.functional.pad(self.w13_weight.detach(), (0, pad)),
-                w2=nn.functional.pad(self.w2_weight.detach(), (0, 0, 0, pad)),
-                w13_bias=self.w13_bias,
-                w2_bias=None
-                if self.w2_bias is None
-                else nn.functional.pad(self.w2_bias.detach(), (0, pad)),
-            )
-            self._padded_weights = (key, padded)
-        return self._padded_weights[1]
+            return ExpertWeights(self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        return ExpertWeights(
+            w13=nn.functional.pad(self.w13_weight, (0, pad)),
+            w2=nn.functional.pad(self.w2_weight, (0, 0, 0, pad)),
+            w13_bias=self.w13_bias,
+            w2_bias=None if self.w2_bias is None else nn.functional.pad(self.w2_bias, (0, pad)),
+        )
 
     # ---- forward ----
     def forward(

@@ -89,7 +89,7 @@ def test_chunking_gives_identical_results(num_tokens, chunk_size, recording):
     sizes = [m for m, _ in recording.calls]
     assert sizes == [min(chunk_size, num_tokens - s) for s in range(0, num_tokens, chunk_size)]
     # identical up to rounding: a CPU GEMM's blocking (and so its sums) depends on M
-    assert_close(out, expected, tol=1e-6, what="chunked output")
+    assert_equal(out, expected, what="chunked output")
     assert_close(out, reference(x, experts, weights, ids))
 
 
@@ -104,7 +104,7 @@ def test_chunk_size_from_environment(monkeypatch, recording):
     out = chunked(x, logits)
     assert [m for m, _ in recording.calls] == [8, 8, 8, 8, 5]
     recording.calls.clear()
-    assert_close(out, whole(x, logits), tol=1e-6, what="chunked layer output")
+    assert_equal(out, whole(x, logits), what="chunked layer output")
     assert [m for m, _ in recording.calls] == [37]
     weights, ids = softmax_topk_ref(logits, 2)
     experts = {"w13": whole.w13_weight.detach(), "w2": whole.w2_weight.detach()}
@@ -329,11 +329,6 @@ def test_hidden_size_padding(activation, has_bias):
     assert_close(padded(x, logits), reference(x, experts, weights, ids, activation=activation))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the padded weight copy is keyed on the parameters' version counters, which an "
-    "in-place write through .data (param.data.copy_, common in checkpoint loaders) does not bump",
-)
 def test_hidden_size_padding_sees_writes_through_data():
     hidden = 40
     layer = FusedMoE(E, 2, hidden, I, params_dtype=torch.float32, backend=Aligned16Experts)

@@ -1,13 +1,14 @@
 """TorchExperts ("torch"): the reference backend, on any device, in plain torch.
 
 It is the spec every fast backend is checked against, so it rounds exactly where a fused
-pipeline stores to memory, and computes in float32 (float64 for float64 input) elsewhere:
+pipeline stores to memory, and computes in float64 in between (so that its result does not
+depend on how a BLAS blocks the rows: chunking over M changes nothing):
 
     for each local expert e, rows r = (m, j) routed to it:
         h[r] = round(x[m] @ w13[e].T + w13_bias[e])       # GEMM1 output stored in x.dtype
         a[r] = round(act(h[r]))                           # activation output stored in x.dtype
         y[m, j] = round(a[r] @ w2[e].T + w2_bias[e])      # per-slot output [M, k, H]
-    finalize: out[m] = sum_j w[m, j] * y[m, j]            # float32 sum, then x.dtype
+    finalize: out[m] = sum_j w[m, j] * y[m, j]            # float32 (float64) sum, then x.dtype
 
 Slots with id -1, or whose expert is not on this rank (expert_map[id] == -1), give y = 0.
 It groups rows by expert on the host (one sync per call): correct and simple, not fast.
@@ -96,7 +97,7 @@ class TorchExperts(Experts):
         n_act = activation.kind.output_size(weights.gemm1_out_size)
         y_slots = output.view(num_tokens * top_k, hidden)
         y_slots.zero_()
-        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        compute = torch.float64
 
         local_ids = local_expert_ids(topk_ids, expert_map).flatten()  # [M*k]
         order = torch.argsort(local_ids, stable=True)
