@@ -19,7 +19,7 @@ from fusedmoe._checks import (
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
 from fusedmoe.oracle import select_backend
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
 
@@ -162,6 +162,7 @@ def fused_experts(
         quant_config=quant_config,
         has_bias=weights.has_bias,
         has_expert_map=expert_map is not None,
+        requires_grad=needs_grad(x, weights),
     )
     choice = select_backend(problem, backend=backend)
     kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls())

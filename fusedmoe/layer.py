@@ -26,9 +26,9 @@ from torch import nn
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_quant_config, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.modular.experts import Experts
-from fusedmoe.modular.kernel import FusedMoEModularKernel
+from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
 from fusedmoe.parallel import ParallelConfig
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
@@ -127,6 +127,7 @@ class FusedMoE(nn.Module):
             zero_expert_type=zero_expert_type,
         )
         self.router = self._make_router()
+        self.chunk_size = default_chunk_size()  # tokens per pass of the modular kernel
         self.reset_parameters()
         self.set_backend(backend)
 
@@ -178,15 +179,21 @@ class FusedMoE(nn.Module):
             raise
 
     def backend_choice(
-        self, device: torch.device | None = None, dtype: torch.dtype | None = None
+        self,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
     ) -> BackendChoice:
-        """The backend this layer runs on `device` / `dtype` (default: the parameters'), and why."""
+        """The backend this layer runs on `device` / `dtype` (default: the parameters'), and why.
+
+        requires_grad: for a forward that autograd records (training), not an inference one.
+        """
         device = device or self.w13_weight.device
         dtype = dtype or self.w13_weight.dtype
-        return self._kernel(device, dtype)[0]
+        return self._kernel(device, dtype, requires_grad)[0]
 
-    def _kernel(self, device: torch.device, dtype: torch.dtype):
-        key = (device, dtype)
+    def _kernel(self, device: torch.device, dtype: torch.dtype, requires_grad: bool):
+        key = (device, dtype, requires_grad)
         if key not in self._kernels:
             problem = MoEProblem(
                 device=device,
@@ -199,11 +206,14 @@ class FusedMoE(nn.Module):
                 quant_config=self.quant_config,
                 has_bias=self.has_bias,
                 ep_size=self.parallel_config.ep_size,
+                requires_grad=requires_grad,
             )
             choice = select_backend(problem, backend=self.backend)
             self._kernels[key] = (
                 choice,
-                FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls()),
+                FusedMoEModularKernel(
+                    NoEPPrepareFinalize(), choice.experts_cls(), chunk_size=self.chunk_size
+                ),
             )
         return self._kernels[key]
 
@@ -264,7 +274,8 @@ class FusedMoE(nn.Module):
                 split.zero_output,
             )
 
-        choice, kernel = self._kernel(x_routed.device, x_routed.dtype)
+        grad = needs_grad(x_routed, self._expert_weights(1))
+        choice, kernel = self._kernel(x_routed.device, x_routed.dtype, grad)
         alignment = choice.experts_cls.hidden_size_alignment
         pad = -self.hidden_size % alignment
         x_in = nn.functional.pad(x_routed, (0, pad)) if pad else x_routed

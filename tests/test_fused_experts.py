@@ -18,7 +18,7 @@ from tests.reference import (
     softmax_topk_ref,
 )
 
-H, I, E = 32, 16, 8  # noqa: E741 (the legend's I)
+H, I, E = 32, 16, 8
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

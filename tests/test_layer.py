@@ -21,7 +21,7 @@ from tests.reference import (
     softmax_topk_ref,
 )
 
-H, I, E = 32, 16, 8  # noqa: E741 (the legend's I)
+H, I, E = 32, 16, 8
 
 
 def layer_experts(layer: FusedMoE) -> dict[str, torch.Tensor | None]:

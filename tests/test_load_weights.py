@@ -15,7 +15,7 @@ from fusedmoe import FusedMoE
 from tests.helpers import assert_close, assert_equal
 from tests.reference import activation_ref, sigmoid64, silu64, softmax_topk_ref
 
-H, I, E = 32, 16, 4  # noqa: E741 (the legend's I)
+H, I, E = 32, 16, 4
 
 
 class GatedMLP(nn.Module):

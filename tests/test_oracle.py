@@ -15,7 +15,7 @@ from fusedmoe import (
 )
 from fusedmoe.experts.torch_ref import TorchExperts
 
-H, I, E = 32, 16, 8  # noqa: E741 (the legend's I)
+H, I, E = 32, 16, 8
 
 PROBLEM = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2)
 

@@ -12,7 +12,7 @@ import torch
 from fusedmoe import ActivationParams, FusedMoE, ParallelConfig, fused_experts
 from fusedmoe.experts.torch_ref import TorchExperts
 
-H, I, E, M = 32, 16, 8, 5  # noqa: E741 (the legend's I)
+H, I, E, M = 32, 16, 8, 5
 
 
 class Recorder(TorchExperts):

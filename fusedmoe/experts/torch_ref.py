@@ -11,7 +11,9 @@ depend on how a BLAS blocks the rows: chunking over M changes nothing):
     finalize: out[m] = sum_j w[m, j] * y[m, j]            # float32 (float64) sum, then x.dtype
 
 Slots with id -1, or whose expert is not on this rank (expert_map[id] == -1), give y = 0.
-It groups rows by expert on the host (one sync per call): correct and simple, not fast.
+It groups rows by expert on the host (one sync per call): correct and simple, not fast. Its
+ops are out of place, so autograd differentiates through it (training, fine-tuning); it needs
+no scratch workspace, only the per-slot output buffer.
 """
 
 from __future__ import annotations
@@ -64,13 +66,12 @@ class TorchExperts(Experts):
     def supports_ep(cls, ep_size):
         return True
 
+    @classmethod
+    def supports_autograd(cls):
+        return True
+
     def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
-        rows = M * top_k
-        return WorkspaceShapes(
-            workspace13=(rows, N),
-            workspace2=(rows, activation.output_size(N)),
-            output=(M, top_k, K),
-        )
+        return WorkspaceShapes(workspace13=(0,), workspace2=(0,), output=(M, top_k, K))
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceContiguous()
@@ -93,9 +94,8 @@ class TorchExperts(Experts):
         apply_router_weight_on_input,
     ):
         num_tokens, top_k = topk_ids.shape
-        hidden = weights.hidden_size
-        n_act = activation.kind.output_size(weights.gemm1_out_size)
-        y_slots = output.view(num_tokens * top_k, hidden)
+        store = hidden_states.dtype  # where a fused pipeline writes h and act(h) to memory
+        y_slots = output.view(num_tokens * top_k, weights.hidden_size)
         y_slots.zero_()
         compute = torch.float64
 
@@ -109,11 +109,9 @@ class TorchExperts(Experts):
             rows = order[start : start + count]
             start += count
             x = hidden_states[rows // top_k].to(compute)  # [c, H]
-            h = workspace13[:count]
-            h.copy_(self._linear(x, weights.w13[expert], weights.w13_bias, expert))
-            a = workspace2[:count, :n_act]
-            a.copy_(apply_activation(activation.kind, h, activation.params))
-            y = self._linear(a.to(compute), weights.w2[expert], weights.w2_bias, expert)
+            h = self._linear(x, weights.w13[expert], weights.w13_bias, expert).to(store)  # [c, N]
+            a = apply_activation(activation.kind, h, activation.params).to(store)  # [c, N/2 or N]
+            y = self._linear(a.to(compute), weights.w2[expert], weights.w2_bias, expert)  # [c, H]
             y_slots[rows] = y.to(output.dtype)
 
     @staticmethod

@@ -76,6 +76,11 @@ class Experts(abc.ABC):
         return ep_size == 1
 
     @classmethod
+    def supports_autograd(cls) -> bool:
+        """Whether gradients flow through apply (for training and fine-tuning)."""
+        return False
+
+    @classmethod
     def refusal_reason(cls, problem: MoEProblem) -> str | None:
         """None when this backend can run `problem`, else the first reason it cannot."""
         checks = (
@@ -99,6 +104,10 @@ class Experts(abc.ABC):
             (
                 cls.supports_ep(problem.ep_size),
                 lambda: f"no expert parallelism (ep={problem.ep_size})",
+            ),
+            (
+                not problem.requires_grad or cls.supports_autograd(),
+                lambda: "no autograd (backward)",
             ),
         )
         for ok, reason in checks:

@@ -6,7 +6,8 @@
         prepare_finalize.finalize(output[chunk], out_buffer, ...)
 
 Every token's result depends on that token alone, so chunking changes nothing in the output;
-it bounds the workspace memory for long prefills.
+it bounds the workspace memory for long prefills. Workspaces are reused across calls, except
+when autograd records the call (each such call gets its own, as backward needs them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.prepare_finalize import PrepareFinalize
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, needs_grad
 
 CHUNK_SIZE_ENV = "FUSEDMOE_CHUNK_SIZE"
 DEFAULT_CHUNK_SIZE = 32768
@@ -142,9 +143,11 @@ class FusedMoEModularKernel:
         )
         dtype = experts.workspace_dtype(hidden_states.dtype)
         device = hidden_states.device
-        workspace13 = self.workspaces.get("workspace13", shapes.workspace13, dtype, device)
-        workspace2 = self.workspaces.get("workspace2", shapes.workspace2, dtype, device)
-        expert_output = self.workspaces.get("output", shapes.output, hidden_states.dtype, device)
+        # Under autograd the buffers are saved for backward: a call gets its own, never reused.
+        workspaces = WorkspaceCache() if needs_grad(hidden_states, weights) else self.workspaces
+        workspace13 = workspaces.get("workspace13", shapes.workspace13, dtype, device)
+        workspace2 = workspaces.get("workspace2", shapes.workspace2, dtype, device)
+        expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
         experts.apply(
             expert_output,
             prepared.a1q,

@@ -101,3 +101,12 @@ class MoEProblem:
     has_bias: bool = False
     has_expert_map: bool = False
     ep_size: int = 1
+    requires_grad: bool = False  # autograd will differentiate through the experts
+
+
+def needs_grad(hidden_states: torch.Tensor, weights: ExpertWeights) -> bool:
+    """Whether autograd records this call (grad mode on and an input that requires grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = (hidden_states, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
+    return any(t is not None and t.requires_grad for t in tensors)
