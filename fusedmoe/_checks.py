@@ -8,12 +8,30 @@ torch.compile is tracing, where a sync is impossible (see `value_checks_enabled`
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_enum(cls: type[E], value: object, arg_name: str) -> E:
+    """A member of `cls`, given as itself or by its value in any case; else a clear error."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.lower())
+        except ValueError:
+            pass
+        raise ValueError(f"unknown {arg_name} {value!r}; expected one of {[m.value for m in cls]}")
+    raise TypeError(f"{arg_name} must be a {cls.__name__} or a str, got {type(value).__name__}")
 
 
 def check_tensor(

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fusedmoe._checks import parse_enum
+
 __all__ = ["ActivationParams", "MoEActivation", "apply_activation"]
 
 
@@ -47,18 +49,7 @@ class MoEActivation(enum.Enum):
 
     @classmethod
     def parse(cls, value: MoEActivation | str) -> MoEActivation:
-        """Accept a member or its lower-case name; anything else is a clear error."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-            raise ValueError(
-                f"unknown activation {value!r}; expected one of {[m.value for m in cls]}"
-            )
-        raise TypeError(f"activation must be a MoEActivation or a str, got {type(value).__name__}")
+        return parse_enum(cls, value, "activation")
 
     @property
     def is_gated(self) -> bool:

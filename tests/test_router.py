@@ -1021,7 +1021,7 @@ BAD_CONSTRUCTION = [
     ("unknown scoring_func", (2, 8), {"scoring_func": "tanh"}, ValueError,
      r"unknown scoring_func 'tanh'; expected one of \['softmax', 'sigmoid', 'sqrtsoftplus'\]"),
     ("scoring_func not a string", (2, 8), {"scoring_func": 3}, TypeError,
-     "scoring_func must be a str, got int"),
+     "scoring_func must be a ScoringFunc or a str, got int"),
     ("unknown simulation strategy", (2, 8), {"routing_simulation": "zipf"}, ValueError,
      r"unknown routing simulation 'zipf'; expected one of \('uniform_random', 'skewed'\)"),
     ("zero_expert_num without type", (2, 8), {"zero_expert_num": 2}, ValueError,

@@ -22,7 +22,7 @@ import enum
 import torch
 import torch.nn.functional as F
 
-from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
+from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor, parse_enum
 
 
 class ScoringFunc(enum.Enum):
@@ -32,17 +32,7 @@ class ScoringFunc(enum.Enum):
 
     @classmethod
     def parse(cls, value: ScoringFunc | str) -> ScoringFunc:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-            raise ValueError(
-                f"unknown scoring_func {value!r}; expected one of {[m.value for m in cls]}"
-            )
-        raise TypeError(f"scoring_func must be a str, got {type(value).__name__}")
+        return parse_enum(cls, value, "scoring_func")
 
 
 def compute_scores(logits: torch.Tensor, scoring: ScoringFunc) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fusedmoe._checks import parse_enum
 from fusedmoe.router.base import Router
 from fusedmoe.router.topk import check_bias, topk_route
 
@@ -25,14 +26,7 @@ class ZeroExpertType(enum.Enum):
 
     @classmethod
     def parse(cls, value: ZeroExpertType | str) -> ZeroExpertType:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"unknown zero_expert_type {value!r}; expected one of {[m.value for m in cls]}"
-            ) from None
+        return parse_enum(cls, value, "zero_expert_type")
 
 
 class ZeroExpertRouter(Router):
