@@ -1,7 +1,12 @@
 import os
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run on its CPU interpreter; this must be set before triton loads.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,1 @@
+"""Quantization: keys, per-operand configs, quantize / dequantize for every scheme."""
