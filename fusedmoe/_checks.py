@@ -66,16 +66,6 @@ def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
-def check_quant_config(quant_config: object | None) -> None:
-    """Quantized experts are not in this version: refuse a quant config rather than ignore it."""
-    if quant_config is not None:
-        raise ValueError(
-            f"quant_config={quant_config!r}: quantized experts are not available in this version "
-            "of fusedmoe; pass quant_config=None (unquantized bf16/fp16/fp32 experts)"
-        )
-    return None
-
-
 def value_checks_enabled(t: torch.Tensor) -> bool:
     """Whether checks that read tensor values (and so synchronise) may run now."""
     if torch.compiler.is_compiling():

@@ -12,7 +12,6 @@ from fusedmoe._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_ids_in_range,
-    check_quant_config,
     check_shape,
     check_tensor,
 )
@@ -21,6 +20,7 @@ from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
 from fusedmoe.oracle import select_backend
+from fusedmoe.quant.config import FusedMoEQuantConfig
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
 
 
@@ -31,19 +31,25 @@ def check_expert_weights(
     activation: MoEActivation,
     w13_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
+    quant_config: FusedMoEQuantConfig | None = None,
 ) -> ExpertWeights:
-    """Check the expert weights against each other and the input. -> ExpertWeights."""
+    """Check the expert weights against each other, the input and the quant config."""
     x = hidden_states
     check_tensor("w13", w13, ndim=3, device=x.device)
     check_tensor("w2", w2, ndim=3, device=x.device)
-    num_local, gemm1_out, hidden = w13.shape
+    packing = 1
+    if quant_config is not None:
+        quant_config.check_weights(w13, w2)
+        packing = quant_config.hidden_size(w13) // w13.shape[2]
+    num_local, gemm1_out, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * packing
     if hidden != x.shape[1]:
         raise ValueError(
             f"w13 must be [E, N, H={x.shape[1]}] (H of hidden_states), got {tuple(w13.shape)}"
+            + (" (packed FP4: H/2 bytes)" if packing == 2 else "")
         )
-    intermediate = w2.shape[2]
+    intermediate = w2.shape[2] * packing
     expected_n = activation.gemm1_out_size(intermediate)
-    check_shape("w2", w2, (num_local, hidden, intermediate))
+    check_shape("w2", w2, (num_local, hidden, w2.shape[2]))
     if gemm1_out != expected_n:
         kind = "gated (2 * I)" if activation.is_gated else "non-gated (I)"
         raise ValueError(
@@ -51,7 +57,7 @@ def check_expert_weights(
             f"{activation.value!r} with I = {intermediate} (from w2), got {tuple(w13.shape)}"
         )
     for name, w in (("w13", w13), ("w2", w2)):
-        if w.dtype != x.dtype:
+        if quant_config is None and w.dtype != x.dtype:
             raise TypeError(
                 f"{name} has dtype {w.dtype} but hidden_states has {x.dtype}: unquantized experts "
                 "need both in one dtype (cast explicitly, or pass a quant_config)"
@@ -62,7 +68,29 @@ def check_expert_weights(
     if w2_bias is not None:
         check_tensor("w2_bias", w2_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
         check_shape("w2_bias", w2_bias, (num_local, hidden))
-    return ExpertWeights(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
+    return ExpertWeights(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias, k_packing=packing)
+
+
+def check_quant_config(quant_config: object) -> FusedMoEQuantConfig | None:
+    if quant_config is not None and not isinstance(quant_config, FusedMoEQuantConfig):
+        raise TypeError(
+            "quant_config must be a FusedMoEQuantConfig (see fusedmoe.quant.quantize_experts), "
+            f"got {type(quant_config).__name__}"
+        )
+    return quant_config
+
+
+def merge_activation_params(
+    activation_params: ActivationParams | None, quant_config: FusedMoEQuantConfig | None
+) -> ActivationParams | None:
+    """Activation parameters given directly, or as the quant config's gemm1_* (not both)."""
+    from_config = None if quant_config is None else quant_config.activation_params()
+    if activation_params is not None and from_config is not None:
+        raise ValueError(
+            "activation parameters given twice: activation_params and the quant config's "
+            "gemm1_alpha / gemm1_beta / gemm1_clamp_limit"
+        )
+    return activation_params or from_config
 
 
 def check_routing(
@@ -128,7 +156,7 @@ def fused_experts(
     expert_map: torch.Tensor | None = None,
     global_num_experts: int | None = None,
     apply_router_weight_on_input: bool = False,
-    quant_config: object | None = None,
+    quant_config: FusedMoEQuantConfig | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """The experts given the routing: hidden_states [M, H] -> [M, H].
@@ -139,10 +167,10 @@ def fused_experts(
     topk_ids are global expert ids (-1 marks an empty slot); with an expert_map, experts that
     are not on this rank contribute zero.
     """
-    spec = ActivationSpec.make(activation, activation_params)
     check_quant_config(quant_config)
+    spec = ActivationSpec.make(activation, merge_activation_params(activation_params, quant_config))
     x = check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
-    weights = check_expert_weights(x, w13, w2, spec.kind, w13_bias, w2_bias)
+    weights = check_expert_weights(x, w13, w2, spec.kind, w13_bias, w2_bias, quant_config)
     num_global = check_expert_map(
         expert_map, global_num_experts, weights.num_local_experts, x.device
     )
@@ -155,7 +183,7 @@ def fused_experts(
         device=x.device,
         dtype=x.dtype,
         hidden_size=weights.hidden_size,
-        intermediate_size=w2.shape[2],
+        intermediate_size=weights.intermediate_size,
         num_experts=num_global,
         top_k=topk_ids.shape[1],
         activation=spec,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_quant_config, check_tensor
+from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
@@ -31,8 +31,14 @@ from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
 from fusedmoe.parallel import ParallelConfig
+from fusedmoe.quant.config import (
+    FusedMoEQuantConfig,
+    check_scheme,
+    make_quant_config,
+    quantize_experts,
+)
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
-from fusedmoe.weights import resolve_expert_weight
+from fusedmoe.weights import resolve_expert_weight, resolve_quantized_weight
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -63,7 +69,7 @@ class FusedMoE(nn.Module):
         shared_expert_gate: nn.Module | None = None,
         routed_input_transform: Transform | None = None,
         routed_output_transform: Transform | None = None,
-        quant_config: object | None = None,
+        quant_config: str | None = None,
         parallel_config: ParallelConfig | None = None,
         backend: str | type[Experts] = "auto",
         params_dtype: torch.dtype = torch.bfloat16,
@@ -89,8 +95,11 @@ class FusedMoE(nn.Module):
             )
         if shared_expert_gate is not None and shared_experts is None:
             raise ValueError("shared_expert_gate needs shared_experts")
-        check_quant_config(quant_config)
-        self.quant_config = quant_config
+        if quant_config is not None:
+            check_scheme(quant_config)
+        self.params_dtype = params_dtype  # the activations' dtype (weights may be quantized)
+        self.quant_scheme: str | None = None
+        self._quant_options: dict = {}
         self.zero_expert_num = zero_expert_num
         self.zero_expert_type = (
             None if zero_expert_type is None else ZeroExpertType.parse(zero_expert_type)
@@ -129,6 +138,9 @@ class FusedMoE(nn.Module):
         self.router = self._make_router()
         self.chunk_size = default_chunk_size()  # tokens per pass of the modular kernel
         self.reset_parameters()
+        self.backend, self._kernels = backend, {}
+        if quant_config is not None:
+            self.quantize_(quant_config)  # random weights, quantized; load_weights fills them
         self.set_backend(backend)
 
     # ---- construction helpers ----
@@ -142,14 +154,78 @@ class FusedMoE(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
-        # .to() / .cuda() replace the buffers the router holds: rebuild it on the new ones
+        if self.quant_scheme is not None:
+            probe = fn(torch.empty(0, dtype=self.w13_weight.dtype, device=self.w13_weight.device))
+            if probe.dtype != self.w13_weight.dtype:
+                raise TypeError(
+                    f"a {self.quant_scheme}-quantized FusedMoE moves between devices but does not "
+                    f"change dtype (asked {self.w13_weight.dtype} -> {probe.dtype})"
+                )
         result = super()._apply(fn, recurse)
+        if self.quant_scheme is None:
+            self.params_dtype = self.w13_weight.dtype
+        # .to() / .cuda() replace the buffers the router holds: rebuild it on the new ones
         self.router = self._make_router()
         return result
+
+    # ---- quantization ----
+    @torch.no_grad()
+    def quantize_(self, scheme: str, **config_kwargs) -> FusedMoE:
+        """Quantize the experts' float weights in place to `scheme` (see fusedmoe.quant.config).
+
+        config_kwargs: those of make_quant_config (static a1_scale / a2_scale for fp8_tensor,
+        per_token_activations, use_ue8m0, column_major_scales, gemm1_* parameters).
+        """
+        if self.quant_scheme is not None:
+            raise ValueError(f"the layer is already quantized ({self.quant_scheme})")
+        gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]
+        if gemm1:
+            raise ValueError(
+                f"quantize_: {', '.join(gemm1)}: a layer takes its activation parameters "
+                "from activation_params="
+            )
+        w13_q, w2_q, config = quantize_experts(
+            self.w13_weight.detach(), self.w2_weight.detach(), scheme, **config_kwargs
+        )
+        self.w13_weight = nn.Parameter(w13_q, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2_q, requires_grad=False)
+        for name, value in (
+            ("w13_weight_scale", config.w1.scale),
+            ("w2_weight_scale", config.w2.scale),
+            ("w13_weight_global_scale", config.w1.global_scale),
+            ("w2_weight_global_scale", config.w2.global_scale),
+            ("a1_scale", config.a1.scale),
+            ("a2_scale", config.a2.scale),
+        ):
+            self.register_buffer(name, value)
+        self.quant_scheme = scheme
+        self._quant_options = {
+            k: v for k, v in config_kwargs.items() if k not in ("a1_scale", "a2_scale")
+        }
+        self.set_backend(self.backend)
+        return self
+
+    @property
+    def quant_config(self) -> FusedMoEQuantConfig | None:
+        """The quant config of the current weights and scales (None when unquantized)."""
+        if self.quant_scheme is None:
+            return None
+        return make_quant_config(
+            self.quant_scheme,
+            self.w13_weight_scale,
+            self.w2_weight_scale,
+            w1_global_scale=self.w13_weight_global_scale,
+            w2_global_scale=self.w2_weight_global_scale,
+            a1_scale=self.a1_scale,
+            a2_scale=self.a2_scale,
+            **self._quant_options,
+        )
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Random init as nn.Linear does: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        if self.quant_scheme is not None:
+            raise ValueError("reset_parameters: the layer is quantized; build a new layer")
         for param, fan_in in (
             (self.w13_weight, self.hidden_size),
             (self.w2_weight, self.intermediate_size),
@@ -189,7 +265,7 @@ class FusedMoE(nn.Module):
         requires_grad: for a forward that autograd records (training), not an inference one.
         """
         device = device or self.w13_weight.device
-        dtype = dtype or self.w13_weight.dtype
+        dtype = dtype or self.params_dtype
         return self._kernel(device, dtype, requires_grad)[0]
 
     def _kernel(self, device: torch.device, dtype: torch.dtype, requires_grad: bool):
@@ -225,8 +301,16 @@ class FusedMoE(nn.Module):
         of a copy. Backends built for speed keep alignment 1 and lay out their own weights.
         """
         pad = -self.hidden_size % alignment
+        packing = 2 if self.w13_weight.dtype == torch.uint8 else 1  # packed FP4
         if pad == 0:
-            return ExpertWeights(self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias)
+            return ExpertWeights(
+                self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias, k_packing=packing
+            )
+        if self.quant_scheme is not None:
+            raise ValueError(
+                f"the backend needs hidden_size % {alignment} == 0; quantized weights "
+                f"({self.quant_scheme}) are not padded here"
+            )
         return ExpertWeights(
             w13=nn.functional.pad(self.w13_weight, (0, pad)),
             w2=nn.functional.pad(self.w2_weight, (0, 0, 0, pad)),
@@ -308,10 +392,10 @@ class FusedMoE(nn.Module):
                 f"hidden_states{where} must be [..., {self.hidden_size}], "
                 f"got {tuple(x_routed.shape)}"
             )
-        if x_routed.dtype != self.w13_weight.dtype:
+        if x_routed.dtype != self.params_dtype:
             raise TypeError(
-                f"hidden_states{where} has dtype {x_routed.dtype} but the experts are "
-                f"{self.w13_weight.dtype}: cast the input or the layer (layer.to(dtype))"
+                f"hidden_states{where} has dtype {x_routed.dtype} but the layer computes in "
+                f"{self.params_dtype}: cast the input or the layer (layer.to(dtype))"
             )
         if x_routed.device != self.w13_weight.device:
             raise ValueError(
@@ -323,31 +407,44 @@ class FusedMoE(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy checkpoint tensors into the layer; returns the names loaded.
 
-        Expert weights in the namings of fusedmoe.weights; also `e_score_correction_bias` and,
-        when the layer has them, `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`.
-        Tensors are cast to the parameters' dtype. An unknown name or a wrong shape is a
-        ValueError that names the tensor; nothing is loaded after it.
+        Expert weights in the namings of fusedmoe.weights (float checkpoints into an unquantized
+        layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer quantized
+        to their scheme); also `e_score_correction_bias` and, when the layer has them,
+        `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
+        to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
+        name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
         """
+        shapes = dict(
+            num_experts=self.num_experts,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            activation=self.activation.kind,
+        )
         loaded = []
         for name, tensor in weights:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-            target = resolve_expert_weight(
-                name,
-                num_experts=self.num_experts,
-                hidden_size=self.hidden_size,
-                intermediate_size=self.intermediate_size,
-                activation=self.activation.kind,
-            )
+            target = None
+            if self.quant_scheme is not None:
+                target = resolve_quantized_weight(name, scheme=self.quant_scheme, **shapes)
+            if target is None:
+                target = resolve_expert_weight(name, **shapes)
+                if (
+                    target is not None
+                    and self.quant_scheme is not None
+                    and "bias" not in target.param
+                ):
+                    raise ValueError(
+                        f"{name}: the layer holds {self.quant_scheme} weights; load float "
+                        "weights into an unquantized layer and then quantize_()"
+                    )
             if target is not None:
                 param = getattr(self, target.param)
                 if param is None:
-                    raise ValueError(
-                        f"{name}: the layer has no biases (construct with has_bias=True)"
-                    )
-                _copy_checked(
-                    name, param[target.index] if target.index else param, tensor, target.shape
-                )
+                    hint = " (construct with has_bias=True)" if "bias" in target.param else ""
+                    raise ValueError(f"{name}: the layer has no {target.param}{hint}")
+                slot = param[target.index] if target.index else param
+                _copy_checked(name, slot, tensor, target.shape, exact_dtype=target.exact_dtype)
             elif not self._load_other(name, tensor):
                 raise ValueError(f"{name}: not a weight of this FusedMoE layer")
             loaded.append(name)
@@ -393,9 +490,24 @@ def _as_buffer(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return t.detach().clone().to(device) if device is not None else t.detach().clone()
 
 
-def _copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(src.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(src.shape)}")
+def _copy_checked(
+    name: str,
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    shape: tuple[int, ...],
+    *,
+    exact_dtype: bool = False,
+) -> None:
+    """Copy src (of checkpoint shape `shape`, or that with a trailing 1) into dst."""
+    shape = tuple(shape)
+    if tuple(src.shape) == (*shape, 1):  # per-channel scales stored as [N, 1]
+        src = src.squeeze(-1)
+    if tuple(src.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(src.shape)}")
+    if exact_dtype and src.dtype != dst.dtype:
+        raise TypeError(
+            f"{name}: expected {dst.dtype} (quantized data is not cast), got {src.dtype}"
+        )
     if not (src.is_floating_point() or dst.dtype == src.dtype):
         raise TypeError(f"{name}: expected a floating-point tensor, got {src.dtype}")
-    dst.copy_(src)
+    dst.copy_(src.reshape(dst.shape))

@@ -356,7 +356,7 @@ FORWARD_CASES = [
         torch.randn(M, H, dtype=torch.bfloat16),
         torch.randn(M, E),
         TypeError,
-        "hidden_states has dtype torch.bfloat16 but the experts are torch.float32",
+        "hidden_states has dtype torch.bfloat16 but the layer computes in torch.float32",
     ),
     (
         "x int",

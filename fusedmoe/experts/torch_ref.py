@@ -2,11 +2,14 @@
 
 It is the spec every fast backend is checked against, so it rounds exactly where a fused
 pipeline stores to memory, and computes in float64 in between (so that its result does not
-depend on how a BLAS blocks the rows: chunking over M changes nothing):
+depend on how a BLAS blocks the rows: chunking over M changes nothing). Quantized operands
+are dequantized (q * scale) and the intermediate is requantized where a quantized pipeline
+does it:
 
     for each local expert e, rows r = (m, j) routed to it:
         h[r] = round(x[m] @ w13[e].T + w13_bias[e])       # GEMM1 output stored in x.dtype
-        a[r] = round(act(h[r]))                           # activation output stored in x.dtype
+        a[r] = act(h[r])                                  # float32
+        a    = fake_quant(a, a2)  or  round(a)            # a2 quantized, or stored in x.dtype
         y[m, j] = round(a[r] @ w2[e].T + w2_bias[e])      # per-slot output [M, k, H]
     finalize: out[m] = sum_j w[m, j] * y[m, j]            # float32 (float64) sum, then x.dtype
 
@@ -24,6 +27,8 @@ from fusedmoe.activation import apply_activation
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.reduce import TopKWeightAndReduceContiguous
 from fusedmoe.modular.types import WorkspaceShapes
+from fusedmoe.quant.activation import quantize_activation
+from fusedmoe.quant.reference import dequantize
 
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
@@ -48,7 +53,7 @@ class TorchExperts(Experts):
 
     @classmethod
     def supports_quant_config(cls, quant_config):
-        return quant_config is None
+        return True  # every scheme, by dequantize -> float64 compute -> requantize
 
     @classmethod
     def supports_activation(cls, activation):
@@ -88,38 +93,75 @@ class TorchExperts(Experts):
         global_num_experts,
         expert_map,
         a1q_scale,
+        a1q_global_scale,
+        quant_config,
         workspace13,
         workspace2,
         expert_tokens_meta,
         apply_router_weight_on_input,
     ):
+        qc = quant_config
         num_tokens, top_k = topk_ids.shape
-        store = hidden_states.dtype  # where a fused pipeline writes h and act(h) to memory
+        store = output.dtype  # where a fused pipeline writes h and act(h) to memory
         y_slots = output.view(num_tokens * top_k, weights.hidden_size)
         y_slots.zero_()
-        compute = torch.float64
+        x_all = hidden_states
+        if a1q_scale is not None:  # quantized by prepare: what GEMM1 sees is q * scale
+            x_all = dequantize(hidden_states, a1q_scale, qc.a1.key, a1q_global_scale)
 
         local_ids = local_expert_ids(topk_ids, expert_map).flatten()  # [M*k]
         order = torch.argsort(local_ids, stable=True)
         counts = torch.bincount(local_ids + 1, minlength=weights.num_local_experts + 1).tolist()
-        start = counts[0]  # rows with id -1 sort first and are skipped
+        skipped = counts[0]  # rows with id -1 sort first
+        groups = []  # (expert, rows) with rows in `order`
+        start = skipped
         for expert, count in enumerate(counts[1:]):
-            if count == 0:
-                continue
-            rows = order[start : start + count]
-            start += count
-            x = hidden_states[rows // top_k].to(compute)  # [c, H]
-            h = self._linear(x, weights.w13[expert], weights.w13_bias, expert).to(store)  # [c, N]
-            a = apply_activation(activation.kind, h, activation.params).to(store)  # [c, N/2 or N]
-            y = self._linear(a.to(compute), weights.w2[expert], weights.w2_bias, expert)  # [c, H]
-            y_slots[rows] = y.to(output.dtype)
+            if count:
+                groups.append((expert, order[start : start + count]))
+                start += count
+        if not groups:
+            return
 
-    @staticmethod
-    def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, expert: int):
-        y = x @ w.to(x.dtype).t()
-        if bias is not None:
-            y = y + bias[expert].to(x.dtype)
-        return y
+        # GEMM1 + activation for every routed row, then the a2 quantization over all of them
+        # (a dynamic per-tensor a2 scale spans every expert), then GEMM2.
+        acts = []
+        for expert, rows in groups:
+            x = x_all[rows // top_k].to(_COMPUTE)  # [c, H]
+            w13 = _expert_weight(weights.w13, qc and qc.w1, expert)
+            h = _linear(x, w13, weights.w13_bias, expert).to(store)  # [c, N]
+            acts.append(apply_activation(activation.kind, h, activation.params))  # fp32 [c, N']
+        a_all = torch.cat(acts)  # [rows routed, N'] in `groups` order
+        if qc is not None and qc.a2.quantized:  # quantized from float32, as a fused epilogue does
+            qa = quantize_activation(a_all.float(), qc.a2)
+            a_all = dequantize(qa.q, qa.scale, qc.a2.key, qa.global_scale)
+        else:
+            a_all = a_all.to(store)
+
+        offset = 0
+        for expert, rows in groups:
+            a = a_all[offset : offset + rows.numel()].to(_COMPUTE)
+            offset += rows.numel()
+            w2 = _expert_weight(weights.w2, qc and qc.w2, expert)
+            y_slots[rows] = _linear(a, w2, weights.w2_bias, expert).to(output.dtype)  # [c, H]
+
+
+_COMPUTE = torch.float64
+
+
+def _expert_weight(w: torch.Tensor, operand, expert: int) -> torch.Tensor:
+    """Expert `expert` of w as float64, dequantized when `operand` quantizes it."""
+    if operand is None or not operand.quantized:
+        return w[expert].to(_COMPUTE)
+    one = slice(expert, expert + 1)
+    g = None if operand.global_scale is None else operand.global_scale[one]
+    return dequantize(w[one], operand.scale[one], operand.key, g)[0].to(_COMPUTE)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, expert: int):
+    y = x @ w.t()
+    if bias is not None:
+        y = y + bias[expert].to(x.dtype)
+    return y
 
 
 __all__ = ["TorchExperts", "local_expert_ids"]

@@ -29,6 +29,7 @@ from fusedmoe.modular.types import (
     MoEProblem,
     WorkspaceShapes,
 )
+from fusedmoe.quant.config import FusedMoEQuantConfig
 
 
 class Experts(abc.ABC):
@@ -53,7 +54,7 @@ class Experts(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def supports_quant_config(cls, quant_config: object | None) -> bool: ...
+    def supports_quant_config(cls, quant_config: FusedMoEQuantConfig | None) -> bool: ...
 
     @classmethod
     @abc.abstractmethod
@@ -156,6 +157,8 @@ class Experts(abc.ABC):
         global_num_experts: int,
         expert_map: torch.Tensor | None,
         a1q_scale: torch.Tensor | None,
+        a1q_global_scale: torch.Tensor | None,
+        quant_config: FusedMoEQuantConfig | None,
         workspace13: torch.Tensor,
         workspace2: torch.Tensor,
         expert_tokens_meta: ExpertTokensMeta | None,

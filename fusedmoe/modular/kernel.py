@@ -158,6 +158,8 @@ class FusedMoEModularKernel:
             global_num_experts=global_num_experts,
             expert_map=expert_map,
             a1q_scale=prepared.a1q_scale,
+            a1q_global_scale=prepared.a1q_global_scale,
+            quant_config=quant_config,
             workspace13=workspace13,
             workspace2=workspace2,
             expert_tokens_meta=prepared.expert_tokens_meta,

@@ -18,18 +18,8 @@ from fusedmoe.modular.reduce import (
     TopKWeightAndReduceDelegate,
 )
 from fusedmoe.modular.types import PrepareResult
-
-
-def quantize_input(
-    a1: torch.Tensor, quant_config: object | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Quantize the activations for GEMM1 as the quant config says. -> (a1q, a1q_scale)."""
-    if quant_config is None:
-        return a1, None
-    raise ValueError(
-        f"quant_config {quant_config!r}: quantized experts are not available in this version "
-        "of fusedmoe (only unquantized bf16/fp16/fp32 experts are)"
-    )
+from fusedmoe.quant.activation import quantize_input
+from fusedmoe.quant.config import FusedMoEQuantConfig
 
 
 def apply_weight_on_input(a1: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -52,7 +42,7 @@ class PrepareFinalize(abc.ABC):
         num_experts: int,
         expert_map: torch.Tensor | None,
         apply_router_weight_on_input: bool,
-        quant_config: object | None,
+        quant_config: FusedMoEQuantConfig | None,
         defer_input_quant: bool = False,
     ) -> PrepareResult: ...
 
@@ -107,12 +97,13 @@ class NoEPPrepareFinalize(PrepareFinalize):
     ):
         if apply_router_weight_on_input:
             a1 = apply_weight_on_input(a1, topk_weights)
-        if defer_input_quant:
-            a1q, a1q_scale = a1, None
-        else:
-            a1q, a1q_scale = quantize_input(a1, quant_config)
+        a1q = quantize_input(a1, None if defer_input_quant else quant_config)
         return PrepareResult(
-            a1q=a1q, a1q_scale=a1q_scale, topk_weights=topk_weights, topk_ids=topk_ids
+            a1q=a1q.q,
+            a1q_scale=a1q.scale,
+            a1q_global_scale=a1q.global_scale,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
         )
 
     def finalize(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.quant.config import FusedMoEQuantConfig
 
 
 @dataclass
@@ -21,6 +22,8 @@ class ExpertWeights:
     w2: torch.Tensor  # [E_l, H, I]
     w13_bias: torch.Tensor | None = None  # [E_l, N]
     w2_bias: torch.Tensor | None = None  # [E_l, H]
+    #: values stored per element along K (2 for packed FP4: w13 is [E_l, N, H/2])
+    k_packing: int = 1
 
     @property
     def num_local_experts(self) -> int:
@@ -28,7 +31,11 @@ class ExpertWeights:
 
     @property
     def hidden_size(self) -> int:
-        return self.w13.shape[2]
+        return self.w13.shape[2] * self.k_packing
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2] * self.k_packing
 
     @property
     def gemm1_out_size(self) -> int:
@@ -74,6 +81,7 @@ class PrepareResult:
     a1q_scale: torch.Tensor | None  # scales of a1q, None when unquantized
     topk_weights: torch.Tensor  # float32 [M, k]
     topk_ids: torch.Tensor  # int32 [M, k], global expert ids; -1 marks an empty slot
+    a1q_global_scale: torch.Tensor | None = None  # NVFP4 activations: float32 [1]
     expert_tokens_meta: ExpertTokensMeta | None = None
 
 
@@ -97,7 +105,7 @@ class MoEProblem:
     num_experts: int  # global
     top_k: int
     activation: ActivationSpec = ActivationSpec()
-    quant_config: object | None = None
+    quant_config: FusedMoEQuantConfig | None = None
     has_bias: bool = False
     has_expert_map: bool = False
     ep_size: int = 1

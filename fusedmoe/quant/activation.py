@@ -145,3 +145,29 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def quantize_nvfp4(x: torch.Tensor) -> Quantized:
     """x [M, K] (K % 16 == 0) -> q uint8 [M, K/2], e4m3 scales [M, K/16], global float32 [1]."""
     return quantize(_check_2d("x", x), keys.NVFP4)
+
+
+# ---- the dispatcher prepare/finalize and the experts use ----
+def quantize_activation(x: torch.Tensor, operand) -> Quantized:
+    """x [M, K] quantized as `operand` (an OperandQuant) says; unquantized: q is x itself."""
+    key = operand.key
+    if key is None:
+        return Quantized(q=x, scale=None)
+    if key.element is keys.ElementFormat.FP8 and key.layout is keys.ScaleLayout.GROUP:
+        if key.scale_format in (keys.ScaleFormat.FLOAT32, keys.ScaleFormat.UE8M0):
+            use_ue8m0 = key.scale_format is keys.ScaleFormat.UE8M0
+            q, scale = per_token_group_quant_fp8(
+                x, key.group[1], operand.column_major_scales, use_ue8m0
+            )
+            return Quantized(q=q, scale=scale)
+        if key == keys.MXFP8:
+            q, scale = quantize_mxfp8(x)
+            return Quantized(q=q, scale=scale)
+    return quantize(x, key, operand.scale, column_major_scales=operand.column_major_scales)
+
+
+def quantize_input(x: torch.Tensor, quant_config) -> Quantized:
+    """The input of GEMM1 as the quant config's a1 says (unquantized without a config)."""
+    if quant_config is None:
+        return Quantized(q=x, scale=None)
+    return quantize_activation(x, quant_config.a1)

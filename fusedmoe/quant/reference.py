@@ -49,7 +49,7 @@ _FMT_EMAX = {ElementFormat.FP8: FP8_EMAX, ElementFormat.FP4: FP4_EMAX}
 @dataclass
 class Quantized:
     q: torch.Tensor  # fp8 / int8 [..., R, K], or uint8 [..., R, K/2] for FP4
-    scale: torch.Tensor  # in the key's layout and format (see fusedmoe.quant.keys)
+    scale: torch.Tensor | None  # in the key's layout and format; None: q is unquantized
     global_scale: torch.Tensor | None = None  # NVFP4: float32 [1] (2-D) or [E] (3-D)
 
 

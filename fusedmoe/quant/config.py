@@ -1,0 +1,273 @@
+"""FusedMoEQuantConfig: how each operand of the MoE is quantized, and the named schemes.
+
+    operand  what                         layout of its scale (fusedmoe.quant.keys)
+    a1       input of GEMM1  [M, H]       set by prepare (static scale given, or dynamic)
+    w1       w13             [E, N, H]    scale tensors stored with the weights
+    a2       input of GEMM2  [M*k, I]     quantized between the GEMMs (static or dynamic)
+    w2       w2              [E, H, I]
+
+Schemes (weights x activations), each a name for `quantize_experts` and `FusedMoE.quantize_`:
+    fp8_tensor    FP8 per-expert tensor scale    x FP8 per-tensor (static a1/a2, or dynamic)
+                                                   or per-token (per_token_activations=True)
+    fp8_channel   FP8 per-channel [E, N]         x FP8 dynamic per-token [M, 1]
+    fp8_block     FP8 128x128 blocks             x FP8 dynamic 1x128 groups (UE8M0 optional)
+    mxfp8         MXFP8 1x32 E8M0                x MXFP8
+    mxfp4_w4a8    MXFP4 (E2M1 packed) 1x32 E8M0  x FP8 dynamic 1x128 groups
+    mxfp4_w4a16   MXFP4                          x unquantized (bf16/fp16/fp32)
+    nvfp4         NVFP4 1x16 e4m3 + global       x NVFP4 dynamic
+    int8          INT8 per-channel               x INT8 dynamic per-token
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fusedmoe.activation import ActivationParams
+from fusedmoe.quant import keys
+from fusedmoe.quant.formats import FP8_DTYPE
+from fusedmoe.quant.keys import ElementFormat, QuantKey, ScaleFormat, ScaleLayout
+from fusedmoe.quant.reference import quantize
+
+SCHEMES = (
+    "fp8_tensor",
+    "fp8_channel",
+    "fp8_block",
+    "mxfp8",
+    "mxfp4_w4a8",
+    "mxfp4_w4a16",
+    "nvfp4",
+    "int8",
+)
+
+#: scheme -> (weight key, activation key); None activation key: activations stay unquantized
+_SCHEME_KEYS: dict[str, tuple[QuantKey, QuantKey | None]] = {
+    "fp8_tensor": (keys.FP8_TENSOR, keys.FP8_DYNAMIC_TENSOR),
+    "fp8_channel": (keys.FP8_CHANNEL, keys.FP8_DYNAMIC_TOKEN),
+    "fp8_block": (keys.FP8_BLOCK128, keys.FP8_DYNAMIC_GROUP128),
+    "mxfp8": (keys.MXFP8, keys.MXFP8),
+    "mxfp4_w4a8": (keys.MXFP4, keys.FP8_DYNAMIC_GROUP128),
+    "mxfp4_w4a16": (keys.MXFP4, None),
+    "nvfp4": (keys.NVFP4, keys.NVFP4),
+    "int8": (keys.INT8_CHANNEL, keys.INT8_DYNAMIC_TOKEN),
+}
+
+_STORAGE_DTYPE = {
+    ElementFormat.FP8: FP8_DTYPE,
+    ElementFormat.INT8: torch.int8,
+    ElementFormat.FP4: torch.uint8,
+}
+
+
+def weight_key(scheme: str) -> QuantKey:
+    return _SCHEME_KEYS[check_scheme(scheme)][0]
+
+
+def check_scheme(scheme: object) -> str:
+    if not isinstance(scheme, str):
+        raise TypeError(f"scheme must be a str, got {type(scheme).__name__}")
+    if scheme not in _SCHEME_KEYS:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {list(SCHEMES)}")
+    return scheme
+
+
+@dataclass(frozen=True)
+class OperandQuant:
+    """How one operand is quantized. key None: the operand stays in the activation dtype."""
+
+    key: QuantKey | None = None
+    scale: torch.Tensor | None = None  # weights: always; activations: static keys only
+    global_scale: torch.Tensor | None = None  # NVFP4 weights: float32 [E]
+    column_major_scales: bool = False  # activations with a GROUP layout
+
+    @property
+    def quantized(self) -> bool:
+        return self.key is not None
+
+
+@dataclass(frozen=True)
+class FusedMoEQuantConfig:
+    scheme: str
+    a1: OperandQuant = field(default_factory=OperandQuant)
+    a2: OperandQuant = field(default_factory=OperandQuant)
+    w1: OperandQuant = field(default_factory=OperandQuant)
+    w2: OperandQuant = field(default_factory=OperandQuant)
+    gemm1_alpha: float | None = None
+    gemm1_beta: float | None = None
+    gemm1_clamp_limit: float | None = None
+
+    @property
+    def w1_scale(self) -> torch.Tensor | None:
+        return self.w1.scale
+
+    @property
+    def w2_scale(self) -> torch.Tensor | None:
+        return self.w2.scale
+
+    @property
+    def a1_scale(self) -> torch.Tensor | None:
+        return self.a1.scale
+
+    @property
+    def a2_scale(self) -> torch.Tensor | None:
+        return self.a2.scale
+
+    @property
+    def block_shape(self) -> tuple[int, int] | None:
+        return self.w1.key.group if self.w1.key is not None else None
+
+    def activation_params(self) -> ActivationParams | None:
+        """gemm1_alpha / beta / clamp_limit as activation parameters (None when all unset)."""
+        if self.gemm1_alpha is None and self.gemm1_beta is None and self.gemm1_clamp_limit is None:
+            return None
+        return ActivationParams(self.gemm1_alpha, self.gemm1_beta, self.gemm1_clamp_limit)
+
+    def __repr__(self) -> str:
+        a1 = self.a1.key.name if self.a1.key else "unquantized"
+        return f"FusedMoEQuantConfig({self.scheme}: w {self.w1.key.name}, a {a1})"
+
+    def hidden_size(self, w13: torch.Tensor) -> int:
+        """The logical hidden size of w13 (FP4 stores two values per byte)."""
+        return logical_k(w13, self.w1.key)
+
+    def check_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """The quantized weights and their scales fit each other and this config."""
+        for name, w, operand in (("w13", w13, self.w1), ("w2", w2, self.w2)):
+            check_quantized_weight(name, w, operand)
+
+
+def logical_k(w: torch.Tensor, key: QuantKey | None) -> int:
+    k = w.shape[-1]
+    return 2 * k if key is not None and key.element is ElementFormat.FP4 else k
+
+
+def expected_scale_shape(key: QuantKey, e: int, n: int, k: int) -> tuple[int, ...]:
+    if key.layout is ScaleLayout.TENSOR:
+        return (e,)
+    if key.layout is ScaleLayout.ROW:
+        return (e, n)
+    bn, bk = key.group
+    return (e, math.ceil(n / bn), math.ceil(k / bk))
+
+
+def check_quantized_weight(name: str, w: torch.Tensor, operand: OperandQuant) -> None:
+    key = operand.key
+    expected_dtype = _STORAGE_DTYPE[key.element]
+    if w.dtype != expected_dtype:
+        raise TypeError(f"{name}: {key.name} weights are stored as {expected_dtype}, got {w.dtype}")
+    e, n, k = w.shape[0], w.shape[1], logical_k(w, key)
+    if key.exact_groups and k % key.group[1] != 0:
+        raise ValueError(f"{name}: K = {k} is not a multiple of the {key.group[1]}-wide groups")
+    scale = operand.scale
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"{name}: {key.name} weights need a scale tensor")
+    shape = expected_scale_shape(key, e, n, k)
+    if tuple(scale.shape) != shape:
+        raise ValueError(
+            f"{name} scale must have shape {shape} for {key.name}, got {tuple(scale.shape)}"
+        )
+    scale_dtype = {ScaleFormat.E8M0: torch.uint8, ScaleFormat.E4M3_GLOBAL: FP8_DTYPE}.get(
+        key.scale_format, torch.float32
+    )
+    if scale.dtype != scale_dtype:
+        raise TypeError(f"{name} scale must be {scale_dtype} for {key.name}, got {scale.dtype}")
+    if scale.device != w.device:
+        raise ValueError(f"{name} scale is on {scale.device}, the weights on {w.device}")
+    if key.scale_format is ScaleFormat.E4M3_GLOBAL:
+        g = operand.global_scale
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) != (e,):
+            got = None if g is None else tuple(g.shape)
+            raise ValueError(f"{name}: NVFP4 weights need a float32 global scale [{e}], got {got}")
+
+
+def make_quant_config(
+    scheme: str,
+    w1_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    w1_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    per_token_activations: bool = False,
+    column_major_scales: bool = False,
+    use_ue8m0: bool = False,
+    gemm1_alpha: float | None = None,
+    gemm1_beta: float | None = None,
+    gemm1_clamp_limit: float | None = None,
+) -> FusedMoEQuantConfig:
+    """The config of `scheme` for weights already quantized (scales as quantize_experts makes)."""
+    weight_key, act_key = _SCHEME_KEYS[check_scheme(scheme)]
+    static = a1_scale is not None or a2_scale is not None
+    if static:
+        if scheme != "fp8_tensor" or a1_scale is None or a2_scale is None:
+            raise ValueError(
+                "static activation scales: fp8_tensor only, with both a1_scale and a2_scale"
+            )
+        if per_token_activations:
+            raise ValueError("per_token_activations and static scales exclude each other")
+        act_key = keys.FP8_STATIC_TENSOR
+    if per_token_activations:
+        if scheme != "fp8_tensor":
+            raise ValueError("per_token_activations applies to fp8_tensor (fp8_channel has them)")
+        act_key = keys.FP8_DYNAMIC_TOKEN
+    if use_ue8m0:
+        if act_key != keys.FP8_DYNAMIC_GROUP128:
+            raise ValueError(
+                "use_ue8m0 applies to the 1x128 group scales of fp8_block / mxfp4_w4a8"
+            )
+        act_key = keys.FP8_DYNAMIC_GROUP128_UE8M0
+    if column_major_scales and (act_key is None or act_key.layout is not ScaleLayout.GROUP):
+        raise ValueError("column_major_scales applies to group-scaled activations")
+    for name, value in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
+        if value is not None and (not isinstance(value, torch.Tensor) or value.numel() != 1):
+            raise ValueError(f"{name} must be a one-element float32 tensor")
+
+    def act(scale):
+        return OperandQuant(act_key, scale, column_major_scales=column_major_scales)
+
+    return FusedMoEQuantConfig(
+        scheme=scheme,
+        a1=act(a1_scale),
+        a2=act(a2_scale),
+        w1=OperandQuant(weight_key, w1_scale, w1_global_scale),
+        w2=OperandQuant(weight_key, w2_scale, w2_global_scale),
+        gemm1_alpha=gemm1_alpha,
+        gemm1_beta=gemm1_beta,
+        gemm1_clamp_limit=gemm1_clamp_limit,
+    )
+
+
+def quantize_weight(w: torch.Tensor, scheme: str):
+    """One expert weight [E, N, K] -> Quantized in the scheme's weight format."""
+    weight_key, _ = _SCHEME_KEYS[check_scheme(scheme)]
+    return quantize(w, weight_key)
+
+
+def quantize_experts(
+    w13: torch.Tensor, w2: torch.Tensor, scheme: str, **config_kwargs
+) -> tuple[torch.Tensor, torch.Tensor, FusedMoEQuantConfig]:
+    """Online quantization of float experts: (w13 [E, N, H], w2 [E, H, I]) -> (w13_q, w2_q, config).
+
+    MXFP4 weights come back as uint8 [E, N, K/2] with uint8 E8M0 scales [E, N, K/32]; FP8
+    block weights as float8_e4m3fn [E, N, K] with float32 scales [E, ceil(N/128), ceil(K/128)].
+    `config_kwargs` go to make_quant_config (static a1/a2 scales, per-token, UE8M0, ...).
+    """
+    check_scheme(scheme)
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D [E, N, K] tensor")
+        if not w.is_floating_point() or w.dtype == FP8_DTYPE:
+            raise TypeError(f"{name} must be float weights to quantize, got {w.dtype}")
+    q13, q2 = quantize_weight(w13, scheme), quantize_weight(w2, scheme)
+    config = make_quant_config(
+        scheme,
+        q13.scale,
+        q2.scale,
+        w1_global_scale=q13.global_scale,
+        w2_global_scale=q2.global_scale,
+        **config_kwargs,
+    )
+    return q13.q, q2.q, config
