@@ -15,8 +15,21 @@ from collections.abc import Sequence
 import torch
 
 from fusedmoe.presets import PRESETS, get_preset
+from fusedmoe.quant.config import SCHEMES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: relative (norm) error the demo accepts against the float64 reference
+DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+QUANT_TOLERANCE = {
+    "fp8_tensor": 0.12,
+    "fp8_channel": 0.12,
+    "fp8_block": 0.12,
+    "mxfp8": 0.12,
+    "int8": 0.05,
+    "mxfp4_w4a8": 0.3,
+    "mxfp4_w4a16": 0.3,
+    "nvfp4": 0.3,
+}
 #: on the CPU the demo divides hidden and intermediate sizes by this, so it runs in seconds
 CPU_SCALE = 16
 
@@ -64,14 +77,17 @@ def run_demo(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     layer = preset.build(dtype=dtype, device=device, backend=args.backend)
+    float_layer = copy.deepcopy(layer)
+    if args.quant != "none":
+        layer.quantize_(args.quant)
     x = torch.randn(args.tokens, preset.hidden_size, dtype=dtype, device=device)
     logits = torch.randn(args.tokens, preset.num_experts, dtype=torch.float32, device=device)
     choice = layer.backend_choice()
 
     with torch.inference_mode():
         out = layer(x, logits)
-        # the reference: the torch backend on float64 copies, routed identically
-        reference_layer = copy.deepcopy(layer).to(torch.float64)
+        # the reference: the torch backend on a float64 copy of the unquantized layer
+        reference_layer = float_layer.to(torch.float64)
         reference_layer.set_backend("torch")
         ref = reference_layer(x.double(), logits)
         err = float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -81,11 +97,12 @@ def run_demo(args: argparse.Namespace) -> int:
         f"fusedmoe demo: {preset.label}: E={preset.num_experts} k={preset.top_k} "
         f"H={preset.hidden_size} I={preset.intermediate_size}, {args.tokens} tokens, "
         f"{args.dtype} on {device.type}"
+        + ("" if args.quant == "none" else f", {args.quant} experts")
     )
     if scale > 1:
         print(
-            f"  (hidden and intermediate sizes divided by {scale} so the run takes seconds; "
-            "--scale 1 for the real sizes)"
+            f"  (hidden and intermediate sizes divided by {scale}, rounded up to a multiple of "
+            "32, so the run takes seconds; --scale 1 for the real sizes)"
         )
     tokens_per_s = args.tokens / (ms / 1e3) if ms > 0 else float("inf")
     row = {
@@ -98,7 +115,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(_table([row]))
     for name, why in choice.refused.items():
         print(f"  not {name}: {why}")
-    tolerance = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    tolerance = QUANT_TOLERANCE.get(args.quant) or DTYPE_TOLERANCE[dtype]
     if not err <= tolerance:
         print(f"FAILED: relative error {err:.2e} above {tolerance:.0e}", file=sys.stderr)
         return 1
@@ -114,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     demo.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     demo.add_argument("--backend", default="auto")
+    demo.add_argument(
+        "--quant", default="none", choices=["none", *SCHEMES], help="quantize the experts online"
+    )
     demo.add_argument(
         "--scale",
         type=int,

@@ -142,7 +142,7 @@ def select_backend(
 
 
 def _describe(problem: MoEProblem) -> str:
-    quant = "unquantized" if problem.quant_config is None else repr(problem.quant_config)
+    quant = "unquantized" if problem.quant_config is None else problem.quant_config.scheme
     return (
         f"{problem.device.type}, {str(problem.dtype).removeprefix('torch.')}, {quant}, "
         f"{problem.activation.kind.value}"

@@ -2,7 +2,7 @@
 
 Shapes as in ../shared/PERFORMANCE.md; routing as each model's own MoE block does it.
 `scaled(factor)` shrinks hidden and intermediate sizes (experts, top-k and routing stay) so a
-CPU run finishes in seconds.
+CPU run finishes in seconds; they stay multiples of 32, as the MX and NVFP4 formats need.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class MoEPreset:
             return self
         return dataclasses.replace(
             self,
-            hidden_size=max(self.hidden_size // factor, 8),
-            intermediate_size=max(self.intermediate_size // factor, 8),
+            hidden_size=_round_up(self.hidden_size // factor, 32),
+            intermediate_size=_round_up(self.intermediate_size // factor, 32),
             scale=self.scale * factor,
         )
 
@@ -61,6 +61,10 @@ class MoEPreset:
             **routing,
             **kwargs,
         )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
 
 
 PRESETS: dict[str, MoEPreset] = {

@@ -26,7 +26,7 @@ def test_demo_runs_and_reports(argv, capsys):
 
 def test_demo_says_it_scaled_down(capsys):
     assert main(["demo", "--tokens", "4"]) == 0
-    assert "divided by 16" in capsys.readouterr().out
+    assert "divided by 16, rounded up to a multiple of 32" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

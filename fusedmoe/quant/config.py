@@ -240,10 +240,9 @@ def make_quant_config(
     )
 
 
-def quantize_weight(w: torch.Tensor, scheme: str):
+def quantize_weight(w: torch.Tensor, scheme: str, what: str = "w"):
     """One expert weight [E, N, K] -> Quantized in the scheme's weight format."""
-    weight_key, _ = _SCHEME_KEYS[check_scheme(scheme)]
-    return quantize(w, weight_key)
+    return quantize(w, weight_key(scheme), what=what)
 
 
 def quantize_experts(
@@ -261,7 +260,7 @@ def quantize_experts(
             raise ValueError(f"{name} must be a 3-D [E, N, K] tensor")
         if not w.is_floating_point() or w.dtype == FP8_DTYPE:
             raise TypeError(f"{name} must be float weights to quantize, got {w.dtype}")
-    q13, q2 = quantize_weight(w13, scheme), quantize_weight(w2, scheme)
+    q13, q2 = quantize_weight(w13, scheme, "w13"), quantize_weight(w2, scheme, "w2")
     config = make_quant_config(
         scheme,
         q13.scale,

@@ -117,9 +117,10 @@ def quantize(
     scale: torch.Tensor | None = None,
     *,
     column_major_scales: bool = False,
+    what: str = "x",
 ) -> Quantized:
     """x [M, K] or [E, N, K] -> Quantized. `scale` is the given scale of a static key."""
-    check_quantizable(x, key)
+    check_quantizable(x, key, what)
     if key.static and scale is None:
         raise ValueError(f"{key.name}: a static key needs its scale")
     if not key.static and scale is not None:
