@@ -155,12 +155,16 @@ class FusedMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         if self.quant_scheme is not None:
-            probe = fn(torch.empty(0, dtype=self.w13_weight.dtype, device=self.w13_weight.device))
-            if probe.dtype != self.w13_weight.dtype:
-                raise TypeError(
-                    f"a {self.quant_scheme}-quantized FusedMoE moves between devices but does not "
-                    f"change dtype (asked {self.w13_weight.dtype} -> {probe.dtype})"
-                )
+            # Probe every dtype the layer holds (quantized data, scales, biases): int8 / uint8
+            # weights pass a float cast unchanged, while their float scales and biases would not.
+            tensors = [*self.parameters(recurse=False), *self.buffers(recurse=False)]
+            for dtype in dict.fromkeys(t.dtype for t in tensors):
+                probe = fn(torch.empty(0, dtype=dtype, device=self.w13_weight.device))
+                if probe.dtype != dtype:
+                    raise TypeError(
+                        f"a {self.quant_scheme}-quantized FusedMoE moves between devices but does "
+                        f"not change dtype (asked {dtype} -> {probe.dtype})"
+                    )
         result = super()._apply(fn, recurse)
         if self.quant_scheme is None:
             self.params_dtype = self.w13_weight.dtype

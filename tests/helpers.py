@@ -2,7 +2,8 @@
 
 Indices and counts compare exactly. Floats compare against a float64 (or float32) reference
 by normalised max error |a - e|.max() / max(|e|.max(), tiny), with a bound tied to the dtype
-the computation ran in; on failure the worst coordinates are printed.
+the computation ran in; quantized outputs also by normalised RMS error (rms_tol); on failure
+the worst coordinates are printed.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ def assert_close(
     dtype: torch.dtype | None = None,
     *,
     tol: float | None = None,
+    rms_tol: float | None = None,
     what: str = "output",
 ) -> None:
-    """actual ~= expected within the bound of `dtype` (default: actual's dtype)."""
+    """actual ~= expected within the bound of `dtype` (default: actual's dtype), and with
+    rms_tol, a bound on the normalised RMS error sqrt(mean(|a - e|^2)) / max(|e|)."""
     assert actual.shape == expected.shape, (
         f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     )
@@ -44,12 +47,14 @@ def assert_close(
     scale = max(float(e.abs().max()), 1e-30)
     diff = (a - e).abs()
     err = float(diff.max()) / scale
-    if err > bound:
+    rms = float(diff.square().mean().sqrt()) / scale
+    if err > bound or (rms_tol is not None and rms > rms_tol):
         flat = int(diff.argmax())
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
-        rms = float(diff.square().mean().sqrt()) / scale
+        rms_bound = "" if rms_tol is None else f" (bound {rms_tol:.1e})"
         raise AssertionError(
-            f"{what}: normalised max error {err:.3e} > {bound:.1e} ({dtype}); rms {rms:.3e}; "
+            f"{what}: normalised max error {err:.3e} (bound {bound:.1e}, {dtype}); "
+            f"rms {rms:.3e}{rms_bound}; "
             f"worst at {idx}: got {float(a[idx]):.6g}, expected {float(e[idx]):.6g} "
             f"(scale {scale:.3g})"
         )

@@ -15,9 +15,10 @@ Every program quantizes a tile of BLOCK_M rows x GROUPS_PER_PROGRAM groups, whol
     q     = e4m3(clamp(x / scale, -448, 448))                 # round to nearest, ties to even
 
 Why the kernels match the twin bit for bit:
-- fp32 `/` in Triton compiles to an approximate division on NVIDIA GPUs; tl.math.div_rn is
-  IEEE division, as torch does. A power-of-two scale divides exactly as a multiplication by
-  its reciprocal, built from the exponent bits.
+- fp32 `/` in Triton compiles to an approximate division on NVIDIA GPUs. x / scale is
+  rounded as IEEE division (torch's) by a multiply with the group's correctly rounded
+  reciprocal and one fma correction (Markstein); a power-of-two scale divides exactly as a
+  multiplication by its reciprocal, built from the exponent bits.
 - UE8M0 and E8M0 exponents come from the float's bits, not from log2: an approximate log2 of a
   value within an ulp of a power of two would move the scale by a factor of two.
 - Triton's CPU interpreter casts fp32 -> fp8 by rounding half up and drops mantissa carries, so
@@ -57,7 +58,9 @@ __all__ = [
     "use_quant_kernel_config",
 ]
 
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# float64 is rounded to float32 on load, as the twin quantizes x.float() (the reference
+# backend hands float64 activations to the dispatchers).
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _MX_GROUP = 32
 
 # Compile-time codes (Triton kernels only read globals that are constexpr).
@@ -82,14 +85,26 @@ _ACTIVATION_CODE = {
 @triton.jit
 def _round_to_e4m3_grid(y):
     """fp32 y in [-448, 448] -> the nearest E4M3 value (ties to even), still fp32."""
-    mag = tl.abs(y)
-    bits = mag.to(tl.int32, bitcast=True)
+    y_bits = y.to(tl.int32, bitcast=True)
+    sign = y_bits & -2147483648  # 0x80000000: keeps -0.0 and negatives rounding to zero
+    bits = y_bits & 0x7FFFFFFF
+    mag = bits.to(tl.float32, bitcast=True)
     # normals (>= 2**-6) keep 3 of the 23 mantissa bits: add half an ulp - 1, plus the kept lsb
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
     # subnormals are multiples of 2**-9, the spacing of fp32 at 2**14: the add rounds to even
-    subnormal = (mag + 16384.0) - 16384.0
+    subnormal = ((mag + 16384.0) - 16384.0).to(tl.int32, bitcast=True)
     r = tl.where(mag < 0.015625, subnormal, normal)
-    return tl.where(y < 0, -r, r)
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _divide_by_group_scale(x, scale, inverse):
+    """x / scale rounded to nearest, as IEEE division, given inverse = 1 / scale rounded to
+    nearest (once per group): a multiply and Markstein's fma correction per element instead of a
+    full division. The remainder r is exact; r == 0 keeps the sign of a zero quotient."""
+    q = x * inverse
+    r = tl.fma(-q, scale, x)
+    return tl.where(r == 0.0, q, tl.fma(r, inverse, q))
 
 
 @triton.jit
@@ -116,7 +131,7 @@ def _quantize_groups(x, SCALE_FORMAT: tl.constexpr, ROUND_IN_FP32: tl.constexpr)
             inverse = ((254 << 23) - bits).to(tl.float32, bitcast=True)  # 2**-e, exact
             y = x * inverse[:, :, None]
         else:
-            y = tl.math.div_rn(x, scale[:, :, None])
+            y = _divide_by_group_scale(x, scale[:, :, None], tl.math.div_rn(1.0, scale)[:, :, None])
         stored = scale
     y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
     if ROUND_IN_FP32:
@@ -145,7 +160,7 @@ def _group_tile(
 
 @triton.jit
 def _group_quant_fp8_kernel(
-    x_ptr, stride_xm, stride_xk,  # [M, K] bf16 / fp16 / fp32
+    x_ptr, stride_xm, stride_xk,  # [M, K] bf16 / fp16 / fp32 / fp64
     q_ptr, stride_qm, stride_qk,  # [M, K] e4m3
     s_ptr, stride_sm, stride_sg,  # [M, G] fp32, or uint8 E8M0
     M, K, G,
@@ -170,23 +185,34 @@ def _group_quant_fp8_kernel(
     tl.store(s_ptrs, scale, mask=scale_mask)
 
 
+# The formulas of torch's kernels (x / (1 + exp(-x)), 1 / (1 + exp(-x))). On a GPU, exp and
+# `/` are the fast approximate instructions (a few ulps; the fused kernel's budget is tight),
+# on the interpreter they are numpy's: the amax, and so the scale, may differ from the twin's
+# in the last bits.
+@triton.jit
+def _silu(z):
+    return z / (1.0 + tl.exp(-z))
+
+
 @triton.jit
 def _sigmoid(z):
-    return tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
+    return 1.0 / (1.0 + tl.exp(-z))
 
 
 @triton.jit
-def _gated_activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr):
+def _gated_activation(
+    gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr
+):
     """fp32 gate, up -> act(gate, up) in fp32, as fusedmoe.activation defines it."""
     if ACTIVATION == _SILU:
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        out = gate * _sigmoid(gate) * up
+        out = _silu(gate) * up
     elif ACTIVATION == _GELU:
         out = gate * 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
     elif ACTIVATION == _SWIGLUSTEP:
-        out = tl.minimum(gate * _sigmoid(gate), limit) * tl.minimum(tl.maximum(up, -limit), limit)
+        out = tl.minimum(_silu(gate), limit) * tl.minimum(tl.maximum(up, -limit), limit)
     else:  # SWIGLUOAI (beta = 1) and SWIGLUOAI_UNINTERLEAVE
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -196,10 +222,10 @@ def _gated_activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HA
 
 @triton.jit
 def _act_mul_group_quant_fp8_kernel(
-    h_ptr, stride_hm, stride_hk,  # [M, 2I] bf16 / fp16 / fp32: gate half then up half
+    h_ptr, stride_hm, stride_hk,  # [M, 2I] bf16 / fp16 / fp32 / fp64: gate half, up half
     q_ptr, stride_qm, stride_qk,  # [M, I] e4m3
     s_ptr, stride_sm, stride_sg,  # [M, G] fp32
-    M, I, G,
+    M, I, G,  # noqa: E741 (I: the intermediate size of the legend)
     alpha, beta, limit,  # fp32 activation parameters (defaults resolved by the launcher)
     ACTIVATION: tl.constexpr,
     HAS_LIMIT: tl.constexpr,  # SILU only: whether it clamps
@@ -296,7 +322,7 @@ def _check_matrix(name: str, x: object) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [M, K], got shape {tuple(x.shape)}")
     if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {x.dtype}")
     if not triton_runs_on(x):
         raise ValueError(
             f"{name} is on {x.device}: Triton kernels need a CUDA tensor "
@@ -417,13 +443,13 @@ def _resolve_params(
     p = params or ActivationParams()
     p.check_for(act)
     if act is MoEActivation.SILU:
-        return 0.0, 0.0, p.limit or 0.0, p.limit is not None
+        return 0.0, 0.0, float(p.limit or 0.0), p.limit is not None
     if act is MoEActivation.SWIGLUSTEP:
-        return 0.0, 0.0, _STEP_LIMIT if p.limit is None else p.limit, True
+        return 0.0, 0.0, float(_STEP_LIMIT if p.limit is None else p.limit), True
     if act in (MoEActivation.SWIGLUOAI, MoEActivation.SWIGLUOAI_UNINTERLEAVE):
-        alpha = _OAI_ALPHA if p.alpha is None else p.alpha
-        beta = 1.0 if p.beta is None else p.beta
-        return alpha, beta, _OAI_LIMIT if p.limit is None else p.limit, True
+        alpha = float(_OAI_ALPHA if p.alpha is None else p.alpha)
+        beta = float(1.0 if p.beta is None else p.beta)  # SWIGLUOAI takes none: 1
+        return alpha, beta, float(_OAI_LIMIT if p.limit is None else p.limit), True
     return 0.0, 0.0, 0.0, False  # GELU takes no parameters
 
 
@@ -485,6 +511,9 @@ def act_mul_per_token_group_quant_fp8_triton(
 
         a = act(gate, up) in fp32       gate = h[:, :I], up = h[:, I:] (SWIGLUOAI: interleaved)
         q, scales = per_token_group_quant_fp8(a)     (a is never written to memory)
+
+    exp and the divisions inside the activation are the GPU's fast ones (float64 h is
+    computed in fp32 too), so a scale may differ from the twin's in its last few bits.
     """
     act = MoEActivation.parse(activation)
     _check_matrix("h", h)
@@ -519,8 +548,8 @@ def _(x):
 def quantize_mxfp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K % 32 == 0) -> (q e4m3 [M, K], scales uint8 E8M0 [M, K/32]):
 
-        exponent = clamp(floor(log2(amax)) - 8, -127, 127)     (all-zero block: -127)
-        q        = e4m3(clamp(x / 2**exponent, -448, 448)),    stored code exponent + 127
+    exponent = clamp(floor(log2(amax)) - 8, -127, 127)     (all-zero block: -127)
+    q        = e4m3(clamp(x / 2**exponent, -448, 448)),    stored code exponent + 127
     """
     _check_matrix("x", x)
     if x.shape[1] % _MX_GROUP != 0:

@@ -256,8 +256,10 @@ def quantize_experts(
     """
     check_scheme(scheme)
     for name, w in (("w13", w13), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D [E, N, K] tensor")
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+        if w.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D [E, N, K] tensor, got shape {tuple(w.shape)}")
         if not w.is_floating_point() or w.dtype == FP8_DTYPE:
             raise TypeError(f"{name} must be float weights to quantize, got {w.dtype}")
     q13, q2 = quantize_weight(w13, scheme, "w13"), quantize_weight(w2, scheme, "w2")

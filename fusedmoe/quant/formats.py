@@ -17,6 +17,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_EMAX = 8  # 448 = 1.75 * 2**8
+FP8_MIN_SUBNORMAL = 2.0**-9  # the smallest positive e4m3 value
 FP4_MAX = 6.0
 FP4_EMAX = 2  # 6 = 1.5 * 2**2
 INT8_MAX = 127.0
@@ -70,9 +71,17 @@ def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
     return torch.exp2(code.float() - E8M0_BIAS)
 
 
+def floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2(x)) for x > 0, exactly: read from the exponent (a float32 log2 can be off by
+    one within a few ulps of a power of two)."""
+    _, exponent = torch.frexp(x.float())  # x = m * 2**exponent with 0.5 <= m < 1
+    return (exponent - 1).float()
+
+
 def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
-    """UE8M0: the smallest power of two >= scale (scale > 0)."""
-    return torch.exp2(torch.ceil(torch.log2(scale)))
+    """UE8M0: the smallest power of two >= scale (scale > 0), exactly."""
+    mantissa, exponent = torch.frexp(scale.float())
+    return torch.ldexp(torch.ones_like(mantissa), exponent - (mantissa == 0.5).int())
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +92,6 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
 def mx_shared_exponent(amax: torch.Tensor, element_emax: int) -> torch.Tensor:
     """OCP MX shared exponent of a block: floor(log2(amax)) - emax of the element format,
     clamped to the E8M0 range; an all-zero block gets the smallest exponent."""
-    exponent = torch.floor(torch.log2(amax.float())) - element_emax
+    exponent = floor_log2(amax.clamp(min=torch.finfo(torch.float32).tiny)) - element_emax
     exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -E8M0_BIAS))
     return exponent.clamp(-E8M0_BIAS, E8M0_BIAS)

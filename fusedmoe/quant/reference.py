@@ -10,8 +10,8 @@ For an operand x [..., R, K] (2-D activations [M, K], or 3-D expert weights [E, 
     q     = encode(x / scale)                     saturating at the format's max
     x    ~= q * scale                             (dequantize)
 
-An all-zero cell gets the scale of amax = 1e-10 (float32 formats) or the smallest exponent
-(E8M0), so q is 0 and no scale is 0 or NaN.
+An all-zero cell gets the scale of amax = 1e-10 (float32 formats), the smallest exponent
+(E8M0) or the smallest e4m3 subnormal 2**-9 times g (NVFP4), so q is 0 and no scale is 0 or NaN.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from fusedmoe.quant.formats import (
     FP8_DTYPE,
     FP8_EMAX,
     FP8_MAX,
+    FP8_MIN_SUBNORMAL,
     INT8_MAX,
     e2m1_decode,
     e2m1_encode,
@@ -129,6 +130,12 @@ def quantize(
     amax, cells = _cells(xb, key)
     global_scale = None
     if key.static:
+        if not isinstance(scale, torch.Tensor) or scale.numel() != math.prod(cells):
+            got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+            raise ValueError(
+                f"{key.name}: the static scale must be a tensor of {math.prod(cells)} "
+                f"element(s), one per {key.layout.value} cell, got {got}"
+            )
         scale_cells = scale.float().reshape(cells).to(xb.device)
         if not bool((scale_cells > 0).all()):
             raise ValueError(f"{key.name}: static scales must be positive")
@@ -141,7 +148,8 @@ def quantize(
         tensor_amax = xb.abs().amax(dim=(1, 2)).clamp(min=AMAX_EPS)  # [B]
         global_scale = tensor_amax / (FP8_MAX * FP4_MAX)
         g = global_scale.view(-1, *([1] * (amax.dim() - 1)))
-        stored = to_fp8(amax / FP4_MAX / g)
+        # at least the smallest e4m3 subnormal: an all-zero block gets a non-zero scale too
+        stored = to_fp8((amax / FP4_MAX / g).clamp(min=FP8_MIN_SUBNORMAL))
         scale_cells = stored.float() * g
     else:
         scale_cells = amax.clamp(min=AMAX_EPS) / _FMT_MAX[key.element]
