@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -11,9 +10,13 @@ import torch
 INSTALL_HINT = "pip install 'fusedmoe[gpu]' (or pip install triton)"
 
 
-@functools.cache
+# Found once, without importing triton; a plain global, so torch.compile reads it as a constant
+# (it refuses to trace importlib).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _HAS_TRITON
 
 
 def interpreting() -> bool:

@@ -97,6 +97,12 @@ def _expand(cell_values: torch.Tensor, key: QuantKey, shape: tuple[int, int, int
     return full[:, :r, :k]
 
 
+def _full_like(t: torch.Tensor, value: float) -> torch.Tensor:
+    """A tensor divisor: PyTorch on CUDA divides by a Python scalar as a multiplication by its
+    reciprocal, which is not the correctly rounded quotient; tensor / tensor is, everywhere."""
+    return torch.full_like(t, value)
+
+
 def _as_batched(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0) if x.dim() == 2 else x
 
@@ -146,13 +152,13 @@ def quantize(
         scale_cells = torch.exp2(exponent)
     elif key.scale_format is ScaleFormat.E4M3_GLOBAL:
         tensor_amax = xb.abs().amax(dim=(1, 2)).clamp(min=AMAX_EPS)  # [B]
-        global_scale = tensor_amax / (FP8_MAX * FP4_MAX)
+        global_scale = tensor_amax / _full_like(tensor_amax, FP8_MAX * FP4_MAX)
         g = global_scale.view(-1, *([1] * (amax.dim() - 1)))
         # at least the smallest e4m3 subnormal: an all-zero block gets a non-zero scale too
-        stored = to_fp8((amax / FP4_MAX / g).clamp(min=FP8_MIN_SUBNORMAL))
+        stored = to_fp8((amax / _full_like(amax, FP4_MAX) / g).clamp(min=FP8_MIN_SUBNORMAL))
         scale_cells = stored.float() * g
     else:
-        scale_cells = amax.clamp(min=AMAX_EPS) / _FMT_MAX[key.element]
+        scale_cells = amax.clamp(min=AMAX_EPS) / _full_like(amax, _FMT_MAX[key.element])
         if key.scale_format is ScaleFormat.UE8M0:
             scale_cells = round_up_pow2(scale_cells)
         stored = scale_cells
