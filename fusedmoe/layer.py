@@ -11,8 +11,22 @@ forward(hidden_states [..., H], router_logits [..., E (+ zero experts)], input_i
     y      = routed_output_transform(y)                 (identity by default)
     y     += shared_experts(x) * sigmoid(shared_expert_gate(x))   (gate optional)
 
-routed_scaling_factor is applied to the router weights in float32, so identity zero experts
-are scaled like every other routed expert.
+A backend that routes inside (monolithic) replaces the router and modular kernel lines: it is
+handed the logits, y, w, ids = backend.apply_monolithic(x_r, logits, ...), and the zero experts'
+output is computed from the w, ids it returns. routed_scaling_factor is applied to the router
+weights in float32, so identity zero experts are scaled like every other routed expert.
+
+Parallelism (parallel_config), on the monolithic backend only:
+    ep_size > 1   the layer holds its rank's experts only, a contiguous block of E / ep_size
+                  (fusedmoe.parallel.linear_expert_map); load_weights takes global checkpoints
+                  and keeps that block. Without DP the output is this rank's partial sum: an
+                  all-reduce over the EP group gives the layer's output. The terms that belong
+                  to no expert (zero experts, shared experts) are added by ep_rank 0 only, so the
+                  sum stays exact; a routed_output_transform (not linear in general) is refused.
+    dp_size > 1   with ep_size == dp_size (EP over the DP group): each rank routes its tokens,
+                  all-gathers x, ids and weights, runs its experts on every rank's tokens and a
+                  reduce-scatter returns the full output of its own tokens. With ep_size == 1
+                  every rank holds every expert and its tokens stay local.
 """
 
 from __future__ import annotations
@@ -28,14 +42,21 @@ from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
+from fusedmoe.modular.types import (
+    ActivationSpec,
+    ExpertWeights,
+    InsideRouting,
+    MoEProblem,
+    needs_grad,
+)
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
-from fusedmoe.parallel import ParallelConfig
+from fusedmoe.parallel import ParallelConfig, linear_expert_map
 from fusedmoe.quant.config import (
     FusedMoEQuantConfig,
     check_scheme,
     make_quant_config,
     quantize_experts,
+    weight_key,
 )
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
 from fusedmoe.weights import resolve_expert_weight, resolve_quantized_weight
@@ -74,7 +95,15 @@ class FusedMoE(nn.Module):
         backend: str | type[Experts] = "auto",
         params_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        gpt_oss_routing: bool = False,
     ) -> None:
+        """The MoE layer (see the module docstring for the forward pass and parallelism).
+
+        gpt_oss_routing: route as gpt-oss does, top-k over the raw logits and then softmax over
+        those k. It equals the default softmax, top-k, renormalize (which it needs), so it
+        changes how the monolithic backend computes the routing, not the result; other backends
+        route through the router.
+        """
         super().__init__()
         self.num_experts = check_positive_int("num_experts", num_experts)
         self.top_k = check_positive_int("top_k", top_k)
@@ -88,11 +117,7 @@ class FusedMoE(nn.Module):
             raise TypeError(
                 f"parallel_config must be a ParallelConfig, got {type(parallel_config).__name__}"
             )
-        if self.parallel_config.use_ep:
-            raise ValueError(
-                "parallel_config.ep_size > 1: expert parallelism needs an EP prepare/finalize, "
-                "which this version of fusedmoe does not have yet; use ep_size=1"
-            )
+        self._check_parallel(routed_output_transform)
         if shared_expert_gate is not None and shared_experts is None:
             raise ValueError("shared_expert_gate needs shared_experts")
         if quant_config is not None:
@@ -109,16 +134,24 @@ class FusedMoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = shared_expert_gate
 
+        # the experts this rank holds: global ids [expert_start, expert_start + local_num_experts)
+        self.expert_start, self.local_num_experts = _local_experts(
+            num_experts, self.parallel_config
+        )
+        #: intermediate size of the stored weights: intermediate_size, or that rounded up to the
+        #: K-group width of a quantization scheme (see quantize_)
+        self.padded_intermediate_size = intermediate_size
         factory = {"dtype": params_dtype, "device": device}
+        num_local = self.local_num_experts
         num_n = self.activation.kind.gemm1_out_size(intermediate_size)
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, num_n, hidden_size, **factory))
+        self.w13_weight = nn.Parameter(torch.empty(num_local, num_n, hidden_size, **factory))
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, **factory)
+            torch.empty(num_local, hidden_size, intermediate_size, **factory)
         )
         self.has_bias = has_bias
         if has_bias:
-            self.w13_bias = nn.Parameter(torch.empty(num_experts, num_n, **factory))
-            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+            self.w13_bias = nn.Parameter(torch.empty(num_local, num_n, **factory))
+            self.w2_bias = nn.Parameter(torch.empty(num_local, hidden_size, **factory))
         else:
             self.register_parameter("w13_bias", None)
             self.register_parameter("w2_bias", None)
@@ -136,6 +169,16 @@ class FusedMoE(nn.Module):
             zero_expert_type=zero_expert_type,
         )
         self.router = self._make_router()
+        if not isinstance(gpt_oss_routing, bool):
+            raise TypeError(f"gpt_oss_routing must be a bool, got {type(gpt_oss_routing).__name__}")
+        self.gpt_oss_routing = gpt_oss_routing
+        InsideRouting(self.router, gpt_oss_routing)  # refuses gpt-oss routing on another router
+        self._dispatch = None  # the DP all-gather dispatch / combine of the monolithic backend
+        pc = self.parallel_config
+        if pc.dp_size > 1 and pc.use_ep:
+            from fusedmoe.modular.dp_dispatch import AllGatherDispatch  # torch.distributed
+
+            self._dispatch = AllGatherDispatch(pc.dp_size, pc.dp_rank, pc.group)
         self.chunk_size = default_chunk_size()  # tokens per pass of the modular kernel
         self.reset_parameters()
         self.backend, self._kernels = backend, {}
@@ -152,6 +195,30 @@ class FusedMoE(nn.Module):
             hash_indices_table=self.hash_indices_table,
             **self._router_kwargs,
         )
+
+    def _check_parallel(self, routed_output_transform) -> None:
+        pc = self.parallel_config
+        if pc.ep_size > self.num_experts:
+            raise ValueError(
+                f"parallel_config.ep_size ({pc.ep_size}) must be <= num_experts "
+                f"({self.num_experts}): every rank holds at least one expert"
+            )
+        if pc.dp_size > 1 and pc.use_ep and (pc.ep_size, pc.ep_rank) != (pc.dp_size, pc.dp_rank):
+            raise ValueError(
+                "parallel_config: with dp_size > 1 and ep_size > 1 the experts are sharded over "
+                f"the DP group, so ep_size / ep_rank must equal dp_size / dp_rank; got "
+                f"ep {pc.ep_rank}/{pc.ep_size}, dp {pc.dp_rank}/{pc.dp_size}"
+            )
+        if self._ep_partial and routed_output_transform is not None:
+            raise ValueError(
+                "routed_output_transform with ep_size > 1 and no DP: the layer returns this "
+                "rank's partial sum, which a (nonlinear) transform does not commute with"
+            )
+
+    @property
+    def _ep_partial(self) -> bool:
+        """The output is this rank's partial sum (EP without DP): an all-reduce completes it."""
+        return self.parallel_config.use_ep and self.parallel_config.dp_size == 1
 
     def _apply(self, fn, recurse=True):
         if self.quant_scheme is not None:
@@ -170,6 +237,9 @@ class FusedMoE(nn.Module):
             self.params_dtype = self.w13_weight.dtype
         # .to() / .cuda() replace the buffers the router holds: rebuild it on the new ones
         self.router = self._make_router()
+        # and drop the backends built for the old tensors: their workspaces and per-expert
+        # views would keep the old device's or dtype's memory alive
+        self._kernels = {}
         return result
 
     # ---- quantization ----
@@ -179,18 +249,42 @@ class FusedMoE(nn.Module):
 
         config_kwargs: those of make_quant_config (static a1_scale / a2_scale for fp8_tensor,
         per_token_activations, use_ue8m0, column_major_scales, gemm1_* parameters).
+
+        Schemes whose K groups must be whole (MX: 32, NVFP4: 16) pad the intermediate size I
+        up to a multiple of the group, Ip = padded_intermediate_size (gpt-oss: I = 2880 is one
+        already, nothing changes). Padded with zeros: the gate rows [I, Ip) and up rows [I, Ip)
+        of w13 and w13_bias (for the interleaved swigluoai, the pairs I .. Ip - 1 at rows
+        [2I, 2Ip)), and the columns [I, Ip) of w2. Those channels compute act(0) and meet zero
+        columns of w2, so the output is that of the unpadded weights exactly. load_weights then
+        takes checkpoints of the padded layout (as gpt-oss ships them).
         """
         if self.quant_scheme is not None:
             raise ValueError(f"the layer is already quantized ({self.quant_scheme})")
+        if self.parallel_config.use_ep:
+            raise ValueError(
+                "quantize_: expert parallelism (ep_size > 1) runs on the monolithic backend, "
+                "which is unquantized"
+            )
         gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]
         if gemm1:
             raise ValueError(
                 f"quantize_: {', '.join(gemm1)}: a layer takes its activation parameters "
                 "from activation_params="
             )
-        w13_q, w2_q, config = quantize_experts(
-            self.w13_weight.detach(), self.w2_weight.detach(), scheme, **config_kwargs
+        key = weight_key(scheme)
+        group_k = key.group[1] if key.exact_groups else 1
+        padded = -(-self.intermediate_size // group_k) * group_k
+        w13, w2, w13_bias = _pad_intermediate(
+            self.w13_weight.detach(),
+            self.w2_weight.detach(),
+            None if self.w13_bias is None else self.w13_bias.detach(),
+            self.activation.kind,
+            padded,
         )
+        w13_q, w2_q, config = quantize_experts(w13, w2, scheme, **config_kwargs)
+        if w13_bias is not None and w13_bias.shape != self.w13_bias.shape:
+            self.w13_bias = nn.Parameter(w13_bias, requires_grad=self.w13_bias.requires_grad)
+        self.padded_intermediate_size = padded
         self.w13_weight = nn.Parameter(w13_q, requires_grad=False)
         self.w2_weight = nn.Parameter(w2_q, requires_grad=False)
         for name, value in (
@@ -279,7 +373,7 @@ class FusedMoE(nn.Module):
                 device=device,
                 dtype=dtype,
                 hidden_size=self.hidden_size,
-                intermediate_size=self.intermediate_size,
+                intermediate_size=self.padded_intermediate_size,
                 num_experts=self.num_experts,
                 top_k=self.top_k,
                 activation=self.activation,
@@ -287,14 +381,23 @@ class FusedMoE(nn.Module):
                 has_bias=self.has_bias,
                 ep_size=self.parallel_config.ep_size,
                 requires_grad=requires_grad,
+                has_router_logits=True,
             )
             choice = select_backend(problem, backend=self.backend)
-            self._kernels[key] = (
-                choice,
-                FusedMoEModularKernel(
+            if choice.experts_cls.routes_inside:  # handed the logits: no modular kernel
+                self._kernels[key] = (choice, choice.experts_cls())
+            elif self.parallel_config.use_ep:
+                why = "; ".join(f"{n}: {r}" for n, r in choice.refused.items())
+                raise ValueError(
+                    "parallel_config.ep_size > 1: expert parallelism runs on the monolithic "
+                    f"backend only; {choice.name} would need an EP prepare/finalize, which this "
+                    f"version of fusedmoe does not have yet ({why})"
+                )
+            else:
+                kernel = FusedMoEModularKernel(
                     NoEPPrepareFinalize(), choice.experts_cls(), chunk_size=self.chunk_size
-                ),
-            )
+                )
+                self._kernels[key] = (choice, kernel)
         return self._kernels[key]
 
     def _expert_weights(self, alignment: int) -> ExpertWeights:
@@ -350,6 +453,28 @@ class FusedMoE(nn.Module):
 
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
         self._check_routed_input(x_routed, x)
+        grad = needs_grad(x_routed, self._expert_weights(1))
+        choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
+        if choice.experts_cls.routes_inside:
+            y, zero_output = self._forward_monolithic(runner, x_routed, logits, input_ids)
+        else:
+            y, zero_output = self._forward_modular(choice, runner, x_routed, logits, input_ids)
+        # Under EP without DP the output is a partial sum over ranks: what belongs to no expert
+        # is added once, by rank 0.
+        whole = not self._ep_partial or self.parallel_config.ep_rank == 0
+        if zero_output is not None and whole:
+            y = y + zero_output
+        if self.routed_output_transform is not None:
+            y = self.routed_output_transform(y)
+        if self.shared_experts is not None and whole:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            y = y + shared
+        return y.reshape(*lead, y.shape[-1])
+
+    def _forward_modular(self, choice, kernel, x_routed, logits, input_ids):
+        """Route, then run the modular kernel: -> (y [T, H], zero experts' output or None)."""
         topk_weights, topk_ids = self.router.select_experts(x_routed, logits, input_ids)
         zero_output = None
         if self.zero_expert_num > 0:
@@ -361,9 +486,6 @@ class FusedMoE(nn.Module):
                 split.topk_ids,
                 split.zero_output,
             )
-
-        grad = needs_grad(x_routed, self._expert_weights(1))
-        choice, kernel = self._kernel(x_routed.device, x_routed.dtype, grad)
         alignment = choice.experts_cls.hidden_size_alignment
         pad = -self.hidden_size % alignment
         x_in = nn.functional.pad(x_routed, (0, pad)) if pad else x_routed
@@ -378,16 +500,34 @@ class FusedMoE(nn.Module):
         )
         if pad:
             y = y[:, : self.hidden_size]
-        if zero_output is not None:
-            y = y + zero_output
-        if self.routed_output_transform is not None:
-            y = self.routed_output_transform(y)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            y = y + shared
-        return y.reshape(*lead, y.shape[-1])
+        return y, zero_output
+
+    def _forward_monolithic(self, experts: Experts, x_routed, logits, input_ids):
+        """Hand the logits to a backend that routes inside: -> (y [T, H], zero output or None).
+
+        Zero experts are routed with the rest; the backend skips their ids (>= E, never on a
+        rank) and their output is computed here from the routing it returns.
+        """
+        result = experts.apply_monolithic(
+            x_routed,
+            logits,
+            self._expert_weights(1),
+            routing=InsideRouting(self.router, self.gpt_oss_routing),
+            activation=self.activation,
+            expert_start=self.expert_start,
+            dispatch=self._dispatch,
+            input_ids=input_ids,
+        )
+        zero_output = None
+        if self.zero_expert_num > 0:
+            zero_output = split_zero_experts(
+                x_routed,
+                result.topk_weights,
+                result.topk_ids,
+                self.num_experts,
+                self.zero_expert_type,
+            ).zero_output
+        return result.output, zero_output
 
     def _check_routed_input(self, x_routed: torch.Tensor, x: torch.Tensor) -> None:
         where = "" if self.routed_input_transform is None else " (after routed_input_transform)"
@@ -417,11 +557,15 @@ class FusedMoE(nn.Module):
         `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
         to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
         name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
+
+        Checkpoints are global: under expert parallelism the layer keeps its rank's experts
+        (the others' names are skipped and not returned). A layer whose intermediate size was
+        padded (quantize_) takes tensors of the padded layout, padded_intermediate_size wide.
         """
         shapes = dict(
             num_experts=self.num_experts,
             hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
+            intermediate_size=self.padded_intermediate_size,
             activation=self.activation.kind,
         )
         loaded = []
@@ -447,12 +591,29 @@ class FusedMoE(nn.Module):
                 if param is None:
                     hint = " (construct with has_bias=True)" if "bias" in target.param else ""
                     raise ValueError(f"{name}: the layer has no {target.param}{hint}")
-                slot = param[target.index] if target.index else param
-                _copy_checked(name, slot, tensor, target.shape, exact_dtype=target.exact_dtype)
+                index, shape = target.index, target.shape
+                if self.parallel_config.use_ep:
+                    local = self._this_ranks_share(name, tensor, index, shape)
+                    if local is None:
+                        continue  # another rank's expert
+                    index, tensor, shape = local
+                slot = param[index] if index else param
+                _copy_checked(name, slot, tensor, shape, exact_dtype=target.exact_dtype)
             elif not self._load_other(name, tensor):
                 raise ValueError(f"{name}: not a weight of this FusedMoE layer")
             loaded.append(name)
         return loaded
+
+    def _this_ranks_share(self, name, tensor, index, shape):
+        """A global expert tensor -> (index, tensor, shape) of this rank's experts, or None."""
+        start, count = self.expert_start, self.local_num_experts
+        if index:  # one expert's tensor: (expert, rows)
+            local = index[0] - start
+            return None if not 0 <= local < count else ((local, *index[1:]), tensor, shape)
+        # every expert's (fused names): check the global shape, keep this rank's block
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
+        return (), tensor[start : start + count], (count, *shape[1:])
 
     def _load_other(self, name: str, tensor: torch.Tensor) -> bool:
         if name.endswith("e_score_correction_bias"):
@@ -483,7 +644,56 @@ class FusedMoE(nn.Module):
             f"intermediate_size={self.intermediate_size}, activation={self.activation.kind.value}, "
             f"has_bias={self.has_bias}, backend={getattr(self.backend, 'name', self.backend)!r}, "
             f"router={self.router!r}"
+            + (
+                ""
+                if self.padded_intermediate_size == self.intermediate_size
+                else f", padded_intermediate_size={self.padded_intermediate_size}"
+            )
+            + (
+                f", experts [{self.expert_start}, {self.expert_start + self.local_num_experts})"
+                if self.parallel_config.use_ep
+                else ""
+            )
         )
+
+
+def _local_experts(num_experts: int, parallel_config: ParallelConfig) -> tuple[int, int]:
+    """(first global expert id, count) of this rank's block (linear placement)."""
+    if not parallel_config.use_ep:
+        return 0, num_experts
+    expert_map = linear_expert_map(num_experts, parallel_config.ep_size, parallel_config.ep_rank)
+    local = (expert_map >= 0).nonzero().flatten()
+    return int(local[0]), local.numel()
+
+
+def _pad_intermediate(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    activation: MoEActivation,
+    padded: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Zero-pad the intermediate size I of w13 [E, N(I), H], w13_bias [E, N(I)] and
+    w2 [E, H, I] to `padded` (see FusedMoE.quantize_ for where the zeros go)."""
+    extra = padded - w2.shape[2]
+    if extra == 0:
+        return w13, w2, w13_bias
+
+    def pad_rows(t: torch.Tensor) -> torch.Tensor:
+        """Zeros after the gate rows and after the up rows (dim 1), or after the single block."""
+        pad = [0, 0] * (t.dim() - 2) + [0, extra]  # F.pad lists dims from the last
+        if activation is MoEActivation.SWIGLUOAI:  # (gate, up) pairs alternate: `extra` pairs
+            pad[-1] = 2 * extra
+        elif activation.is_gated:
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat([nn.functional.pad(gate, pad), nn.functional.pad(up, pad)], dim=1)
+        return nn.functional.pad(t, pad)
+
+    return (
+        pad_rows(w13),
+        nn.functional.pad(w2, (0, extra)),
+        None if w13_bias is None else pad_rows(w13_bias),
+    )
 
 
 def _as_buffer(t: torch.Tensor | None, device) -> torch.Tensor | None:

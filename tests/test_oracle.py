@@ -126,9 +126,11 @@ def test_parallel_config_validation(kwargs, error, match):
         ParallelConfig(**kwargs)
 
 
-def test_layer_refuses_expert_parallelism():
-    with pytest.raises(ValueError, match="expert parallelism"):
-        FusedMoE(E, 2, H, I, parallel_config=ParallelConfig(ep_size=2, ep_rank=0))
+def test_layer_refuses_expert_parallelism_on_modular_backends():
+    ep = ParallelConfig(ep_size=2, ep_rank=0)
+    with pytest.raises(ValueError, match="expert parallelism runs on the monolithic backend only"):
+        FusedMoE(E, 2, H, I, parallel_config=ep, backend="torch")
+    assert FusedMoE(E, 2, H, I, parallel_config=ep).backend_choice().name == "monolithic"
 
 
 def test_layer_parallel_config_type():
@@ -138,8 +140,9 @@ def test_layer_parallel_config_type():
 
 def test_layer_backend_choice():
     layer = FusedMoE(E, 2, H, I, params_dtype=torch.float32)
-    choice = layer.backend_choice()
-    assert choice.name == "torch" and choice.reason
+    choice = layer.backend_choice()  # an inference call: the layer has the router logits
+    assert choice.name == "monolithic" and choice.reason
+    assert layer.backend_choice(requires_grad=True).name == "torch"
     with pytest.raises(ValueError, match="unknown backend"):
         FusedMoE(E, 2, H, I, backend="fastest")
 

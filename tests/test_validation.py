@@ -292,7 +292,13 @@ CONSTRUCTOR_CASES = [
     ),
     ("backend", {"backend": "fastest"}, ValueError, "unknown backend"),
     ("backend type", {"backend": 3}, TypeError, "backend must be"),
-    ("ep", {"parallel_config": ParallelConfig(ep_size=2)}, ValueError, "expert parallelism"),
+    # expert parallelism runs on the monolithic backend only
+    (
+        "ep",
+        {"parallel_config": ParallelConfig(ep_size=2), "backend": "torch"},
+        ValueError,
+        "expert parallelism runs on the monolithic backend only",
+    ),
 ]
 
 

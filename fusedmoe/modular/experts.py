@@ -9,6 +9,10 @@ A backend computes, for each (token m, slot j) with a local expert e = expert_ma
 and either leaves y per slot ([M, k, H], finalize reduces) or does the weighted top-k sum
 itself ([M, H]). A slot whose id is -1, or whose expert is not local, contributes zero.
 
+A backend that routes inside (routes_inside = True) is not run by the modular kernel: the layer
+hands it the router logits (apply_monolithic), and it routes, computes and reduces itself. It
+needs the logits, so the oracle refuses it where only topk ids exist (fused_experts).
+
 Capabilities are declared once, here, as class-level predicates; the oracle reads them
 (nowhere else re-declares them) and reports the first one that fails as the refusal reason.
 """
@@ -16,7 +20,7 @@ Capabilities are declared once, here, as class-level predicates; the oracle read
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -26,10 +30,15 @@ from fusedmoe.modular.types import (
     ActivationSpec,
     ExpertTokensMeta,
     ExpertWeights,
+    InsideRouting,
     MoEProblem,
+    MonolithicResult,
     WorkspaceShapes,
 )
 from fusedmoe.quant.config import FusedMoEQuantConfig
+
+if TYPE_CHECKING:
+    from fusedmoe.modular.dp_dispatch import AllGatherDispatch
 
 
 class Experts(abc.ABC):
@@ -37,6 +46,9 @@ class Experts(abc.ABC):
     name: ClassVar[str]
     #: the hidden size must be a multiple of this (the layer pads to it when needed)
     hidden_size_alignment: ClassVar[int] = 1
+    #: takes router logits and routes inside (apply_monolithic) instead of running in the
+    #: modular kernel on topk ids; refused where the caller has no logits
+    routes_inside: ClassVar[bool] = False
 
     # ---- capabilities (class-level: the oracle asks before building anything) ----
     @classmethod
@@ -86,6 +98,13 @@ class Experts(abc.ABC):
         """None when this backend can run `problem`, else the first reason it cannot."""
         checks = (
             (cls.is_available() is None, lambda: cls.is_available()),
+            (
+                not cls.routes_inside or problem.has_router_logits,
+                lambda: (
+                    "routes inside: it needs the router logits (FusedMoE has them; "
+                    "fused_experts gets topk ids only)"
+                ),
+            ),
             (cls.supports_device(problem.device), lambda: f"does not run on {problem.device.type}"),
             (cls.supports_dtype(problem.dtype), lambda: f"no {problem.dtype} activations"),
             (
@@ -165,6 +184,27 @@ class Experts(abc.ABC):
         apply_router_weight_on_input: bool,
     ) -> None:
         """Write the experts' result into `output` (shape from workspace_shapes)."""
+
+    def apply_monolithic(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        weights: ExpertWeights,
+        *,
+        routing: InsideRouting,
+        activation: ActivationSpec,
+        expert_start: int,
+        dispatch: AllGatherDispatch | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> MonolithicResult:
+        """Route and run the experts, for a backend with routes_inside (the others never are).
+
+        hidden_states [M, H], router_logits [M, E (+ zero experts)] of this rank's tokens;
+        weights: this rank's experts, global ids [expert_start, expert_start + E_l); dispatch:
+        the DP all-gather / combine when tokens are sharded over a group whose ranks hold
+        different experts (None: tokens stay local). Inputs are assumed checked by the caller.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not route inside")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

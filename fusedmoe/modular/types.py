@@ -12,6 +12,8 @@ import torch
 
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.quant.config import FusedMoEQuantConfig
+from fusedmoe.router.base import Router, ScoringFunc
+from fusedmoe.router.topk import TopKRouter
 
 
 @dataclass
@@ -110,6 +112,49 @@ class MoEProblem:
     has_expert_map: bool = False
     ep_size: int = 1
     requires_grad: bool = False  # autograd will differentiate through the experts
+    #: the caller has the router logits (FusedMoE does; fused_experts gets topk ids only), so a
+    #: backend that routes inside (Experts.routes_inside) can run
+    has_router_logits: bool = False
+
+
+@dataclass(frozen=True)
+class InsideRouting:
+    """How a backend that routes inside (Experts.routes_inside) turns router logits into top-k.
+
+    router:  the layer's router; grouped top-k, custom functions and every other kind run
+             through its select_experts (a plain TopKRouter is softmax, top-k, renormalize)
+    gpt_oss: route as gpt-oss does instead: top-k over the raw logits, then softmax over those
+             k. Equal to softmax, top-k, renormalize, so it needs the router to be exactly that
+             (a plain softmax TopKRouter with renormalize=True); routed scaling still applies.
+    """
+
+    router: Router
+    gpt_oss: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.router, Router):
+            raise TypeError(f"router must be a fusedmoe Router, got {type(self.router).__name__}")
+        if self.gpt_oss:
+            router = self.router
+            plain = type(router) is TopKRouter and router.scoring is ScoringFunc.SOFTMAX
+            if not (plain and router.renormalize):
+                raise ValueError(
+                    "gpt_oss_routing (top-k over the logits, then softmax over the k) equals "
+                    "softmax, top-k, renormalize: it needs scoring_func='softmax', "
+                    "renormalize=True and no grouped top-k, custom function, correction bias, "
+                    f"hash table, zero experts or routing simulation (the router is {router!r})"
+                )
+
+
+@dataclass
+class MonolithicResult:
+    """What a backend that routes inside returns for this rank's M tokens."""
+
+    #: [M, H] in the activation dtype: the weighted sum over this rank's experts (the full sum
+    #: once a DP combine reduced it over the group; a partial sum under EP without DP)
+    output: torch.Tensor
+    topk_weights: torch.Tensor  # float32 [M, k], the routing it computed (scaled)
+    topk_ids: torch.Tensor  # int32 [M, k], global ids (zero experts: ids >= E)
 
 
 def needs_grad(hidden_states: torch.Tensor, weights: ExpertWeights) -> bool:
