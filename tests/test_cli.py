@@ -42,6 +42,13 @@ def test_demo_refuses_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_hf_demo_generates_the_same_tokens(capsys):
+    pytest.importorskip("transformers")
+    assert main(["demo", "--hf", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "identical tokens: True" in out and "patched 2 MoE blocks" in out
+
+
 def test_module_entry_point():
     result = subprocess.run(
         [sys.executable, "-m", "fusedmoe", "demo", "--tokens", "3", "--scale", "64"],
