@@ -23,6 +23,16 @@ transformers = pytest.importorskip("transformers", minversion="5")
 import fusedmoe.integrations.transformers as hf  # noqa: E402
 from tests.helpers import assert_close, assert_equal  # noqa: E402
 
+#: the block adapters follow one release's modeling code; on another, a block whose code moved
+#: is reported as skipped (never patched wrongly), and these tests skip rather than fail
+TESTED_VERSION = transformers.__version__.startswith(hf.TESTED_TRANSFORMERS + ".")
+
+
+def skip_if_other_version_skipped(report) -> None:
+    if not TESTED_VERSION and any("could not read" in why for why in report.skipped.values()):
+        pytest.skip(f"transformers {transformers.__version__}: {report.skipped}")
+
+
 VOCAB = 128
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -189,6 +199,7 @@ def test_patch_matches_original(family):
 
     report = hf.patch(model)
 
+    skip_if_other_version_skipped(report)
     assert report.replaced == names
     assert report.skipped == {}
     for name in names:
@@ -222,7 +233,7 @@ def test_greedy_generation_is_identical(family):
     registered = copy.deepcopy(model)
     registered.set_experts_implementation("fusedmoe")
     assert_equal(greedy(registered, ids), expected, what="registered")
-    hf.patch(model)
+    skip_if_other_version_skipped(hf.patch(model))
     assert_equal(greedy(model, ids), expected, what="patched")
 
 
@@ -389,6 +400,7 @@ def test_patch_with_a_named_backend():
     assert_close(outputs(model, ids).logits, expected, torch.float32)
 
 
+@pytest.mark.skipif(not TESTED_VERSION, reason="router-logit outputs follow one release's code")
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_router_logits_are_still_recorded(name):
     """output_router_logits: transformers records them with hooks on the router module."""

@@ -592,6 +592,16 @@ def _build_layer(spec: BlockSpec, backend: str, quant: str | None) -> FusedMoE:
     return moe
 
 
+#: the transformers release whose modeling code the block adapters were written and tested on
+TESTED_TRANSFORMERS = "5.23"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _patch_block(block: nn.Module, backend: str, quant: str | None) -> FusedMoEBlock:
     name = type(block).__name__
     if not type(block).__module__.startswith("transformers."):
@@ -599,7 +609,14 @@ def _patch_block(block: nn.Module, backend: str, quant: str | None) -> FusedMoEB
             f"{name} is not transformers' own class ({type(block).__module__}): its code may "
             "differ from the one fusedmoe's adapter was written for"
         )
-    spec = BLOCK_ADAPTERS[name](block)
+    try:
+        spec = BLOCK_ADAPTERS[name](block)
+    except (AttributeError, KeyError, TypeError, IndexError) as exc:
+        raise NotRepresentable(
+            f"the {name} adapter could not read the block: {exc!r} (adapters follow the "
+            f"modeling code of transformers {TESTED_TRANSFORMERS}; this is "
+            f"{_transformers_version()})"
+        ) from exc
     if block.training and spec.jitter_noise > 0:
         raise NotRepresentable(
             f"it jitters its input in training mode (router_jitter_noise={spec.jitter_noise}); "
