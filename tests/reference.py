@@ -118,6 +118,20 @@ def experts_ref(
     return out
 
 
+def reference(x, experts: dict, weights, ids, **kwargs) -> torch.Tensor:
+    """experts_ref with the weights of a random_experts dict."""
+    return experts_ref(
+        x,
+        experts["w13"],
+        experts["w2"],
+        weights,
+        ids,
+        w13_bias=experts["w13_bias"],
+        w2_bias=experts["w2_bias"],
+        **kwargs,
+    )
+
+
 def softmax_topk_ref(
     logits: torch.Tensor,
     top_k: int,

@@ -12,8 +12,8 @@ from fusedmoe import ActivationParams, fused_experts, fused_moe
 from tests.helpers import assert_close, assert_equal
 from tests.reference import (
     ALL_ACTIVATIONS,
-    experts_ref,
     random_experts,
+    reference,
     silu64,
     softmax_topk_ref,
 )
@@ -44,19 +44,6 @@ def random_routing(
 
 def run(x, experts, weights, ids, **kwargs):
     return fused_experts(
-        x,
-        experts["w13"],
-        experts["w2"],
-        weights,
-        ids,
-        w13_bias=experts["w13_bias"],
-        w2_bias=experts["w2_bias"],
-        **kwargs,
-    )
-
-
-def reference(x, experts, weights, ids, **kwargs):
-    return experts_ref(
         x,
         experts["w13"],
         experts["w2"],

@@ -24,7 +24,7 @@ from fusedmoe.modular import (
 )
 from fusedmoe.modular.kernel import CHUNK_SIZE_ENV
 from tests.helpers import assert_close, assert_equal, poison_
-from tests.reference import experts_ref, random_experts, softmax_topk_ref
+from tests.reference import experts_ref, random_experts, reference, softmax_topk_ref
 
 H, I, E = 32, 16, 8
 
@@ -36,19 +36,6 @@ def random_routing(num_tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Ten
 
 def as_weights(experts: dict) -> ExpertWeights:
     return ExpertWeights(experts["w13"], experts["w2"], experts["w13_bias"], experts["w2_bias"])
-
-
-def reference(x, experts, weights, ids, **kwargs):
-    return experts_ref(
-        x,
-        experts["w13"],
-        experts["w2"],
-        weights,
-        ids,
-        w13_bias=experts["w13_bias"],
-        w2_bias=experts["w2_bias"],
-        **kwargs,
-    )
 
 
 class RecordingExperts(TorchExperts):
