@@ -21,11 +21,12 @@ import torch
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.experts.monolithic import MonolithicExperts
 from fusedmoe.experts.torch_ref import TorchExperts
+from fusedmoe.experts.triton import TritonExperts
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.types import ActivationSpec, MoEProblem
 
 #: every backend, most preferred first
-BACKENDS: tuple[type[Experts], ...] = (MonolithicExperts, TorchExperts)
+BACKENDS: tuple[type[Experts], ...] = (TritonExperts, MonolithicExperts, TorchExperts)
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,12 @@ def select_backend(
             has_router_logits=has_router_logits,
         )
     refused = {cls.name: cls.refusal_reason(problem) for cls in BACKENDS}
+    explicit = not (isinstance(backend, str) and backend == "auto")
+    for cls in BACKENDS:
+        if not explicit and refused[cls.name] is None and not cls.preferred_on(problem.device):
+            refused[cls.name] = f"runs on {problem.device.type} only when requested by name"
 
-    if not (isinstance(backend, str) and backend == "auto"):
+    if explicit:
         cls = get_backend(backend)
         why = cls.refusal_reason(problem)
         if why is not None:

@@ -61,6 +61,12 @@ class Experts(abc.ABC):
     def supports_device(cls, device: torch.device) -> bool: ...
 
     @classmethod
+    def preferred_on(cls, device: torch.device) -> bool:
+        """Whether "auto" may pick this backend on `device` (a backend that only emulates
+        there, such as Triton's CPU interpreter, runs when requested by name)."""
+        return True
+
+    @classmethod
     @abc.abstractmethod
     def supports_dtype(cls, dtype: torch.dtype) -> bool: ...
 

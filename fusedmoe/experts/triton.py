@@ -1,0 +1,156 @@
+"""TritonExperts ("triton"): the fused gather-GEMM backend, for CUDA GPUs.
+
+Tokens are sorted by local expert into runs padded to the block height (moe_align, on the
+GPU); GEMM1 reads the tokens through the sorted ids (no gathered copy of x) and applies the
+activation, and the a2 quantization where it is per tensor (static) or per 1 x 128 group, in
+its epilogue; GEMM2 multiplies by the router weight; a last kernel sums each token's k rows.
+No host synchronisation: it captures in a CUDA graph, and the whole pipeline is one custom op
+for torch.compile (fusedmoe.kernels.fused_moe).
+
+Schemes: bf16 / fp16 / fp32; FP8 per-tensor (static or dynamic activations, or per-token),
+per-channel x per-token, 128 x 128 blocks x 1 x 128 groups (float32 or UE8M0 scales); INT8
+per-channel x per-token. Biases, expert_map, every activation. It reduces itself (finalize:
+NoOp), so its output is [M, H].
+
+On the CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1), when asked for by
+name: the tests check it there against the torch backend; the oracle never picks it there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe._triton import INSTALL_HINT, has_triton, interpreting
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
+from fusedmoe.modular.types import WorkspaceShapes
+from fusedmoe.quant import keys
+from fusedmoe.quant.config import FusedMoEQuantConfig
+
+# scheme -> weight scale layout (the op's w_mode)
+_W_MODE = {"fp8_tensor": "tensor", "fp8_channel": "channel", "fp8_block": "block", "int8": "channel"}
+# activation key -> (a1 scale layout, a2 mode)
+_ACT_MODES = {
+    keys.FP8_STATIC_TENSOR: ("tensor", "fp8_static"),
+    keys.FP8_DYNAMIC_TENSOR: ("tensor", "fp8_dynamic_tensor"),
+    keys.FP8_DYNAMIC_TOKEN: ("row", "fp8_dynamic_token"),
+    keys.FP8_DYNAMIC_GROUP128: ("group", "fp8_group"),
+    keys.FP8_DYNAMIC_GROUP128_UE8M0: ("group", "fp8_group_ue8m0"),
+    keys.INT8_DYNAMIC_TOKEN: ("row", "int8_dynamic_token"),
+}
+_DTYPE_KEY = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _modes(quant_config: FusedMoEQuantConfig | None) -> tuple[str, str, str, str] | None:
+    """(a1 scale layout, w scale layout, a2 mode, config dtype key); None: not supported."""
+    if quant_config is None:
+        return "none", "none", "none", ""
+    w_mode = _W_MODE.get(quant_config.scheme)
+    act = _ACT_MODES.get(quant_config.a1.key)
+    if w_mode is None or act is None or quant_config.a2.key != quant_config.a1.key:
+        return None
+    return act[0], w_mode, act[1], quant_config.scheme
+
+
+class TritonExperts(Experts):
+    name = "triton"
+
+    @classmethod
+    def is_available(cls):
+        return None if has_triton() else f"triton is not installed ({INSTALL_HINT})"
+
+    @classmethod
+    def supports_device(cls, device):
+        return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+    @classmethod
+    def preferred_on(cls, device):
+        return device.type == "cuda"
+
+    @classmethod
+    def supports_dtype(cls, dtype):
+        return dtype in _DTYPE_KEY
+
+    @classmethod
+    def supports_quant_config(cls, quant_config):
+        return _modes(quant_config) is not None
+
+    @classmethod
+    def supports_activation(cls, activation):
+        return True
+
+    @classmethod
+    def supports_bias(cls):
+        return True
+
+    @classmethod
+    def supports_expert_map(cls):
+        return True
+
+    def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
+        # workspace13: GEMM2's per-slot output; workspace2: a2 (GEMM1's activation output,
+        # or its FP8 bytes and group scales). GEMM1's h never leaves the registers.
+        return WorkspaceShapes(
+            workspace13=(M * top_k, K),
+            workspace2=(M * top_k, activation.output_size(N)),
+            output=(M, K),
+        )
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOp()
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        weights,
+        topk_weights,
+        topk_ids,
+        *,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a1q_global_scale,
+        quant_config,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        from fusedmoe.kernels.fused_moe import fused_experts_triton
+        from fusedmoe.kernels.quant import _resolve_params
+
+        modes = _modes(quant_config)
+        if modes is None:  # the oracle refuses these; a direct call gets the reason
+            raise ValueError(f"the triton backend does not support {quant_config!r}")
+        a_mode, w_mode, a2_mode, dtype_key = modes
+        qc = quant_config
+        params = _resolve_params(activation.kind, activation.params)
+        fused_experts_triton(
+            output,
+            hidden_states,
+            weights.w13,
+            weights.w2,
+            topk_weights.float().contiguous(),
+            topk_ids,
+            activation=activation.kind,
+            params=params,
+            workspace13=workspace13,
+            workspace2=workspace2,
+            a1_scale=a1q_scale,
+            w13_scale=None if qc is None else qc.w1.scale,
+            w2_scale=None if qc is None else qc.w2.scale,
+            w13_bias=weights.w13_bias,
+            w2_bias=weights.w2_bias,
+            expert_map=expert_map,
+            a2_static_scale=None if qc is None else qc.a2.scale,
+            a_mode=a_mode,
+            w_mode=w_mode,
+            a2_mode=a2_mode,
+            mul_routed_weight=not apply_router_weight_on_input,
+            dtype_key=dtype_key or _DTYPE_KEY[output.dtype],
+        )
+
+
+__all__ = ["TritonExperts"]

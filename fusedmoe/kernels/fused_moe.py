@@ -1,0 +1,294 @@
+"""The Triton fused-experts op: align, GEMM1 + activation (+ a2 quantization), GEMM2 x router
+weight, top-k sum. Registered as a custom op (fake: it only writes `output`), so a layer that
+calls it traces under torch.compile; it never synchronises with the host, so it captures in a
+CUDA graph.
+
+    routing = moe_align_block_size(topk_ids, BM)             # 1 launch (S <= 4096) or 3
+    a2      = act(x[rows // k] @ w13[e].T + b13)             # GEMM1, quantized in its epilogue
+    a2      = quantize(a2)          only for per-token / dynamic per-tensor a2 (after GEMM1)
+    y       = (a2[rows] @ w2[e].T + b2) * topk_weights       # GEMM2, rows in slot order
+    output  = sum over the k slots of each token              # moe_sum
+
+Legend: M tokens, k top-k, S = M * k slots, E_l local experts, H hidden, I intermediate,
+N_w = w13 rows per expert (2I gated), N_act = I (the activation output width).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedmoe.activation import MoEActivation
+from fusedmoe.kernels import moe_gemm as g
+from fusedmoe.kernels.moe_align import moe_align_block_size
+from fusedmoe.kernels.moe_config import moe_kernel_config
+from fusedmoe.kernels.quant import _ACTIVATION_CODE
+from fusedmoe.quant import keys
+from fusedmoe.quant.activation import quantize_activation
+from fusedmoe.quant.config import OperandQuant
+from fusedmoe.quant.formats import FP8_DTYPE
+
+__all__ = ["A_MODES", "A2_MODES", "W_MODES", "fused_experts_triton"]
+
+A_MODES = {"none": g.A_NONE, "tensor": g.A_TENSOR, "row": g.A_ROW, "group": g.A_GROUP}
+W_MODES = {"none": g.W_NONE, "tensor": g.W_TENSOR, "channel": g.W_CHANNEL, "block": g.W_BLOCK}
+#: how a2 (the input of GEMM2) is made: in GEMM1's epilogue, or from fp32 after it
+A2_MODES = {
+    "none": (g.OUT_PLAIN, None),
+    "fp8_static": (g.OUT_FP8_STATIC, None),
+    "fp8_group": (g.OUT_FP8_GROUP, None),
+    "fp8_group_ue8m0": (g.OUT_FP8_GROUP_UE8M0, None),
+    "fp8_dynamic_tensor": (g.OUT_FP32, keys.FP8_DYNAMIC_TENSOR),
+    "fp8_dynamic_token": (g.OUT_FP32, keys.FP8_DYNAMIC_TOKEN),
+    "int8_dynamic_token": (g.OUT_FP32, keys.INT8_DYNAMIC_TOKEN),
+}
+_A2_SCALE = {  # the scale layout GEMM2 reads a2 with
+    "none": g.A_NONE,
+    "fp8_static": g.A_TENSOR,
+    "fp8_group": g.A_GROUP,
+    "fp8_group_ue8m0": g.A_GROUP,
+    "fp8_dynamic_tensor": g.A_TENSOR,
+    "fp8_dynamic_token": g.A_ROW,
+    "int8_dynamic_token": g.A_ROW,
+}
+_ACT_CODES = {
+    **_ACTIVATION_CODE,
+    MoEActivation.GELU_TANH: g.ACT_GELU_TANH,
+    MoEActivation.SILU_NO_MUL: g.ACT_SILU_NO_MUL,
+    MoEActivation.GELU_NO_MUL: g.ACT_GELU_NO_MUL,
+    MoEActivation.RELU2_NO_MUL: g.ACT_RELU2_NO_MUL,
+}
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_SUM_BLOCK_H = 1024
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(t: torch.Tensor) -> str | None:
+    """The GPU's name for the tuned tables; None on the interpreter."""
+    return _device_name(t.device.index or 0) if t.is_cuda else None
+
+
+def _bytes_view(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
+    """A [shape] dtype tensor over buf's bytes from `offset` (a scratch carved into parts)."""
+    raw = buf.view(-1).view(torch.uint8)
+    size = 1
+    for s in shape:
+        size *= s
+    nbytes = size * torch.empty((), dtype=dtype).element_size()
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def _a2_buffers(workspace2, num_slots, width, a2_mode, dtype):
+    """(a2 written by GEMM1, its group scales or None) inside workspace2 when they fit."""
+    out_mode, _ = A2_MODES[a2_mode]
+    if out_mode == g.OUT_PLAIN:
+        return workspace2.view(-1)[: num_slots * width].view(num_slots, width), None
+    if out_mode == g.OUT_FP32:  # zeros: the rows of slots not routed here stay out of any amax
+        return torch.zeros((num_slots, width), dtype=torch.float32, device=workspace2.device), None
+    q_bytes = (num_slots * width + 15) // 16 * 16
+    groups = triton.cdiv(width, g.QUANT_GROUP)
+    if q_bytes + num_slots * groups * 4 > workspace2.numel() * workspace2.element_size():
+        q = torch.empty((num_slots, width), dtype=FP8_DTYPE, device=workspace2.device)
+        scales = torch.empty((num_slots, groups), dtype=torch.float32, device=q.device)
+        return q, scales
+    q = _bytes_view(workspace2, 0, (num_slots, width), FP8_DTYPE)
+    scales = _bytes_view(workspace2, q_bytes, (num_slots, groups), torch.float32)
+    return q, scales
+
+
+def _scale_args(scale: torch.Tensor | None, dummy: torch.Tensor, ndim: int):
+    if scale is None:
+        return (dummy,) + (0,) * ndim
+    if scale.dim() == 1 and ndim > 1:  # [1] or [E_l]
+        return (scale, scale.stride(0)) + (0,) * (ndim - 1)
+    return (scale, *scale.stride()[:ndim]) + (0,) * (ndim - scale.dim())
+
+
+def _launch_gemm(
+    a, a_scale, a_mode, a_row_div, w, w_scale, w_mode, bias, out, out_scale, topk_weights,
+    routing, num_slots, max_blocks, config, *, activation, params, out_mode, mul_routed_weight,
+    h_dtype,
+):  # fmt: skip
+    n_out = out.shape[1]
+    k = a.shape[1]
+    gated = activation is not None and activation.is_gated
+    act_code = g.ACT_NONE if activation is None else _ACT_CODES[activation]
+    alpha, beta, limit, has_limit = params
+    grid = (max_blocks * triton.cdiv(n_out, config.block_n),)
+    dummy = routing.sorted_token_ids
+    fp32 = a.dtype == torch.float32
+    g._moe_gemm_kernel[grid](
+        a, a.stride(0), a.stride(1),
+        *_scale_args(a_scale, dummy, 2),
+        w, w.stride(0), w.stride(1), w.stride(2),
+        *_scale_args(w_scale, dummy, 3),
+        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
+        out, out.stride(0), out.stride(1),
+        *_scale_args(out_scale, dummy, 2),
+        topk_weights,
+        routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_post_padded,
+        n_out, k, num_slots, max_blocks,
+        alpha, beta, limit,
+        A_ROW_DIV=a_row_div,
+        A_SCALE=a_mode,
+        W_SCALE=w_mode,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=act_code,
+        GATED=gated,
+        HAS_LIMIT=has_limit,
+        OUT_MODE=out_mode,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        H_DTYPE=h_dtype,
+        DOT_PRECISION="ieee" if (fp32 or not a.is_cuda) else "tf32",
+        ROUND_IN_FP32=not a.is_cuda,
+        UPCAST=not a.is_cuda,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=routing.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "fusedmoe::fused_experts_triton", mutates_args=("output", "workspace13", "workspace2")
+)
+def _fused_experts_triton_op(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    a1_scale: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    a2_static_scale: torch.Tensor | None,
+    workspace13: torch.Tensor,
+    workspace2: torch.Tensor,
+    activation: str,
+    alpha: float,
+    beta: float,
+    limit: float,
+    has_limit: bool,
+    a_mode: str,
+    w_mode: str,
+    a2_mode: str,
+    mul_routed_weight: bool,
+    dtype_key: str,
+) -> None:
+    num_tokens, top_k = topk_ids.shape
+    num_slots = num_tokens * top_k
+    num_local, gemm1_rows, hidden = w13.shape
+    act = MoEActivation(activation)
+    width = act.output_size(gemm1_rows)
+    if num_tokens == 0:
+        return
+    config = moe_kernel_config(
+        num_tokens, top_k, num_local, gemm1_rows, hidden, width, dtype_key, device_name(x)
+    )
+    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with guard:
+        routing = moe_align_block_size(topk_ids, config.block_m, num_local, expert_map)
+        max_blocks = routing.expert_ids.shape[0]
+        out_mode, post_key = A2_MODES[a2_mode]
+        a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)
+        if out_mode == g.OUT_FP8_STATIC:
+            a2_scale = a2_static_scale
+        params = (alpha, beta, limit, has_limit)
+        h_dtype = _TL_DTYPE[output.dtype]
+        _launch_gemm(
+            x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
+            a2, a2_scale, topk_weights, routing, num_slots, max_blocks, config.gemm1,
+            activation=act, params=params, out_mode=out_mode, mul_routed_weight=False,
+            h_dtype=h_dtype,
+        )  # fmt: skip
+        if post_key is not None:  # a scale over the whole row or tensor: after GEMM1
+            qa = quantize_activation(a2, OperandQuant(post_key))
+            a2, a2_scale = qa.q, qa.scale
+        y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
+        _launch_gemm(
+            a2, a2_scale, _A2_SCALE[a2_mode], 1, w2, w2_scale, W_MODES[w_mode], w2_bias,
+            y, None, topk_weights.reshape(-1), routing, num_slots, max_blocks, config.gemm2,
+            activation=None, params=params, out_mode=g.OUT_PLAIN,
+            mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
+        )  # fmt: skip
+        moe_sum(y, output, topk_ids, expert_map)
+
+
+@_fused_experts_triton_op.register_fake
+def _(output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, topk_weights,
+      topk_ids, expert_map, a2_static_scale, workspace13, workspace2, activation, alpha, beta,
+      limit, has_limit, a_mode, w_mode, a2_mode, mul_routed_weight, dtype_key):  # fmt: skip
+    return None
+
+
+def moe_sum(
+    y: torch.Tensor, output: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
+) -> None:
+    """output [M, H] = sum over j of y [M * k, H] rows m * k + j routed to this rank."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = y.shape[1]
+    block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden))
+    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    g._moe_sum_kernel[grid](
+        y, y.stride(0), y.stride(1),
+        output, output.stride(0), output.stride(1),
+        topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+        topk_ids if expert_map is None else expert_map,
+        hidden,
+        TOP_K=top_k,
+        HAS_MAP=expert_map is not None,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def fused_experts_triton(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: MoEActivation,
+    params: tuple[float, float, float, bool],
+    workspace13: torch.Tensor,
+    workspace2: torch.Tensor,
+    a1_scale: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    a2_static_scale: torch.Tensor | None = None,
+    a_mode: str = "none",
+    w_mode: str = "none",
+    a2_mode: str = "none",
+    mul_routed_weight: bool = True,
+    dtype_key: str = "bfloat16",
+) -> None:
+    """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
+    the caller (TritonExperts); params are (alpha, beta, limit, has_limit) with defaults
+    resolved (fusedmoe.kernels.quant._resolve_params)."""
+    alpha, beta, limit, has_limit = params
+    _fused_experts_triton_op(
+        output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,
+        topk_weights, topk_ids, expert_map, a2_static_scale, workspace13, workspace2,
+        activation.value, alpha, beta, limit, has_limit, a_mode, w_mode, a2_mode,
+        mul_routed_weight, dtype_key,
+    )  # fmt: skip

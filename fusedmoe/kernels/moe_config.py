@@ -1,0 +1,203 @@
+"""Kernel configs of the Triton expert GEMMs: a small deterministic heuristic, overridden by
+tuned tables (written by `fusedmoe tune`) when one exists for the shape and this GPU.
+
+A config is frozen per (E_l, N, K, M bucket, dtype, device). Tables are JSON files named
+
+    <device name>/E=<E_l>,N=<N>,K=<K>,dtype=<dtype>.json     {"<M>": {config fields}, ...}
+
+looked up first in $FUSEDMOE_TUNED_CONFIGS (a user directory), then in the tables shipped in
+fusedmoe/kernels/tuned/; the entry of the nearest M is used. N is the w13 rows per expert
+(2I gated), K the hidden size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import triton
+
+__all__ = [
+    "GemmConfig",
+    "MoEKernelConfig",
+    "TUNED_CONFIGS_ENV",
+    "moe_kernel_config",
+    "table_path",
+    "use_moe_kernel_config",
+]
+
+TUNED_CONFIGS_ENV = "FUSEDMOE_TUNED_CONFIGS"
+SHIPPED_DIR = Path(__file__).parent / "tuned"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int  # output columns per program (GEMM1 gated: of the activation, 2x of w13 rows)
+    block_k: int  # reduced width per step (divides 128 for 128-block FP8)
+    group_m: int  # row blocks launched together per column tile (L2 reuse of w)
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    block_m: int  # rows per block of the aligned layout (shared by both GEMMs)
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    def to_json(self) -> dict:
+        return {"block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+
+    @classmethod
+    def from_json(cls, entry: object, where: str) -> MoEKernelConfig:
+        try:
+            gemms = {
+                name: GemmConfig(**{f.name: int(entry[name][f.name]) for f in fields(GemmConfig)})
+                for name in ("gemm1", "gemm2")
+            }
+            config = cls(block_m=int(entry["block_m"]), **gemms)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: not a fusedmoe kernel config ({exc!r})") from None
+        config.check(where)
+        return config
+
+    def check(self, where: str = "config") -> None:
+        sizes = [self.block_m] + [
+            v for g in (self.gemm1, self.gemm2) for v in (g.block_n, g.block_k, g.num_warps)
+        ]
+        if any(v <= 0 or v & (v - 1) for v in sizes) or self.block_m < 16:
+            raise ValueError(f"{where}: block sizes and warps must be powers of two, block_m >= 16")
+
+
+_override: contextvars.ContextVar[MoEKernelConfig | None] = contextvars.ContextVar(
+    "fusedmoe_moe_kernel_config", default=None
+)
+
+
+@contextlib.contextmanager
+def use_moe_kernel_config(config: MoEKernelConfig) -> Iterator[None]:
+    """Scoped override (tests, benchmarks, tuning): every launch inside uses `config`."""
+    config.check()
+    token = _override.set(config)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def table_path(root: Path, device_name: str, e: int, n: int, k: int, dtype: str) -> Path:
+    return root / _safe(device_name) / f"E={e},N={n},K={k},dtype={dtype}.json"
+
+
+@functools.lru_cache(maxsize=256)
+def _load_table(path: str) -> dict[int, MoEKernelConfig] | None:
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"tuned config table {p} is not readable JSON: {exc}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"tuned config table {p}: expected an object of M -> config")
+    table = {}
+    for m, entry in raw.items():
+        if not str(m).isdigit():
+            raise ValueError(f"tuned config table {p}: key {m!r} is not a token count")
+        table[int(m)] = MoEKernelConfig.from_json(entry, f"{p} [{m}]")
+    return table
+
+
+def _tuned(device_name: str | None, e: int, n: int, k: int, dtype: str, m: int):
+    if device_name is None:
+        return None
+    roots = [Path(os.environ[TUNED_CONFIGS_ENV])] if os.environ.get(TUNED_CONFIGS_ENV) else []
+    for root in [*roots, SHIPPED_DIR]:
+        table = _load_table(str(table_path(root, device_name, e, n, k, dtype)))
+        if table:
+            return table[min(table, key=lambda key: (abs(key - m), key))]
+    return None
+
+
+def moe_kernel_config(
+    num_tokens: int,
+    top_k: int,
+    num_local_experts: int,
+    gemm1_rows: int,
+    hidden_size: int,
+    intermediate_size: int,
+    dtype: str,
+    device_name: str | None,
+) -> MoEKernelConfig:
+    """The config of one call: the scoped override, else the tuned table, else the heuristic.
+
+    dtype is the operand kind: "bfloat16", "float16", "float32", "fp8_tensor", "fp8_channel",
+    "fp8_block" or "int8"; device_name None (the interpreter) skips the tables.
+    """
+    override = _override.get()
+    if override is not None:
+        return override
+    tuned = _tuned(
+        device_name, num_local_experts, gemm1_rows, hidden_size, dtype, num_tokens
+    )
+    if tuned is not None:
+        return tuned
+    return heuristic_config(
+        num_tokens, top_k, num_local_experts, hidden_size, intermediate_size, dtype
+    )
+
+
+def heuristic_config(
+    num_tokens: int,
+    top_k: int,
+    num_local_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    dtype: str,
+) -> MoEKernelConfig:
+    """Rows per block from the expected slots per expert (uniform routing): 16-row blocks
+    while experts see a handful of tokens (decode: weight-read bound, a bigger tile only
+    multiplies zeros), 64 or 128 when they see hundreds (tensor-core bound)."""
+    per_expert = num_tokens * top_k / max(num_local_experts, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 128 else 128
+    fp8 = dtype.startswith("fp8") or dtype == "int8"
+    wide = 4 if dtype == "float32" else 2 if dtype in ("bfloat16", "float16") else 1
+    block_k = 128 if dtype == "fp8_block" else max(32, 128 // wide * (2 if block_m <= 32 else 1))
+    if block_m <= 32:  # decode: many programs in flight, deep pipelines on the weight reads
+        gemm1 = GemmConfig(64, block_k, 1, 4, 4 if wide < 4 else 2)
+        gemm2 = GemmConfig(64, block_k, 1, 4, 4 if wide < 4 else 2)
+    else:
+        warps = 8 if block_m == 128 else 4
+        stages = 3 if wide < 4 else 2
+        n1 = 128 if (fp8 or block_m < 128) else 64  # gated: two accumulators of this width
+        gemm1 = GemmConfig(n1, block_k if fp8 else 64, 8, warps, stages)
+        gemm2 = GemmConfig(128, block_k if fp8 else 64, 8, warps, stages)
+    if dtype == "fp8_block":  # the fused group quantization needs whole 128-wide groups
+        gemm1 = GemmConfig(128, 128, gemm1.group_m, gemm1.num_warps, gemm1.num_stages)
+    return MoEKernelConfig(
+        block_m,
+        _fit(gemm1, intermediate_size, hidden_size),
+        _fit(gemm2, hidden_size, intermediate_size),
+    )
+
+
+def _fit(config: GemmConfig, n: int, k: int) -> GemmConfig:
+    """Shrink the tile to small shapes (tl.dot needs at least 16 along each dimension)."""
+    block_k = config.block_k
+    if block_k != 128:  # 128 stays for the block scales
+        block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    block_n = config.block_n
+    if block_n % 128:
+        block_n = max(16, min(block_n, triton.next_power_of_2(n)))
+    return GemmConfig(block_n, block_k, config.group_m, config.num_warps, config.num_stages)

@@ -1,0 +1,329 @@
+"""The expert GEMMs of the Triton backend: a grouped GEMM over the aligned rows (moe_align),
+reading its A rows through the sorted slot ids, with the MoE epilogues fused in.
+
+Legend: S = M * k slots, E_l local experts, K the reduced width, N_w the rows of w per
+expert, N the output width (N = N_w / 2 for a gated activation fused in, else N_w),
+BM / BN / BK the tile. Each program computes one BM x BN output tile of one block of rows:
+
+    rows   = sorted_token_ids[block * BM : (block + 1) * BM]      # slots; S = padding
+    e      = expert_ids[block]
+    a      = A[rows // A_ROW_DIV]             GEMM1: x [M, K] (token = slot // k); GEMM2: a2 [S, K]
+    acc    = sum over K tiles of  a_tile @ w[e, cols, k_tile].T  (* a_scale * w_scale per tile
+                                                                  for 128-block scales)
+    acc   *= a_scale * w_scale                (per-tensor / per-token / per-channel scales)
+    acc   += bias[e, cols]
+
+then one of the epilogues:
+
+    GEMM1, gated:      two accumulators, gate rows and up rows of w13 (halves: c and c + N;
+                       gpt-oss interleaved: 2c and 2c + 1);  h = round(acc) to the activation
+                       dtype (where the reference stores h);  a = act(h_gate, h_up) in fp32
+    GEMM1, non-gated:  a = act(round(acc))
+        a is stored as the activation dtype, or as FP8 with the static a2 scale, or as FP8 with
+        a scale per 1 x 128 group computed here (the tile holds whole groups), or as fp32 for a
+        quantization that needs the whole row or tensor (done after the kernel)
+    GEMM2:             y = acc * topk_weights[slot] (unless applied on the input), stored at
+                       row `slot` of [S, H]
+
+moe_sum then adds each token's k rows (skipping slots not routed to this rank).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fusedmoe.kernels.quant import _FP8_MAX, _gated_activation, _quantize_groups, _round_to_e4m3_grid
+
+# Scale layouts of the A operand (activations) and of w.
+A_NONE, A_TENSOR, A_ROW, A_GROUP = 0, 1, 2, 3
+W_NONE, W_TENSOR, W_CHANNEL, W_BLOCK = 0, 1, 2, 3
+# What GEMM1 stores (OUT_*) and its activation codes (ACT_NONE: GEMM2, no activation).
+OUT_PLAIN, OUT_FP8_STATIC, OUT_FP8_GROUP, OUT_FP8_GROUP_UE8M0, OUT_FP32 = 0, 1, 2, 3, 4
+ACT_NONE = -1
+# the gated codes are those of fusedmoe.kernels.quant (0..4), then:
+ACT_GELU_TANH, ACT_SILU_NO_MUL, ACT_GELU_NO_MUL, ACT_RELU2_NO_MUL = 5, 6, 7, 8
+QUANT_GROUP = 128  # the 1 x 128 activation groups and 128 x 128 weight blocks
+
+_A_GROUP = tl.constexpr(A_GROUP)
+_A_TENSOR = tl.constexpr(A_TENSOR)
+_A_ROW = tl.constexpr(A_ROW)
+_W_TENSOR = tl.constexpr(W_TENSOR)
+_W_CHANNEL = tl.constexpr(W_CHANNEL)
+_W_BLOCK = tl.constexpr(W_BLOCK)
+_OUT_PLAIN = tl.constexpr(OUT_PLAIN)
+_OUT_FP8_STATIC = tl.constexpr(OUT_FP8_STATIC)
+_OUT_FP8_GROUP = tl.constexpr(OUT_FP8_GROUP)
+_OUT_FP8_GROUP_UE8M0 = tl.constexpr(OUT_FP8_GROUP_UE8M0)
+_ACT_NONE = tl.constexpr(ACT_NONE)
+_ACT_SWIGLUOAI = tl.constexpr(2)  # interleaved gate / up rows
+_ACT_GELU_TANH = tl.constexpr(ACT_GELU_TANH)
+_ACT_SILU_NO_MUL = tl.constexpr(ACT_SILU_NO_MUL)
+_ACT_GELU_NO_MUL = tl.constexpr(ACT_GELU_NO_MUL)
+_ACT_RELU2_NO_MUL = tl.constexpr(ACT_RELU2_NO_MUL)
+_GROUP = tl.constexpr(QUANT_GROUP)
+_SCALE_FLOAT32, _SCALE_UE8M0 = tl.constexpr(0), tl.constexpr(1)  # codes of kernels.quant
+
+
+@triton.jit
+def _silu(z):
+    return z / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """fp32 -> act in fp32, as fusedmoe.activation defines it (`up` unused when non-gated)."""
+    if ACTIVATION == _ACT_GELU_TANH:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
+        out = 0.5 * gate * (1.0 + tanh) * up
+    elif ACTIVATION == _ACT_SILU_NO_MUL:
+        out = _silu(gate)
+    elif ACTIVATION == _ACT_GELU_NO_MUL:
+        out = gate * 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+    elif ACTIVATION == _ACT_RELU2_NO_MUL:
+        r = tl.maximum(gate, 0.0)
+        out = r * r
+    else:
+        out = _gated_activation(gate, up, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+    return out
+
+
+@triton.jit
+def _load_w_tile(ptrs, offs_k, k_remaining, n_mask, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The [BK, BN] tile of w at `ptrs` (w[e, cols, k0:k0+BK] transposed)."""
+    if EVEN_K:
+        w = tl.load(ptrs, mask=n_mask[None, :], other=0.0)
+    else:
+        w = tl.load(ptrs, mask=n_mask[None, :] & (offs_k[:, None] < k_remaining), other=0.0)
+    if UPCAST:
+        w = w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _w_scale_vector(
+    w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, w_rows, k_block, n_mask,
+    W_SCALE: tl.constexpr,
+):  # fmt: skip
+    """Scales of w's rows `w_rows` [BN]: per channel, or of their 128 x 128 block k_block."""
+    base = w_scale_ptr + e * stride_wse
+    if W_SCALE == _W_BLOCK:
+        ptrs = base + (w_rows // _GROUP) * stride_wsn + k_block * stride_wsk
+    else:
+        ptrs = base + w_rows * stride_wsn
+    return tl.load(ptrs, mask=n_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, stride_am, stride_ak,  # [rows of A, K]
+    a_scale_ptr, stride_asm, stride_ask,  # [1] | [rows of A, 1] | [rows of A, ceil(K/128)]
+    w_ptr, stride_we, stride_wn, stride_wk,  # [E_l, N_w, K]
+    w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l] | [E_l, N_w] | [E_l, N_w/128, K/128]
+    bias_ptr, stride_be, stride_bn,  # [E_l, N_w]
+    out_ptr, stride_om, stride_on,  # [S, N]
+    out_scale_ptr, stride_osm, stride_osn,  # static a2 scale [1] | group scales [S, ceil(N/128)]
+    topk_weights_ptr,  # float32 [S]
+    sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting
+    N, K, num_slots, max_blocks,
+    alpha, beta, limit,  # activation parameters, defaults resolved
+    A_ROW_DIV: tl.constexpr,  # k for GEMM1 (x is per token), 1 for GEMM2 (a2 is per slot)
+    A_SCALE: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # ACT_NONE for GEMM2
+    GATED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    OUT_MODE: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    H_DTYPE: tl.constexpr,  # where the reference rounds h (the activation dtype)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32), else the default
+    ROUND_IN_FP32: tl.constexpr,  # the interpreter's fp8 casts (see kernels.quant)
+    UPCAST: tl.constexpr,  # the interpreter: its tl.dot is wrong for bf16, so dot in fp32
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped launch order: GROUP_M row blocks share each column tile of w while it is in L2.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    num_post = tl.load(num_post_ptr)
+    if pid_m * BLOCK_M >= num_post:
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = slots < num_slots
+    a_rows = (slots // A_ROW_DIV).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if GATED:
+        if ACTIVATION == _ACT_SWIGLUOAI:
+            gate_rows = 2 * offs_n
+            up_rows = 2 * offs_n + 1
+        else:
+            gate_rows = offs_n
+            up_rows = offs_n + N
+    else:
+        gate_rows = offs_n
+        up_rows = offs_n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_base = w_ptr + e * stride_we
+    k_offsets = offs_k[:, None] * stride_wk
+    wg_ptrs = w_base + gate_rows.to(tl.int64)[None, :] * stride_wn + k_offsets  # [BK, BN]
+    wu_ptrs = w_base + up_rows.to(tl.int64)[None, :] * stride_wn + k_offsets
+
+    acc_dtype = tl.int32 if (a_ptr.dtype.element_ty == tl.int8 and not UPCAST) else tl.float32
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    scaled_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    scaled_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_remaining = K - k0
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            a_mask = row_mask[:, None] & (offs_k[None, :] < k_remaining)
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        w_g = _load_w_tile(wg_ptrs, offs_k, k_remaining, n_mask, EVEN_K, UPCAST)
+        if UPCAST:
+            a = a.to(tl.float32)
+        if W_SCALE == _W_BLOCK:
+            # a 128 x 128 block scale changes with k: promote each K tile to fp32 on its own
+            k_block = k0 // _GROUP
+            a_s = tl.load(
+                a_scale_ptr + a_rows * stride_asm + k_block * stride_ask, mask=row_mask, other=0.0
+            )
+            w_s = _w_scale_vector(
+                w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, gate_rows, k_block, n_mask,
+                W_SCALE,
+            )  # fmt: skip
+            part = tl.dot(a, w_g, input_precision=DOT_PRECISION)
+            scaled_g += part * a_s[:, None] * w_s[None, :]
+            if GATED:
+                w_u = _load_w_tile(wu_ptrs, offs_k, k_remaining, n_mask, EVEN_K, UPCAST)
+                w_su = _w_scale_vector(
+                    w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, up_rows, k_block, n_mask,
+                    W_SCALE,
+                )  # fmt: skip
+                part = tl.dot(a, w_u, input_precision=DOT_PRECISION)
+                scaled_u += part * a_s[:, None] * w_su[None, :]
+        else:
+            acc_g = tl.dot(a, w_g, acc_g, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+            if GATED:
+                w_u = _load_w_tile(wu_ptrs, offs_k, k_remaining, n_mask, EVEN_K, UPCAST)
+                acc_u = tl.dot(a, w_u, acc_u, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
+        a_ptrs += BLOCK_K * stride_ak
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+
+    if W_SCALE == _W_BLOCK:
+        h_g = scaled_g
+        h_u = scaled_u
+    else:
+        h_g = acc_g.to(tl.float32)
+        h_u = acc_u.to(tl.float32)
+        # per-tensor / per-token / per-channel scales factor out of the sum over K
+        if A_SCALE == _A_TENSOR:
+            a_s = tl.load(a_scale_ptr)
+            h_g *= a_s
+            h_u *= a_s
+        elif A_SCALE == _A_ROW:
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_mask, other=0.0)
+            h_g *= a_s[:, None]
+            h_u *= a_s[:, None]
+        if W_SCALE == _W_TENSOR:
+            w_s = tl.load(w_scale_ptr + e * stride_wse)
+            h_g *= w_s
+            h_u *= w_s
+        elif W_SCALE == _W_CHANNEL:
+            w_s = _w_scale_vector(
+                w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, gate_rows, 0, n_mask, W_SCALE
+            )
+            h_g *= w_s[None, :]
+            if GATED:
+                w_su = _w_scale_vector(
+                    w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, up_rows, 0, n_mask,
+                    W_SCALE,
+                )  # fmt: skip
+                h_u *= w_su[None, :]
+    if HAS_BIAS:
+        bias_base = bias_ptr + e * stride_be
+        h_g += tl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            h_u += tl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+
+    out_rows = slots.to(tl.int64)
+    out_mask = row_mask[:, None] & n_mask[None, :]
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    if ACTIVATION == _ACT_NONE:
+        y = h_g
+        if MUL_ROUTED_WEIGHT:
+            w = tl.load(topk_weights_ptr + out_rows, mask=row_mask, other=0.0)
+            y = y * w[:, None]
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+        return
+
+    # GEMM1: the reference stores h in the activation dtype before the activation reads it
+    h_g = h_g.to(H_DTYPE).to(tl.float32)
+    h_u = h_u.to(H_DTYPE).to(tl.float32)
+    act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+    act = tl.where(out_mask, act, 0.0)  # padding must not count in a group's amax
+    if OUT_MODE == _OUT_FP8_STATIC:
+        scale = tl.load(out_scale_ptr)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(act, scale), -_FP8_MAX), _FP8_MAX)
+        if ROUND_IN_FP32:
+            q = _round_to_e4m3_grid(q)
+        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif OUT_MODE == _OUT_FP8_GROUP or OUT_MODE == _OUT_FP8_GROUP_UE8M0:
+        GROUPS: tl.constexpr = BLOCK_N // _GROUP
+        scale_format = _SCALE_UE8M0 if OUT_MODE == _OUT_FP8_GROUP_UE8M0 else _SCALE_FLOAT32
+        q, scales = _quantize_groups(
+            tl.reshape(act, (BLOCK_M, GROUPS, _GROUP)), scale_format, ROUND_IN_FP32
+        )
+        q = tl.reshape(q, (BLOCK_M, BLOCK_N))
+        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
+        groups = pid_n * GROUPS + tl.arange(0, GROUPS)
+        s_ptrs = out_scale_ptr + out_rows[:, None] * stride_osm + groups[None, :] * stride_osn
+        tl.store(s_ptrs, scales, mask=row_mask[:, None] & (groups * _GROUP < N)[None, :])
+    else:  # OUT_PLAIN (activation dtype) or OUT_FP32 (quantized after the kernel)
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr, stride_ys, stride_yh,  # [S, H] per-slot outputs (already weighted)
+    out_ptr, stride_om, stride_oh,  # [M, H]
+    ids_ptr, stride_im, stride_ik,  # [M, k] global expert ids
+    map_ptr,  # [E] global -> local (-1: another rank)
+    H,
+    TOP_K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """out[m] = sum_j y[m * k + j] over the slots routed to this rank, in fp32."""
+    m = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        gid = tl.load(ids_ptr + m * stride_im + j * stride_ik)
+        routed = gid >= 0
+        if HAS_MAP:
+            local = tl.load(map_ptr + gid, mask=routed, other=-1)
+            routed = local >= 0
+        mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
+        y = tl.load(y_ptr + (m * TOP_K + j) * stride_ys + offs_h * stride_yh, mask=mask, other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
