@@ -28,7 +28,12 @@ from fusedmoe.quant import keys
 from fusedmoe.quant.config import FusedMoEQuantConfig
 
 # scheme -> weight scale layout (the op's w_mode)
-_W_MODE = {"fp8_tensor": "tensor", "fp8_channel": "channel", "fp8_block": "block", "int8": "channel"}
+_W_MODE = {
+    "fp8_tensor": "tensor",
+    "fp8_channel": "channel",
+    "fp8_block": "block",
+    "int8": "channel",
+}
 # activation key -> (a1 scale layout, a2 mode)
 _ACT_MODES = {
     keys.FP8_STATIC_TENSOR: ("tensor", "fp8_static"),

@@ -33,7 +33,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedmoe.kernels.quant import _FP8_MAX, _gated_activation, _quantize_groups, _round_to_e4m3_grid
+from fusedmoe.kernels.quant import (
+    _FP8_MAX,
+    _gated_activation,
+    _quantize_groups,
+    _round_to_e4m3_grid,
+)
 
 # Scale layouts of the A operand (activations) and of w.
 A_NONE, A_TENSOR, A_ROW, A_GROUP = 0, 1, 2, 3
@@ -90,6 +95,17 @@ def _activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMI
 
 
 @triton.jit
+def _round_to(x, DTYPE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. The interpreter's fp32 -> bf16
+    cast truncates, so there the rounding is done on the bits (then the cast is exact)."""
+    if ROUND_IN_FP32 and tl.bfloat16 == DTYPE:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _load_w_tile(ptrs, offs_k, k_remaining, n_mask, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     """The [BK, BN] tile of w at `ptrs` (w[e, cols, k0:k0+BK] transposed)."""
     if EVEN_K:
@@ -99,6 +115,18 @@ def _load_w_tile(ptrs, offs_k, k_remaining, n_mask, EVEN_K: tl.constexpr, UPCAST
     if UPCAST:
         w = w.to(tl.float32)
     return w
+
+
+@triton.jit
+def _w_tile(
+    desc, ptrs, row0, k0, offs_k, k_remaining, n_mask, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """The [BK, BN] tile of w whose rows start at row0 of w viewed as [E_l * N_w, K]: a TMA
+    load through `desc` (rows and columns past the end read as zeros), or pointer loads."""
+    if USE_TMA:
+        return desc.load([row0, k0]).T
+    return _load_w_tile(ptrs, offs_k, k_remaining, n_mask, EVEN_K, UPCAST)
 
 
 @triton.jit
@@ -116,16 +144,36 @@ def _w_scale_vector(
 
 
 @triton.jit
+def _store_group_quant(
+    act, out_ptrs, out_mask, out_scale_ptr, stride_osm, stride_osn, out_rows, row_mask, pid_n,
+    N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_FORMAT: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    """FP8 per 1 x 128 group of the [BM, BN] activation tile (BN holds whole groups)."""
+    GROUPS: tl.constexpr = BLOCK_N // _GROUP
+    q, scales = _quantize_groups(
+        tl.reshape(act, (BLOCK_M, GROUPS, _GROUP)), SCALE_FORMAT, ROUND_IN_FP32
+    )
+    q = tl.reshape(q, (BLOCK_M, BLOCK_N))
+    tl.store(out_ptrs, q.to(out_ptrs.dtype.element_ty), mask=out_mask)
+    groups = pid_n * GROUPS + tl.arange(0, GROUPS)
+    s_ptrs = out_scale_ptr + out_rows[:, None] * stride_osm + groups[None, :] * stride_osn
+    tl.store(s_ptrs, scales, mask=row_mask[:, None] & (groups * _GROUP < N)[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # [rows of A, K]
     a_scale_ptr, stride_asm, stride_ask,  # [1] | [rows of A, 1] | [rows of A, ceil(K/128)]
     w_ptr, stride_we, stride_wn, stride_wk,  # [E_l, N_w, K]
+    w_desc,  # USE_TMA: a TMA descriptor of w as [E_l * N_w, K], block [BN, BK]
     w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l] | [E_l, N_w] | [E_l, N_w/128, K/128]
     bias_ptr, stride_be, stride_bn,  # [E_l, N_w]
     out_ptr, stride_om, stride_on,  # [S, N]
     out_scale_ptr, stride_osm, stride_osn,  # static a2 scale [1] | group scales [S, ceil(N/128)]
     topk_weights_ptr,  # float32 [S]
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting
+    ids_ptr, map_ptr,  # DIRECT: topk_ids [S] and expert_map [E] (global -> local, -1 elsewhere)
     N, K, num_slots, max_blocks,
     alpha, beta, limit,  # activation parameters, defaults resolved
     A_ROW_DIV: tl.constexpr,  # k for GEMM1 (x is per token), 1 for GEMM2 (a2 is per slot)
@@ -146,6 +194,10 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DIRECT: tl.constexpr,  # one block per slot, no alignment (M = 1: k distinct experts)
+    HAS_MAP: tl.constexpr,
+    USE_TMA: tl.constexpr,  # w contiguous with halves (not interleaved) gate / up rows
+    W_BLOCK_UNIFORM: tl.constexpr,  # 128-block w: each tile's rows lie in one block of 128
 ):  # fmt: skip
     # Grouped launch order: GROUP_M row blocks share each column tile of w while it is in L2.
     pid = tl.program_id(0)
@@ -156,12 +208,20 @@ def _moe_gemm_kernel(
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
 
-    num_post = tl.load(num_post_ptr)
-    if pid_m * BLOCK_M >= num_post:
-        return
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ids_ptr + offs_m)
+    if DIRECT:  # block pid_m is slot pid_m alone, in row 0 (the alignment launch is saved)
+        expert = tl.load(ids_ptr + pid_m).to(tl.int32)
+        if HAS_MAP:
+            expert = tl.load(map_ptr + expert, mask=expert >= 0, other=-1).to(tl.int32)
+        if expert < 0:
+            return
+        e = expert.to(tl.int64)
+        slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
+    else:
+        num_post = tl.load(num_post_ptr)
+        if pid_m * BLOCK_M >= num_post:
+            return
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = slots < num_slots
     a_rows = (slots // A_ROW_DIV).to(tl.int64)
 
@@ -183,6 +243,8 @@ def _moe_gemm_kernel(
     k_offsets = offs_k[:, None] * stride_wk
     wg_ptrs = w_base + gate_rows.to(tl.int64)[None, :] * stride_wn + k_offsets  # [BK, BN]
     wu_ptrs = w_base + up_rows.to(tl.int64)[None, :] * stride_wn + k_offsets
+    gate_row0 = (e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32)  # TMA coordinates
+    up_row0 = gate_row0 + N
 
     acc_dtype = tl.int32 if (a_ptr.dtype.element_ty == tl.int8 and not UPCAST) else tl.float32
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
@@ -196,7 +258,9 @@ def _moe_gemm_kernel(
         else:
             a_mask = row_mask[:, None] & (offs_k[None, :] < k_remaining)
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        w_g = _load_w_tile(wg_ptrs, offs_k, k_remaining, n_mask, EVEN_K, UPCAST)
+        w_g = _w_tile(
+            w_desc, wg_ptrs, gate_row0, k0, offs_k, k_remaining, n_mask, EVEN_K, UPCAST, USE_TMA
+        )
         if UPCAST:
             a = a.to(tl.float32)
         if W_SCALE == _W_BLOCK:
@@ -205,24 +269,60 @@ def _moe_gemm_kernel(
             a_s = tl.load(
                 a_scale_ptr + a_rows * stride_asm + k_block * stride_ask, mask=row_mask, other=0.0
             )
-            w_s = _w_scale_vector(
-                w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, gate_rows, k_block, n_mask,
-                W_SCALE,
-            )  # fmt: skip
             part = tl.dot(a, w_g, input_precision=DOT_PRECISION)
-            scaled_g += part * a_s[:, None] * w_s[None, :]
-            if GATED:
-                w_u = _load_w_tile(wu_ptrs, offs_k, k_remaining, n_mask, EVEN_K, UPCAST)
-                w_su = _w_scale_vector(
-                    w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, up_rows, k_block, n_mask,
-                    W_SCALE,
+            if W_BLOCK_UNIFORM:  # one weight block across the tile: fold its scale into a_s
+                w_s = tl.load(
+                    w_scale_ptr + e * stride_wse + (pid_n * BLOCK_N // _GROUP) * stride_wsn
+                    + k_block * stride_wsk
                 )  # fmt: skip
+                scaled_g += part * (a_s * w_s)[:, None]
+            else:
+                w_s = _w_scale_vector(
+                    w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, gate_rows, k_block,
+                    n_mask, W_SCALE,
+                )  # fmt: skip
+                scaled_g += part * a_s[:, None] * w_s[None, :]
+            if GATED:
+                w_u = _w_tile(
+                    w_desc,
+                    wu_ptrs,
+                    up_row0,
+                    k0,
+                    offs_k,
+                    k_remaining,
+                    n_mask,
+                    EVEN_K,
+                    UPCAST,
+                    USE_TMA,
+                )
                 part = tl.dot(a, w_u, input_precision=DOT_PRECISION)
-                scaled_u += part * a_s[:, None] * w_su[None, :]
+                if W_BLOCK_UNIFORM:
+                    w_su = tl.load(
+                        w_scale_ptr + e * stride_wse
+                        + ((N + pid_n * BLOCK_N) // _GROUP) * stride_wsn + k_block * stride_wsk
+                    )  # fmt: skip
+                    scaled_u += part * (a_s * w_su)[:, None]
+                else:
+                    w_su = _w_scale_vector(
+                        w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, up_rows, k_block,
+                        n_mask, W_SCALE,
+                    )  # fmt: skip
+                    scaled_u += part * a_s[:, None] * w_su[None, :]
         else:
             acc_g = tl.dot(a, w_g, acc_g, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
             if GATED:
-                w_u = _load_w_tile(wu_ptrs, offs_k, k_remaining, n_mask, EVEN_K, UPCAST)
+                w_u = _w_tile(
+                    w_desc,
+                    wu_ptrs,
+                    up_row0,
+                    k0,
+                    offs_k,
+                    k_remaining,
+                    n_mask,
+                    EVEN_K,
+                    UPCAST,
+                    USE_TMA,
+                )
                 acc_u = tl.dot(a, w_u, acc_u, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
         a_ptrs += BLOCK_K * stride_ak
         wg_ptrs += BLOCK_K * stride_wk
@@ -260,9 +360,11 @@ def _moe_gemm_kernel(
                 h_u *= w_su[None, :]
     if HAS_BIAS:
         bias_base = bias_ptr + e * stride_be
-        h_g += tl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        bias_g = tl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0)
+        h_g += bias_g.to(tl.float32)[None, :]
         if GATED:
-            h_u += tl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            bias_u = tl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0)
+            h_u += bias_u.to(tl.float32)[None, :]
 
     out_rows = slots.to(tl.int64)
     out_mask = row_mask[:, None] & n_mask[None, :]
@@ -272,12 +374,13 @@ def _moe_gemm_kernel(
         if MUL_ROUTED_WEIGHT:
             w = tl.load(topk_weights_ptr + out_rows, mask=row_mask, other=0.0)
             y = y * w[:, None]
+        y = _round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
         return
 
     # GEMM1: the reference stores h in the activation dtype before the activation reads it
-    h_g = h_g.to(H_DTYPE).to(tl.float32)
-    h_u = h_u.to(H_DTYPE).to(tl.float32)
+    h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
+    h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
     act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
     act = tl.where(out_mask, act, 0.0)  # padding must not count in a group's amax
     if OUT_MODE == _OUT_FP8_STATIC:
@@ -286,18 +389,18 @@ def _moe_gemm_kernel(
         if ROUND_IN_FP32:
             q = _round_to_e4m3_grid(q)
         tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif OUT_MODE == _OUT_FP8_GROUP or OUT_MODE == _OUT_FP8_GROUP_UE8M0:
-        GROUPS: tl.constexpr = BLOCK_N // _GROUP
-        scale_format = _SCALE_UE8M0 if OUT_MODE == _OUT_FP8_GROUP_UE8M0 else _SCALE_FLOAT32
-        q, scales = _quantize_groups(
-            tl.reshape(act, (BLOCK_M, GROUPS, _GROUP)), scale_format, ROUND_IN_FP32
-        )
-        q = tl.reshape(q, (BLOCK_M, BLOCK_N))
-        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
-        groups = pid_n * GROUPS + tl.arange(0, GROUPS)
-        s_ptrs = out_scale_ptr + out_rows[:, None] * stride_osm + groups[None, :] * stride_osn
-        tl.store(s_ptrs, scales, mask=row_mask[:, None] & (groups * _GROUP < N)[None, :])
+    elif OUT_MODE == _OUT_FP8_GROUP:
+        _store_group_quant(
+            act, out_ptrs, out_mask, out_scale_ptr, stride_osm, stride_osn, out_rows, row_mask,
+            pid_n, N, BLOCK_M, BLOCK_N, _SCALE_FLOAT32, ROUND_IN_FP32,
+        )  # fmt: skip
+    elif OUT_MODE == _OUT_FP8_GROUP_UE8M0:
+        _store_group_quant(
+            act, out_ptrs, out_mask, out_scale_ptr, stride_osm, stride_osn, out_rows, row_mask,
+            pid_n, N, BLOCK_M, BLOCK_N, _SCALE_UE8M0, ROUND_IN_FP32,
+        )  # fmt: skip
     else:  # OUT_PLAIN (activation dtype) or OUT_FP32 (quantized after the kernel)
+        act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -311,6 +414,7 @@ def _moe_sum_kernel(
     TOP_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
 ):  # fmt: skip
     """out[m] = sum_j y[m * k + j] over the slots routed to this rank, in fp32."""
     m = tl.program_id(0).to(tl.int64)
@@ -326,4 +430,6 @@ def _moe_sum_kernel(
         mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
         y = tl.load(y_ptr + (m * TOP_K + j) * stride_ys + offs_h * stride_yh, mask=mask, other=0.0)
         acc += y.to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_h * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+    acc = _round_to(acc, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+    out_ptrs = out_ptr + m * stride_om + offs_h * stride_oh
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=h_mask)

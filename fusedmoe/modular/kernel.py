@@ -19,6 +19,7 @@ import torch
 
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.prepare_finalize import PrepareFinalize
+from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, needs_grad
 
 CHUNK_SIZE_ENV = "FUSEDMOE_CHUNK_SIZE"
@@ -147,7 +148,15 @@ class FusedMoEModularKernel:
         workspaces = WorkspaceCache() if needs_grad(hidden_states, weights) else self.workspaces
         workspace13 = workspaces.get("workspace13", shapes.workspace13, dtype, device)
         workspace2 = workspaces.get("workspace2", shapes.workspace2, dtype, device)
-        expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
+        reduce = experts.finalize_weight_and_reduce_impl()
+        if (
+            isinstance(reduce, TopKWeightAndReduceNoOp)
+            and self.prepare_finalize.experts_may_write_output()
+            and tuple(shapes.output) == tuple(output.shape)
+        ):
+            expert_output = output  # the backend reduces into the result: finalize copies nothing
+        else:
+            expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
         experts.apply(
             expert_output,
             prepared.a1q,
@@ -171,7 +180,7 @@ class FusedMoEModularKernel:
             prepared.topk_weights,
             prepared.topk_ids,
             apply_router_weight_on_input,
-            experts.finalize_weight_and_reduce_impl(),
+            reduce,
         )
 
     def __repr__(self) -> str:

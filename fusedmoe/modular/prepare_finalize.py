@@ -58,6 +58,11 @@ class PrepareFinalize(abc.ABC):
     ) -> None:
         """Reduce (when asked) and combine into `output` [M, H] (this rank's tokens)."""
 
+    def experts_may_write_output(self) -> bool:
+        """Whether a backend that reduces itself may write straight into finalize's `output`
+        (true when finalize has nothing to combine: no EP)."""
+        return False
+
     def num_dispatchers(self) -> int:
         """How many ranks send tokens to this rank's experts."""
         return 1
@@ -83,6 +88,9 @@ class PrepareFinalize(abc.ABC):
 
 class NoEPPrepareFinalize(PrepareFinalize):
     """Single rank: prepare quantizes (unless the experts defer it), finalize reduces."""
+
+    def experts_may_write_output(self) -> bool:
+        return True
 
     def prepare(
         self,

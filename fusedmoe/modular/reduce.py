@@ -39,7 +39,7 @@ class TopKWeightAndReduceNoOp(TopKWeightAndReduce):
             raise AssertionError("NoOp reduce expects an already reduced [M, H] expert output")
         if output is None:
             return fused_expert_output
-        if output.data_ptr() != fused_expert_output.data_ptr():
+        if output is not fused_expert_output:  # identity, not data_ptr: torch.compile traces it
             output.copy_(fused_expert_output)
         return output
 
