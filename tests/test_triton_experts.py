@@ -46,9 +46,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 H, I, E = 64, 48, 8  # I = 48: GEMM1's and GEMM2's tiles have masked tails
 
-# quantized outputs: FP8 rounding of a slightly different h turns one-ulp differences into
-# one-step differences of a2, a few percent of the largest output at worst
-QUANT_TOL = dict(tol=0.08, rms_tol=1.5e-2)
+# quantized outputs: FP8 rounding of a slightly different h (summation order) turns one-ulp
+# differences into one-step differences of a2, a few percent of the largest output at worst.
+# The interpreter dots in fp32; tensor cores sum in another order (seen: up to 3e-2 on an H200).
+QUANT_TOL = dict(tol=0.04, rms_tol=5e-3) if DEVICE == "cpu" else dict(tol=0.08, rms_tol=1.5e-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,13 +592,21 @@ def test_op_traces_under_torch_compile():
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-@pytest.mark.xfail(
-    TORCH_VERSION < (2, 13),
-    reason="torch 2.11's Dynamo cannot build MoEProblem's ActivationSpec (functional.py) nor "
-    "compare data_ptr()s (modular/reduce.py) inside one graph",
-    strict=False,
+@pytest.mark.parametrize(
+    "entry",
+    [
+        pytest.param(
+            "fused_experts",
+            marks=pytest.mark.xfail(
+                TORCH_VERSION < (2, 13),
+                reason="torch 2.11's Dynamo cannot build MoEProblem's ActivationSpec "
+                "(functional.py) inside one graph",
+                strict=True,
+            ),
+        ),
+        "layer",
+    ],
 )
-@pytest.mark.parametrize("entry", ["fused_experts", "layer"])
 def test_fused_experts_fullgraph(entry):
     """fused_experts and FusedMoE with the triton backend compile in one graph: the id range
     check is skipped while tracing, the backend choice is host code, the op is opaque."""
@@ -664,6 +673,32 @@ def test_config_override_fp8_block():
     with use_moe_kernel_config(config):
         out, ref = _both(x, experts, weights, ids, quant_config=qc)
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_tanh"])
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+def test_unfused_activation_matches_fused(activation, use_ue8m0):
+    """fuse_activation=False: GEMM1 stores h and the act + group quant kernel makes a2 (gelu_tanh
+    has no such kernel: it stays fused, with a 64-wide gemm1 tile widened to a whole group)."""
+    num_tokens, num_experts, hidden, inter = 21, 4, 256, 192  # I = 192: a partial group
+    experts = _experts(num_experts, hidden, inter, activation, dtype=torch.float32)
+    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "fp8_block", use_ue8m0=use_ue8m0)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids = _routing(num_tokens, num_experts, 2)
+
+    def run(backend):
+        return fused_experts(
+            x, w13, w2, weights, ids, activation=activation, quant_config=qc, backend=backend
+        )
+
+    fused = run("triton")
+    unfused_config = MoEKernelConfig(
+        32, GemmConfig(64, 128, 2, 4, 2), GemmConfig(64, 128, 2, 4, 2), fuse_activation=False
+    )
+    with use_moe_kernel_config(unfused_config):
+        unfused = run("triton")
+    assert_close(unfused, run("torch"), torch.bfloat16, **QUANT_TOL)
+    assert_close(unfused, fused, torch.bfloat16, tol=1e-2, what="unfused vs fused")
 
 
 def test_override_is_checked():

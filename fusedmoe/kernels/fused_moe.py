@@ -17,6 +17,7 @@ N_w = w13 rows per expert (2I gated), N_act = I (the activation output width).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
-from fusedmoe.kernels.quant import _ACTIVATION_CODE
+from fusedmoe.kernels.quant import _ACTIVATION_CODE, _act_mul_per_token_group_quant_fp8_op
 from fusedmoe.quant import keys
 from fusedmoe.quant.activation import quantize_activation
 from fusedmoe.quant.config import OperandQuant
@@ -213,6 +214,11 @@ def _launch_gemm(
     )  # fmt: skip
 
 
+def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
+    """Whether GEMM1 may leave the activation to the separate act + group quant kernel."""
+    return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in _ACTIVATION_CODE
+
+
 def _rows(topk_ids, expert_map, block_m, num_local) -> _Rows:
     ids = topk_ids.reshape(-1)
     if topk_ids.shape[0] == 1:
@@ -270,12 +276,29 @@ def _fused_experts_triton_op(
             a2_scale = a2_static_scale
         params = (alpha, beta, limit, has_limit)
         h_dtype = _TL_DTYPE[output.dtype]
-        _launch_gemm(
-            x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
-            a2, a2_scale, topk_weights, rows, num_slots, config.gemm1,
-            activation=act, params=params, out_mode=out_mode, mul_routed_weight=False,
-            h_dtype=h_dtype,
-        )  # fmt: skip
+        if config.fuse_activation or not _unfused_ok(a2_mode, act):
+            gemm1 = config.gemm1
+            if out_mode in (g.OUT_FP8_GROUP, g.OUT_FP8_GROUP_UE8M0) and gemm1.block_n % 128:
+                # the group quantization in the epilogue needs whole 128-wide groups per tile
+                gemm1 = dataclasses.replace(gemm1, block_n=g.QUANT_GROUP)
+            _launch_gemm(
+                x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
+                a2, a2_scale, topk_weights, rows, num_slots, gemm1,
+                activation=act, params=params, out_mode=out_mode, mul_routed_weight=False,
+                h_dtype=h_dtype,
+            )  # fmt: skip
+        else:  # GEMM1 stores h; the fused act + group quant kernel makes a2 from it
+            h = torch.empty((num_slots, gemm1_rows), dtype=output.dtype, device=x.device)
+            _launch_gemm(
+                x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
+                h, None, topk_weights, rows, num_slots, config.gemm1,
+                activation=None, params=params, out_mode=g.OUT_PLAIN, mul_routed_weight=False,
+                h_dtype=h_dtype,
+            )  # fmt: skip
+            a2, a2_scale = _act_mul_per_token_group_quant_fp8_op(
+                h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, False,
+                a2_mode == "fp8_group_ue8m0",
+            )  # fmt: skip
         if post_key is not None:  # a scale over the whole row or tensor: after GEMM1
             qa = quantize_activation(a2, OperandQuant(post_key))
             a2, a2_scale = qa.q, qa.scale

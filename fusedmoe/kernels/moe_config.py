@@ -51,9 +51,18 @@ class MoEKernelConfig:
     block_m: int  # rows per block of the aligned layout (shared by both GEMMs)
     gemm1: GemmConfig
     gemm2: GemmConfig
+    #: gated activation (+ group quantization) in GEMM1's epilogue (two accumulators, gate and
+    #: up); False: GEMM1 stores h and a separate fused act + quant kernel reads it (one
+    #: accumulator: taller tiles fit in registers). Only 1 x 128 group FP8 a2 uses False.
+    fuse_activation: bool = True
 
     def to_json(self) -> dict:
-        return {"block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+        return {
+            "block_m": self.block_m,
+            "gemm1": asdict(self.gemm1),
+            "gemm2": asdict(self.gemm2),
+            "fuse_activation": self.fuse_activation,
+        }
 
     @classmethod
     def from_json(cls, entry: object, where: str) -> MoEKernelConfig:
@@ -62,7 +71,10 @@ class MoEKernelConfig:
                 name: GemmConfig(**{f.name: int(entry[name][f.name]) for f in fields(GemmConfig)})
                 for name in ("gemm1", "gemm2")
             }
-            config = cls(block_m=int(entry["block_m"]), **gemms)
+            fuse = entry.get("fuse_activation", True)
+            if not isinstance(fuse, bool):
+                raise TypeError(f"fuse_activation must be a bool, got {fuse!r}")
+            config = cls(block_m=int(entry["block_m"]), **gemms, fuse_activation=fuse)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a fusedmoe kernel config ({exc!r})") from None
         config.check(where)
@@ -165,18 +177,20 @@ def heuristic_config(
     dtype: str,
 ) -> MoEKernelConfig:
     """Rows per block from the expected slots per expert (uniform routing): 16-row blocks
-    while experts see a handful of tokens (decode: weight-read bound, a taller tile only
-    multiplies zeros), up to 128 when they see hundreds (tensor-core bound).
+    while experts see a few tokens (decode: weight-read bound, a taller tile only multiplies
+    zeros), then 64 and 128 (tensor-core bound).
 
-    The tiles are the winners of a sweep on an H200 (qwen3-30b-a3b and deepseek-v3 shapes,
-    M = 1, 64, 4096): at decode the tile hardly matters (+-2%); at prefill 128 x 128 (x2, gate
-    and up) bf16 tiles with 4 stages are best, and 128-block FP8 wants 64-row blocks (its
-    per-K-block promotion keeps a second accumulator live: 128 rows spill registers).
+    The tiles are the winners of sweeps on an H200 (qwen3-30b-a3b, deepseek-v3 and gpt-oss-120b
+    shapes, uniform and Zipf-skewed routing):
+    - decode (<= 4 slots per expert): the tile hardly matters (+-2%);
+    - from ~8 slots per expert, 16-row blocks lose to 64-row ones by 30-50% under skewed
+      routing (a popular expert's rows become many thin tiles) and win by only ~3% under
+      uniform routing, so 64 rows take over early; 32-row blocks never won;
+    - prefill: 128 x 128 (x2, gate and up) bf16 tiles with 4 stages; 128-block FP8 stays at 64
+      rows (its per-K-block promotion keeps a second accumulator live: 128 rows spill).
     """
     per_expert = num_tokens * top_k / max(num_local_experts, 1)
-    block_m = (
-        16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
-    )
+    block_m = 16 if per_expert <= 4 else 64 if per_expert <= 48 else 128
     one_byte = dtype.startswith("fp8") or dtype == "int8"
     if dtype == "fp8_block":
         block_m = min(block_m, 64)
@@ -184,7 +198,7 @@ def heuristic_config(
         block_k, stages = 32, 2
     else:
         block_k, stages = (128 if one_byte else 64), 4
-    if block_m <= 32:  # decode: many programs in flight, deep pipelines on the weight reads
+    if block_m == 16:  # decode: many programs in flight, deep pipelines on the weight reads
         # group_m: the row blocks of a popular expert (skewed routing) run side by side, so
         # they read each weight tile from HBM once and from L2 after
         decode_k = block_k if one_byte else 2 * block_k
