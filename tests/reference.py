@@ -118,9 +118,8 @@ def experts_ref(
     return out
 
 
-def reference(x, experts: dict, weights, ids, **kwargs) -> torch.Tensor:
-    """experts_ref with the weights of a random_experts dict."""
-    return experts_ref(
+def _with_experts(fn, x, experts: dict, weights, ids, **kwargs) -> torch.Tensor:
+    return fn(
         x,
         experts["w13"],
         experts["w2"],
@@ -130,6 +129,18 @@ def reference(x, experts: dict, weights, ids, **kwargs) -> torch.Tensor:
         w2_bias=experts["w2_bias"],
         **kwargs,
     )
+
+
+def run_fused_experts(x, experts: dict, weights, ids, **kwargs) -> torch.Tensor:
+    """fusedmoe.fused_experts with the weights of a random_experts dict."""
+    from fusedmoe import fused_experts
+
+    return _with_experts(fused_experts, x, experts, weights, ids, **kwargs)
+
+
+def reference(x, experts: dict, weights, ids, **kwargs) -> torch.Tensor:
+    """experts_ref with the weights of a random_experts dict."""
+    return _with_experts(experts_ref, x, experts, weights, ids, **kwargs)
 
 
 def softmax_topk_ref(

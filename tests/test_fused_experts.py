@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedmoe import ActivationParams, fused_experts, fused_moe
+from fusedmoe import ActivationParams, fused_moe
 from tests.helpers import assert_close, assert_equal
 from tests.reference import (
     ALL_ACTIVATIONS,
     random_experts,
     reference,
+    run_fused_experts,
     silu64,
     softmax_topk_ref,
 )
@@ -43,16 +44,7 @@ def random_routing(
 
 
 def run(x, experts, weights, ids, **kwargs):
-    return fused_experts(
-        x,
-        experts["w13"],
-        experts["w2"],
-        weights,
-        ids,
-        w13_bias=experts["w13_bias"],
-        w2_bias=experts["w2_bias"],
-        **kwargs,
-    )
+    return run_fused_experts(x, experts, weights, ids, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -40,7 +40,7 @@ from fusedmoe.kernels.quant import _resolve_params
 from fusedmoe.presets import PRESETS
 from fusedmoe.quant import make_quant_config, quantize_experts
 from tests.helpers import assert_close, assert_equal, poison_
-from tests.reference import ALL_ACTIVATIONS, NON_GATED, random_experts
+from tests.reference import ALL_ACTIVATIONS, NON_GATED, random_experts, run_fused_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
@@ -88,17 +88,7 @@ def _expert_map(local: list[int], num_global: int, device: str = DEVICE) -> torc
 
 
 def _run(x, experts, weights, ids, backend, **kwargs):
-    return fused_experts(
-        x,
-        experts["w13"],
-        experts["w2"],
-        weights,
-        ids,
-        w13_bias=experts["w13_bias"],
-        w2_bias=experts["w2_bias"],
-        backend=backend,
-        **kwargs,
-    )
+    return run_fused_experts(x, experts, weights, ids, backend=backend, **kwargs)
 
 
 def _both(x, experts, weights, ids, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -144,6 +144,26 @@ def _w_scale_vector(
 
 
 @triton.jit
+def _block_scaled_dot(
+    a, w, a_s, w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, w_rows, first_row, k_block,
+    n_mask, DOT_PRECISION: tl.constexpr, UNIFORM: tl.constexpr,
+):  # fmt: skip
+    """dot(a, w) over one 128-wide K block, times its scales: a_s [BM] per row, and w's of the
+    128 x 128 blocks its rows lie in (UNIFORM: all in the block of first_row, one scalar)."""
+    part = tl.dot(a, w, input_precision=DOT_PRECISION)
+    if UNIFORM:  # fold the one weight scale into a_s: a multiply per row, not per element
+        w_s = tl.load(
+            w_scale_ptr + e * stride_wse + (first_row // _GROUP) * stride_wsn
+            + k_block * stride_wsk
+        )  # fmt: skip
+        return part * (a_s * w_s)[:, None]
+    w_s = _w_scale_vector(
+        w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, w_rows, k_block, n_mask, _W_BLOCK
+    )
+    return part * a_s[:, None] * w_s[None, :]
+
+
+@triton.jit
 def _store_group_quant(
     act, out_ptrs, out_mask, out_scale_ptr, stride_osm, stride_osn, out_rows, row_mask, pid_n,
     N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_FORMAT: tl.constexpr,
@@ -269,60 +289,22 @@ def _moe_gemm_kernel(
             a_s = tl.load(
                 a_scale_ptr + a_rows * stride_asm + k_block * stride_ask, mask=row_mask, other=0.0
             )
-            part = tl.dot(a, w_g, input_precision=DOT_PRECISION)
-            if W_BLOCK_UNIFORM:  # one weight block across the tile: fold its scale into a_s
-                w_s = tl.load(
-                    w_scale_ptr + e * stride_wse + (pid_n * BLOCK_N // _GROUP) * stride_wsn
-                    + k_block * stride_wsk
-                )  # fmt: skip
-                scaled_g += part * (a_s * w_s)[:, None]
-            else:
-                w_s = _w_scale_vector(
-                    w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, gate_rows, k_block,
-                    n_mask, W_SCALE,
-                )  # fmt: skip
-                scaled_g += part * a_s[:, None] * w_s[None, :]
-            if GATED:
-                w_u = _w_tile(
-                    w_desc,
-                    wu_ptrs,
-                    up_row0,
-                    k0,
-                    offs_k,
-                    k_remaining,
-                    n_mask,
-                    EVEN_K,
-                    UPCAST,
-                    USE_TMA,
-                )
-                part = tl.dot(a, w_u, input_precision=DOT_PRECISION)
-                if W_BLOCK_UNIFORM:
-                    w_su = tl.load(
-                        w_scale_ptr + e * stride_wse
-                        + ((N + pid_n * BLOCK_N) // _GROUP) * stride_wsn + k_block * stride_wsk
-                    )  # fmt: skip
-                    scaled_u += part * (a_s * w_su)[:, None]
-                else:
-                    w_su = _w_scale_vector(
-                        w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, up_rows, k_block,
-                        n_mask, W_SCALE,
-                    )  # fmt: skip
-                    scaled_u += part * a_s[:, None] * w_su[None, :]
+            scaled_g += _block_scaled_dot(
+                a, w_g, a_s, w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, gate_rows,
+                pid_n * BLOCK_N, k_block, n_mask, DOT_PRECISION, W_BLOCK_UNIFORM,
+            )  # fmt: skip
         else:
             acc_g = tl.dot(a, w_g, acc_g, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
-            if GATED:
-                w_u = _w_tile(
-                    w_desc,
-                    wu_ptrs,
-                    up_row0,
-                    k0,
-                    offs_k,
-                    k_remaining,
-                    n_mask,
-                    EVEN_K,
-                    UPCAST,
-                    USE_TMA,
-                )
+        if GATED:
+            w_u = _w_tile(
+                w_desc, wu_ptrs, up_row0, k0, offs_k, k_remaining, n_mask, EVEN_K, UPCAST, USE_TMA
+            )
+            if W_SCALE == _W_BLOCK:
+                scaled_u += _block_scaled_dot(
+                    a, w_u, a_s, w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, up_rows,
+                    N + pid_n * BLOCK_N, k_block, n_mask, DOT_PRECISION, W_BLOCK_UNIFORM,
+                )  # fmt: skip
+            else:
                 acc_u = tl.dot(a, w_u, acc_u, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
         a_ptrs += BLOCK_K * stride_ak
         wg_ptrs += BLOCK_K * stride_wk
