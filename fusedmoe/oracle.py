@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.experts.hpc import HPCExperts
 from fusedmoe.experts.monolithic import MonolithicExperts
 from fusedmoe.experts.torch_ref import TorchExperts
 from fusedmoe.experts.triton import TritonExperts
@@ -26,7 +27,12 @@ from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.types import ActivationSpec, MoEProblem
 
 #: every backend, most preferred first
-BACKENDS: tuple[type[Experts], ...] = (TritonExperts, MonolithicExperts, TorchExperts)
+BACKENDS: tuple[type[Experts], ...] = (
+    TritonExperts,
+    HPCExperts,
+    MonolithicExperts,
+    TorchExperts,
+)
 
 
 @dataclass(frozen=True)

@@ -140,22 +140,38 @@ class _Rows:
         return (r.sorted_token_ids, r.expert_ids, r.num_tokens_post_padded, self.ids, self.ids)
 
 
-def _tma_ok(w: torch.Tensor) -> bool:
-    """TMA loads of w: a Hopper-or-newer GPU, contiguous w with 16-byte aligned rows."""
-    if not (w.is_cuda and _TensorDescriptor is not None and w.is_contiguous()):
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA loads of t: a Hopper-or-newer GPU, contiguous t with 16-byte aligned rows."""
+    if not (t.is_cuda and _TensorDescriptor is not None and t.is_contiguous()):
         return False
-    if torch.cuda.get_device_capability(w.device)[0] < 9:
+    if torch.cuda.get_device_capability(t.device)[0] < 9:
         return False
-    return (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    return (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def _tma_descriptor(w: torch.Tensor, config):
-    return _TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [config.block_n, config.block_k])
+def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
+    return _TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [block_rows, block_k])
+
+
+@dataclass(frozen=True)
+class GemmVariant:
+    """What the DeepGEMM-style and HPC-style paths change in the expert GEMM (the defaults are
+    the triton backend's gather-GEMM)."""
+
+    a_quant: int = g.AQ_NONE  # quantize A's tiles in the kernel (HPC: A in the activation dtype)
+    align: int = 0  # > 0: A is the contiguous expert-aligned layout, runs aligned to this
+    out_row_div: int = 1  # OUT_ATOMIC: slot -> output row
+    zero: torch.Tensor | None = None  # a float32 buffer the launch zeroes (GEMM2's accumulator)
+    w_fp4: bool = False  # W_MX weights pack two E2M1 codes per byte
+
+
+_GATHER = GemmVariant()
 
 
 def _launch_gemm(
     a, a_scale, a_mode, a_row_div, w, w_scale, w_mode, bias, out, out_scale, topk_weights,
     rows: _Rows, num_slots, config, *, activation, params, out_mode, mul_routed_weight, h_dtype,
+    variant: GemmVariant = _GATHER,
 ):  # fmt: skip
     n_out = out.shape[1]
     k = a.shape[1]
@@ -167,10 +183,15 @@ def _launch_gemm(
     interleaved = activation is MoEActivation.SWIGLUOAI
     # TMA weight loads: 8-15% faster at prefill on an H200, 1-7% slower at decode (16-row
     # blocks), where the pointer loads stay
-    use_tma = rows.block_m >= 64 and not interleaved and _tma_ok(w)
-    w_desc = _tma_descriptor(w, config) if use_tma else w
+    use_tma = rows.block_m >= 64 and not interleaved and w_mode != g.W_MX and _tma_ok(w)
+    w_desc = _tma_descriptor(w, config.block_n, config.block_k) if use_tma else w
+    contiguous = variant.align > 0
+    use_tma_a = contiguous and rows.block_m >= 64 and variant.a_quant == g.AQ_NONE and _tma_ok(a)
+    a_desc = _tma_descriptor(a, rows.block_m, config.block_k) if use_tma_a else a
+    zero = variant.zero
     g._moe_gemm_kernel[grid](
         a, a.stride(0), a.stride(1),
+        a_desc,
         *_scale_args(a_scale, dummy, 2),
         w, w.stride(0), w.stride(1), w.stride(2),
         w_desc,
@@ -180,16 +201,20 @@ def _launch_gemm(
         *_scale_args(out_scale, dummy, 2),
         topk_weights,
         *rows.kernel_args(),
+        dummy if zero is None else zero, 0 if zero is None else zero.numel(),
         n_out, k, num_slots, rows.num_blocks,
         alpha, beta, limit,
         A_ROW_DIV=a_row_div,
         A_SCALE=a_mode,
+        A_QUANT=variant.a_quant,
         W_SCALE=w_mode,
+        W_FP4=variant.w_fp4,
         HAS_BIAS=bias is not None,
         ACTIVATION=act_code,
         GATED=activation is not None and activation.is_gated,
         HAS_LIMIT=has_limit,
         OUT_MODE=out_mode,
+        OUT_ROW_DIV=variant.out_row_div,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         H_DTYPE=h_dtype,
         DOT_PRECISION="ieee" if exact else "tf32",
@@ -201,14 +226,19 @@ def _launch_gemm(
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         DIRECT=rows.routing is None,
+        CONTIGUOUS=contiguous,
+        ALIGN=max(variant.align, 1),
         HAS_MAP=rows.expert_map is not None,
         USE_TMA=use_tma,
+        USE_TMA_A=use_tma_a,
         W_BLOCK_UNIFORM=(
             w_mode == g.W_BLOCK
             and g.QUANT_GROUP % config.block_n == 0
             and not interleaved
             and (activation is None or not activation.is_gated or n_out % g.QUANT_GROUP == 0)
         ),
+        ZERO_OUT=zero is not None,
+        MX_DTYPE=tl.float32 if not a.is_cuda else tl.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

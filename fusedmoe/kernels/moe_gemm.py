@@ -26,6 +26,23 @@ then one of the epilogues:
                        row `slot` of [S, H]
 
 moe_sum then adds each token's k rows (skipping slots not routed to this rank).
+
+Variants the other backends switch on (compile-time, so the triton backend's code is unchanged):
+
+    CONTIGUOUS   DeepGEMM-style: A is already permuted into expert-aligned runs, so block b
+                 reads rows [b * BM, (b + 1) * BM) of A (TMA loads on Hopper) and writes the
+                 same rows of out; its expert is expert_ids[b * BM // ALIGN]
+    A_QUANT      HPC-style: A arrives in the activation dtype and each K tile is quantized to
+                 FP8 here (static per-tensor scale, or a 1 x 128 group scale computed from the
+                 tile), as prepare would have: no separate quantization launch
+    W_MX / A_MX  MX operands (E8M0 scale per 1 x 32 along K; FP8, or FP4 E2M1 packed two per
+                 byte for w): dequantized to bf16 in the load path (exact: the elements have
+                 at most 4 significant bits and the scales are powers of two), since Hopper has
+                 no MX tensor-core instruction; with 1 x 128 FP8 activations the activation
+                 group scale is promoted per K block as for 128-block weights
+    OUT_ATOMIC   GEMM2 of the HPC path: y * topk_weight is added atomically into a float32
+                 [M, H] accumulator at row slot // k (the top-k reduce fused in); GEMM1 zeroes
+                 that accumulator first (ZERO_OUT), so no memset launch is needed
 """
 
 from __future__ import annotations
@@ -41,10 +58,15 @@ from fusedmoe.kernels.quant import (
 )
 
 # Scale layouts of the A operand (activations) and of w.
-A_NONE, A_TENSOR, A_ROW, A_GROUP = 0, 1, 2, 3
-W_NONE, W_TENSOR, W_CHANNEL, W_BLOCK = 0, 1, 2, 3
+A_NONE, A_TENSOR, A_ROW, A_GROUP, A_MX = 0, 1, 2, 3, 4
+W_NONE, W_TENSOR, W_CHANNEL, W_BLOCK, W_MX = 0, 1, 2, 3, 4
+# A quantized in the kernel (A_QUANT): not, FP8 with a static per-tensor scale, FP8 per 1 x 128
+# group with a float32 or a UE8M0 scale.
+AQ_NONE, AQ_STATIC, AQ_GROUP, AQ_GROUP_UE8M0 = 0, 1, 2, 3
 # What GEMM1 stores (OUT_*) and its activation codes (ACT_NONE: GEMM2, no activation).
 OUT_PLAIN, OUT_FP8_STATIC, OUT_FP8_GROUP, OUT_FP8_GROUP_UE8M0, OUT_FP32 = 0, 1, 2, 3, 4
+OUT_ATOMIC = 5  # GEMM2: atomically added (float32) into row slot // OUT_ROW_DIV
+MX_GROUP = 32  # elements per E8M0 scale along K
 ACT_NONE = -1
 # the gated codes are those of fusedmoe.kernels.quant (0..4), then:
 ACT_GELU_TANH, ACT_SILU_NO_MUL, ACT_GELU_NO_MUL, ACT_RELU2_NO_MUL = 5, 6, 7, 8
@@ -53,6 +75,13 @@ QUANT_GROUP = 128  # the 1 x 128 activation groups and 128 x 128 weight blocks
 _A_GROUP = tl.constexpr(A_GROUP)
 _A_TENSOR = tl.constexpr(A_TENSOR)
 _A_ROW = tl.constexpr(A_ROW)
+_A_MX = tl.constexpr(A_MX)
+_W_MX = tl.constexpr(W_MX)
+_AQ_STATIC = tl.constexpr(AQ_STATIC)
+_AQ_GROUP = tl.constexpr(AQ_GROUP)
+_AQ_GROUP_UE8M0 = tl.constexpr(AQ_GROUP_UE8M0)
+_OUT_ATOMIC = tl.constexpr(OUT_ATOMIC)
+_MX = tl.constexpr(MX_GROUP)
 _W_TENSOR = tl.constexpr(W_TENSOR)
 _W_CHANNEL = tl.constexpr(W_CHANNEL)
 _W_BLOCK = tl.constexpr(W_BLOCK)
@@ -182,28 +211,134 @@ def _store_group_quant(
 
 
 @triton.jit
+def _e8m0_to_float(code):
+    """uint8 E8M0 codes -> float32 2 ** (code - 127), exactly (code 0: the subnormal 2**-127)."""
+    c = code.to(tl.int32)
+    normal = (c << 23).to(tl.float32, bitcast=True)
+    return tl.where(c == 0, 5.877471754111438e-39, normal)
+
+
+@triton.jit
+def _mx_a_tile(
+    a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """MXFP8 A tile [BM, BK] (e4m3) -> values in DOT_DTYPE, times its 1 x 32 E8M0 scales."""
+    groups = k0 // _MX + tl.arange(0, BLOCK_K // _MX)
+    codes = tl.load(
+        a_scale_ptr + a_rows[:, None] * stride_asm + groups[None, :] * stride_ask,
+        mask=row_mask[:, None], other=127,
+    )  # fmt: skip
+    x = tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // _MX, _MX))
+    x = x * _e8m0_to_float(codes)[:, :, None]
+    return tl.reshape(x, (BLOCK_M, BLOCK_K)).to(DOT_DTYPE)
+
+
+@triton.jit
+def _e2m1_to_float(code):
+    """4-bit E2M1 codes (int32) -> float32: sign, 2 exponent bits, 1 mantissa bit."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    power = tl.where(exponent == 1, 1.0, tl.where(exponent == 2, 2.0, 4.0))  # 2 ** (e - 1)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, power * (1.0 + 0.5 * mantissa))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _mx_w_tile(
+    w_base, stride_wn, stride_wk, ws_base, stride_wsn, stride_wsk, w_rows, n_mask, k0, K,
+    W_FP4: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The [BK, BN] tile of an MX weight (rows w_rows, logical columns k0 .. k0 + BK) times its
+    1 x 32 E8M0 scales, in DOT_DTYPE. FP4: w stores two E2M1 codes per byte along K, the low
+    nibble first (logical column 2c in byte c's low nibble)."""
+    rows = w_rows.to(tl.int64)[None, :]
+    if W_FP4:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(
+            w_base + rows * stride_wn + half[:, None] * stride_wk,
+            mask=n_mask[None, :] & (half[:, None] < K // 2), other=0,
+        ).to(tl.int32)  # fmt: skip
+        low = _e2m1_to_float(packed & 0xF)
+        high = _e2m1_to_float(packed >> 4)
+        w = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_base + rows * stride_wn + cols[:, None] * stride_wk,
+            mask=n_mask[None, :] & (cols[:, None] < K), other=0.0,
+        ).to(tl.float32)  # fmt: skip
+    groups = k0 // _MX + tl.arange(0, BLOCK_K // _MX)
+    codes = tl.load(
+        ws_base + rows * stride_wsn + groups[:, None] * stride_wsk,
+        mask=n_mask[None, :] & (groups[:, None] < K // _MX), other=127,
+    )  # fmt: skip
+    w = tl.reshape(w, (BLOCK_K // _MX, _MX, BLOCK_N)) * _e8m0_to_float(codes)[:, None, :]
+    return tl.reshape(w, (BLOCK_K, BLOCK_N)).to(DOT_DTYPE)
+
+
+@triton.jit
+def _quantize_a_tile(
+    a, a_scale_ptr, A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    """A tile [BM, BK] in the activation dtype -> (FP8 values as fp32, per-row scale [BM]),
+    exactly as fusedmoe.quant.quantize makes them: a static per-tensor scale (read from
+    a_scale_ptr), or one 1 x 128 group per row (BK == 128) with its scale computed here."""
+    x = a.to(tl.float32)
+    if A_QUANT == _AQ_STATIC:
+        scale = tl.load(a_scale_ptr)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
+        if ROUND_IN_FP32:
+            y = _round_to_e4m3_grid(y)
+        return y, tl.zeros((BLOCK_M,), tl.float32) + scale
+    x = tl.reshape(x, (BLOCK_M, 1, BLOCK_K))
+    if A_QUANT == _AQ_GROUP_UE8M0:
+        y, scale = _quantize_groups(x, _SCALE_UE8M0, ROUND_IN_FP32)
+    else:
+        y, scale = _quantize_groups(x, _SCALE_FLOAT32, ROUND_IN_FP32)
+    return tl.reshape(y, (BLOCK_M, BLOCK_K)), tl.reshape(scale, (BLOCK_M,))
+
+
+@triton.jit
+def _zero_slice(ptr, numel, BLOCK: tl.constexpr):
+    """Zero this program's share of the float32 ptr[0:numel): whole BLOCKs, split over the grid."""
+    share = tl.cdiv(tl.cdiv(numel, BLOCK), tl.num_programs(0)) * BLOCK
+    start = tl.program_id(0).to(tl.int64) * share
+    for off in range(0, share, BLOCK):
+        offs = start + off + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=offs < numel)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # [rows of A, K]
-    a_scale_ptr, stride_asm, stride_ask,  # [1] | [rows of A, 1] | [rows of A, ceil(K/128)]
-    w_ptr, stride_we, stride_wn, stride_wk,  # [E_l, N_w, K]
+    a_desc,  # USE_TMA_A: a TMA descriptor of A (contiguous layout), block [BM, BK]
+    a_scale_ptr, stride_asm, stride_ask,  # [1] | [rows of A, 1] | [rows of A, ceil(K/g)]
+    w_ptr, stride_we, stride_wn, stride_wk,  # [E_l, N_w, K] (FP4: [E_l, N_w, K/2])
     w_desc,  # USE_TMA: a TMA descriptor of w as [E_l * N_w, K], block [BN, BK]
     w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l] | [E_l, N_w] | [E_l, N_w/128, K/128]
+                                                      # | MX: uint8 [E_l, N_w, K/32]
     bias_ptr, stride_be, stride_bn,  # [E_l, N_w]
-    out_ptr, stride_om, stride_on,  # [S, N]
+    out_ptr, stride_om, stride_on,  # [S, N] | OUT_ATOMIC: float32 [M, N]
     out_scale_ptr, stride_osm, stride_osn,  # static a2 scale [1] | group scales [S, ceil(N/128)]
     topk_weights_ptr,  # float32 [S]
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting
     ids_ptr, map_ptr,  # DIRECT: topk_ids [S] and expert_map [E] (global -> local, -1 elsewhere)
+    zero_ptr, zero_numel,  # ZERO_OUT: float32 buffer this launch zeroes (GEMM2's accumulator)
     N, K, num_slots, max_blocks,
     alpha, beta, limit,  # activation parameters, defaults resolved
     A_ROW_DIV: tl.constexpr,  # k for GEMM1 (x is per token), 1 for GEMM2 (a2 is per slot)
     A_SCALE: tl.constexpr,
+    A_QUANT: tl.constexpr,  # AQ_*: quantize A's tiles here (A in the activation dtype)
     W_SCALE: tl.constexpr,
+    W_FP4: tl.constexpr,  # W_MX: w packs two E2M1 codes per byte
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # ACT_NONE for GEMM2
     GATED: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     OUT_MODE: tl.constexpr,
+    OUT_ROW_DIV: tl.constexpr,  # OUT_ATOMIC: slot -> output row (k)
     MUL_ROUTED_WEIGHT: tl.constexpr,
     H_DTYPE: tl.constexpr,  # where the reference rounds h (the activation dtype)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32), else the default
@@ -215,10 +350,17 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr,  # one block per slot, no alignment (M = 1: k distinct experts)
+    CONTIGUOUS: tl.constexpr,  # A permuted into expert-aligned runs (rows = block rows)
+    ALIGN: tl.constexpr,  # CONTIGUOUS: rows per entry of expert_ids (a multiple of BLOCK_M)
     HAS_MAP: tl.constexpr,
     USE_TMA: tl.constexpr,  # w contiguous with halves (not interleaved) gate / up rows
+    USE_TMA_A: tl.constexpr,  # CONTIGUOUS: TMA loads of A
     W_BLOCK_UNIFORM: tl.constexpr,  # 128-block w: each tile's rows lie in one block of 128
+    ZERO_OUT: tl.constexpr,
+    MX_DTYPE: tl.constexpr,  # what MX operands are dequantized to: bf16 (fp32 on the interpreter)
 ):  # fmt: skip
+    if ZERO_OUT:  # before any early return: every program zeroes its share
+        _zero_slice(zero_ptr, zero_numel, 1024)
     # Grouped launch order: GROUP_M row blocks share each column tile of w while it is in L2.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -236,6 +378,12 @@ def _moe_gemm_kernel(
             return
         e = expert.to(tl.int64)
         slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
+    elif CONTIGUOUS:  # rows of A are the aligned layout's rows; padding rows compute garbage
+        num_post = tl.load(num_post_ptr)
+        if pid_m * BLOCK_M >= num_post:
+            return
+        e = tl.load(expert_ids_ptr + pid_m * BLOCK_M // ALIGN).to(tl.int64)
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     else:
         num_post = tl.load(num_post_ptr)
         if pid_m * BLOCK_M >= num_post:
@@ -260,11 +408,14 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_base = w_ptr + e * stride_we
+    ws_base = w_scale_ptr + e * stride_wse
     k_offsets = offs_k[:, None] * stride_wk
     wg_ptrs = w_base + gate_rows.to(tl.int64)[None, :] * stride_wn + k_offsets  # [BK, BN]
     wu_ptrs = w_base + up_rows.to(tl.int64)[None, :] * stride_wn + k_offsets
     gate_row0 = (e * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32)  # TMA coordinates
     up_row0 = gate_row0 + N
+    # a scale per K block, promoted to fp32 tile by tile (the sum over K does not factor)
+    PER_K_BLOCK: tl.constexpr = (W_SCALE == _W_BLOCK) | ((W_SCALE == _W_MX) & (A_SCALE == _A_GROUP))
 
     acc_dtype = tl.int32 if (a_ptr.dtype.element_ty == tl.int8 and not UPCAST) else tl.float32
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
@@ -273,44 +424,75 @@ def _moe_gemm_kernel(
     scaled_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_remaining = K - k0
-        if EVEN_K:
+        if USE_TMA_A:
+            a = a_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
         else:
             a_mask = row_mask[:, None] & (offs_k[None, :] < k_remaining)
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        w_g = _w_tile(
-            w_desc, wg_ptrs, gate_row0, k0, offs_k, k_remaining, n_mask, EVEN_K, UPCAST, USE_TMA
-        )
-        if UPCAST:
-            a = a.to(tl.float32)
-        if W_SCALE == _W_BLOCK:
-            # a 128 x 128 block scale changes with k: promote each K tile to fp32 on its own
-            k_block = k0 // _GROUP
+        k_block = k0 // _GROUP
+        if A_QUANT != 0:  # HPC: the FP8 quantization prepare would do, on this tile
+            a, a_s = _quantize_a_tile(a, a_scale_ptr, A_QUANT, BLOCK_M, BLOCK_K, ROUND_IN_FP32)
+            if not UPCAST:
+                a = a.to(tl.float8e4nv)
+        elif PER_K_BLOCK:
             a_s = tl.load(
                 a_scale_ptr + a_rows * stride_asm + k_block * stride_ask, mask=row_mask, other=0.0
             )
+        if A_SCALE == _A_MX:
+            a = _mx_a_tile(
+                a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, MX_DTYPE, BLOCK_M,
+                BLOCK_K,
+            )  # fmt: skip
+        elif W_SCALE == _W_MX:  # FP8 (or bf16) activations against dequantized MX weights
+            a = a.to(MX_DTYPE)
+        elif UPCAST:
+            a = a.to(tl.float32)
+        if W_SCALE == _W_MX:
+            w_g = _mx_w_tile(
+                w_base, stride_wn, stride_wk, ws_base, stride_wsn, stride_wsk, gate_rows, n_mask,
+                k0, K, W_FP4, MX_DTYPE, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        else:
+            w_g = _w_tile(
+                w_desc, wg_ptrs, gate_row0, k0, offs_k, k_remaining, n_mask, EVEN_K, UPCAST,
+                USE_TMA,
+            )  # fmt: skip
+        if W_SCALE == _W_BLOCK:
             scaled_g += _block_scaled_dot(
                 a, w_g, a_s, w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, gate_rows,
                 pid_n * BLOCK_N, k_block, n_mask, DOT_PRECISION, W_BLOCK_UNIFORM,
             )  # fmt: skip
+        elif PER_K_BLOCK:
+            scaled_g += tl.dot(a, w_g, input_precision=DOT_PRECISION) * a_s[:, None]
         else:
             acc_g = tl.dot(a, w_g, acc_g, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
         if GATED:
-            w_u = _w_tile(
-                w_desc, wu_ptrs, up_row0, k0, offs_k, k_remaining, n_mask, EVEN_K, UPCAST, USE_TMA
-            )
+            if W_SCALE == _W_MX:
+                w_u = _mx_w_tile(
+                    w_base, stride_wn, stride_wk, ws_base, stride_wsn, stride_wsk, up_rows,
+                    n_mask, k0, K, W_FP4, MX_DTYPE, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+            else:
+                w_u = _w_tile(
+                    w_desc, wu_ptrs, up_row0, k0, offs_k, k_remaining, n_mask, EVEN_K, UPCAST,
+                    USE_TMA,
+                )  # fmt: skip
             if W_SCALE == _W_BLOCK:
                 scaled_u += _block_scaled_dot(
                     a, w_u, a_s, w_scale_ptr, stride_wse, stride_wsn, stride_wsk, e, up_rows,
                     N + pid_n * BLOCK_N, k_block, n_mask, DOT_PRECISION, W_BLOCK_UNIFORM,
                 )  # fmt: skip
+            elif PER_K_BLOCK:
+                scaled_u += tl.dot(a, w_u, input_precision=DOT_PRECISION) * a_s[:, None]
             else:
                 acc_u = tl.dot(a, w_u, acc_u, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
         a_ptrs += BLOCK_K * stride_ak
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
 
-    if W_SCALE == _W_BLOCK:
+    if PER_K_BLOCK:
         h_g = scaled_g
         h_u = scaled_u
     else:
@@ -353,9 +535,19 @@ def _moe_gemm_kernel(
     out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     if ACTIVATION == _ACT_NONE:
         y = h_g
+        if OUT_MODE == _OUT_ATOMIC:  # the top-k sum: each slot adds into its token's row
+            # rounded where the reference stores a slot's output, weighted as finalize does
+            y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
         if MUL_ROUTED_WEIGHT:
             w = tl.load(topk_weights_ptr + out_rows, mask=row_mask, other=0.0)
             y = y * w[:, None]
+        if OUT_MODE == _OUT_ATOMIC:
+            token_ptrs = (
+                out_ptr + (out_rows // OUT_ROW_DIV)[:, None] * stride_om
+                + offs_n[None, :] * stride_on
+            )  # fmt: skip
+            tl.atomic_add(token_ptrs, y, mask=out_mask, sem="relaxed")
+            return
         y = _round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
         return

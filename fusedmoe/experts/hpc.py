@@ -1,0 +1,171 @@
+"""HPCExperts ("hpc"): one fully fused FP8 MoE path, the weighted top-k reduce inside.
+
+The contract of the fused FP8 MoE of Tencent's HPC ops library as the big engines use it, on
+our Triton kernels (fusedmoe.kernels.hpc_moe): x arrives unquantized (prepare defers, GEMM1
+quantizes its tiles), GEMM1 reads the tokens through the expert-sorted ids with SiLU * up and
+the FP8 quantization of a2 in its epilogue, GEMM2 adds each slot's weighted output straight
+into a float32 accumulator (workspace13), and one cast writes the output. Its reason to exist is
+latency: three launches at M = 1, four above (the alignment), no host synchronisation.
+
+    device      CUDA compute capability 9.0 or 10.x (the CPU only under TRITON_INTERPRET=1,
+                by name)
+    schemes     fp8_tensor with static a1 / a2 scales; fp8_block (dynamic 1 x 128 groups,
+                float32 or UE8M0 scales)
+    activation  SiLU (no clamp)
+    hidden      a multiple of 128
+    EP          no expert_map: HPCExperts(ep_rank=r) runs the contiguous block of experts
+                [r * E_l, (r + 1) * E_l) and skips the others itself
+    workspaces  (M, H) float32 accumulator, (0,), output (M, H): finalize's reduce is NoOp
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe._triton import INSTALL_HINT, has_triton, interpreting
+from fusedmoe.activation import MoEActivation
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
+from fusedmoe.modular.types import WorkspaceShapes
+from fusedmoe.quant import keys
+
+_BLOCK_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
+
+
+def _hpc_scheme(quant_config) -> str | None:
+    """"tensor" / "block" for the schemes the fused path runs, None for the others."""
+    if quant_config is None:
+        return None
+    a1, a2 = quant_config.a1.key, quant_config.a2.key
+    if quant_config.scheme == "fp8_tensor" and a1 == a2 == keys.FP8_STATIC_TENSOR:
+        return "tensor"
+    if quant_config.scheme == "fp8_block" and a1 == a2 and a1 in _BLOCK_ACTS:
+        return "block"
+    return None
+
+
+class HPCExperts(Experts):
+    name = "hpc"
+    hidden_size_alignment = 128
+
+    def __init__(self, ep_rank: int = 0) -> None:
+        if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or ep_rank < 0:
+            raise ValueError(f"ep_rank must be a non-negative int, got {ep_rank!r}")
+        self.ep_rank = ep_rank
+
+    @classmethod
+    def is_available(cls):
+        return None if has_triton() else f"triton is not installed ({INSTALL_HINT})"
+
+    @classmethod
+    def supports_device(cls, device):
+        if device.type == "cpu":
+            return interpreting()
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        major, minor = torch.cuda.get_device_capability(device)
+        return (major, minor) == (9, 0) or major == 10
+
+    @classmethod
+    def preferred_on(cls, device):
+        return device.type == "cuda"
+
+    @classmethod
+    def supports_dtype(cls, dtype):
+        return dtype in (torch.bfloat16, torch.float16)
+
+    @classmethod
+    def supports_quant_config(cls, quant_config):
+        return _hpc_scheme(quant_config) is not None
+
+    @classmethod
+    def supports_activation(cls, activation):
+        return activation is MoEActivation.SILU
+
+    @classmethod
+    def supports_hidden_size(cls, hidden_size):
+        return hidden_size % 128 == 0
+
+    @classmethod
+    def supports_ep(cls, ep_size):
+        return True  # by ep_rank: the experts of other ranks are skipped in the kernels
+
+    @classmethod
+    def refusal_reason(cls, problem):
+        why = super().refusal_reason(problem)
+        if why is None and problem.activation.params.limit is not None:
+            return "no clamped SiLU (the fused path runs plain SiLU * up)"
+        return why
+
+    def wants_unquantized_input(self):
+        return True  # GEMM1 quantizes x tile by tile
+
+    def workspace_dtype(self, act_dtype):
+        return torch.float32  # workspace13 is the accumulator of the top-k sum
+
+    def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
+        return WorkspaceShapes(workspace13=(M, K), workspace2=(0,), output=(M, K))
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOp()
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        weights,
+        topk_weights,
+        topk_ids,
+        *,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a1q_global_scale,
+        quant_config,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        from fusedmoe.kernels.hpc_moe import fused_moe_hpc, local_expert_map
+
+        scheme = _hpc_scheme(quant_config)
+        if scheme is None:  # the oracle refuses these; a direct call gets the reason
+            raise ValueError(f"the hpc backend does not support {quant_config!r}")
+        if expert_map is not None:
+            raise ValueError("the hpc backend takes no expert_map: construct it with ep_rank")
+        if apply_router_weight_on_input:
+            raise ValueError("the hpc backend applies the router weight in GEMM2, not on x")
+        num_local = weights.num_local_experts
+        expert_start = self.ep_rank * num_local
+        if expert_start + num_local > global_num_experts:
+            raise ValueError(
+                f"ep_rank {self.ep_rank} with {num_local} local experts is past the "
+                f"{global_num_experts} global experts"
+            )
+        qc = quant_config
+        fused_moe_hpc(
+            output,
+            hidden_states,
+            weights.w13,
+            weights.w2,
+            topk_weights,
+            topk_ids,
+            w13_scale=qc.w1.scale,
+            w2_scale=qc.w2.scale,
+            accumulator=workspace13,
+            a1_scale=qc.a1.scale,
+            a2_scale=qc.a2.scale,
+            expert_map=local_expert_map(
+                global_num_experts, expert_start, num_local, hidden_states.device
+            ),
+            block_quant=scheme == "block",
+            use_ue8m0=qc.a1.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
+        )
+
+    def __repr__(self) -> str:
+        return f"HPCExperts(ep_rank={self.ep_rank})"
+
+
+__all__ = ["HPCExperts"]

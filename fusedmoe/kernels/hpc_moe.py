@@ -1,0 +1,169 @@
+"""The HPC-style fused FP8 MoE op: the fewest launches, no gathered copy of x, no [M * k, H]
+intermediate, the weighted top-k reduce inside GEMM2.
+
+    routing = moe_align_block_size(topk_ids, BM)      # none for M = 1 (direct rows)
+    a2      = quant(silu(q(x)[rows // k] @ w13[e].T) * up)     GEMM1: x arrives in bf16 and is
+                                                       quantized tile by tile in the kernel (the
+                                                       static a1 scale, or 1 x 128 groups); it
+                                                       also zeroes acc
+    acc[t] += topk_weight[s] * (a2[s] @ w2[e].T)       GEMM2: float32 atomics, t = s // k
+    output  = acc (+ shared_output)                    one cast
+
+Schemes: FP8 per-tensor with static activation scales (w13 / w2 scale per expert, a1 / a2
+scales [1]: GEMM1's output scale is a1_scale * w13_scale[e], the "g1 alpha", and a2 is
+quantized with 1 / a2_scale), and FP8 128 x 128 blocks with dynamic 1 x 128 activation groups
+(float32 or UE8M0 scales). SiLU only. Experts outside [expert_start, expert_start + E_l) are
+skipped (expert parallelism without an expert_map from the caller).
+
+Legend: M tokens, k top-k, S = M * k slots, E_l local experts, H hidden, I intermediate.
+The float32 atomics make the sum order (and so the last bit of acc) vary from run to run;
+each slot's output is rounded to the activation dtype first, as the reference stores it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+
+from fusedmoe.activation import MoEActivation
+from fusedmoe.kernels import moe_gemm as g
+from fusedmoe.kernels.fused_moe import (
+    _TL_DTYPE,
+    GemmVariant,
+    _launch_gemm,
+    _rows,
+    device_name,
+)
+from fusedmoe.kernels.moe_config import moe_kernel_config
+from fusedmoe.quant.formats import FP8_DTYPE
+
+__all__ = ["fused_moe_hpc", "local_expert_map"]
+
+_SILU_PARAMS = (1.0, 0.0, 0.0, False)  # alpha, beta, limit, has_limit: plain SiLU * up
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_map(num_experts: int, expert_start: int, num_local: int, device: torch.device):
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
+    expert_map[expert_start : expert_start + num_local] = torch.arange(num_local, dtype=torch.int32)
+    return expert_map.to(device)
+
+
+def local_expert_map(
+    num_experts: int, expert_start: int, num_local: int, device: torch.device
+) -> torch.Tensor | None:
+    """The global -> local map of a contiguous block of experts (None: every expert is local).
+    Cached, so a captured CUDA graph keeps reading the same tensor."""
+    if expert_start == 0 and num_local == num_experts:
+        return None
+    return _cached_map(num_experts, expert_start, num_local, torch.device(device))
+
+
+@torch.library.custom_op("fusedmoe::fused_moe_hpc", mutates_args=("output", "accumulator"))
+def _fused_moe_hpc_op(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a1_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    accumulator: torch.Tensor,
+    shared_output: torch.Tensor | None,
+    block_quant: bool,
+    use_ue8m0: bool,
+) -> None:
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return
+    num_slots = num_tokens * top_k
+    num_local, gemm1_rows, hidden = w13.shape
+    inter = gemm1_rows // 2
+    scheme = "fp8_block" if block_quant else "fp8_tensor"
+    config = moe_kernel_config(
+        num_tokens, top_k, num_local, gemm1_rows, hidden, inter, scheme, device_name(x)
+    )
+    gemm1 = config.gemm1
+    if block_quant:  # one 1 x 128 group of x per K tile; whole groups of a2 per output tile
+        gemm1 = dataclasses.replace(gemm1, block_k=g.QUANT_GROUP)
+        if gemm1.block_n % g.QUANT_GROUP:
+            gemm1 = dataclasses.replace(gemm1, block_n=g.QUANT_GROUP)
+    if block_quant:
+        a_quant = g.AQ_GROUP_UE8M0 if use_ue8m0 else g.AQ_GROUP
+        a_mode, w_mode, a2_mode = g.A_GROUP, g.W_BLOCK, g.A_GROUP
+        out_mode = g.OUT_FP8_GROUP_UE8M0 if use_ue8m0 else g.OUT_FP8_GROUP
+    else:
+        a_quant = g.AQ_STATIC
+        a_mode, w_mode, a2_mode, out_mode = g.A_TENSOR, g.W_TENSOR, g.A_TENSOR, g.OUT_FP8_STATIC
+    acc = accumulator.view(-1)[: num_tokens * hidden].view(num_tokens, hidden)
+    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with guard:
+        rows = _rows(topk_ids, expert_map, config.block_m, num_local)
+        a2 = torch.empty((num_slots, inter), dtype=FP8_DTYPE, device=x.device)
+        if block_quant:
+            groups = -(-inter // g.QUANT_GROUP)
+            a2_scale = torch.empty((num_slots, groups), dtype=torch.float32, device=x.device)
+        h_dtype = _TL_DTYPE[output.dtype]
+        _launch_gemm(
+            x, a1_scale, a_mode, top_k, w13, w13_scale, w_mode, None, a2, a2_scale,
+            topk_weights, rows, num_slots, gemm1,
+            activation=MoEActivation.SILU, params=_SILU_PARAMS, out_mode=out_mode,
+            mul_routed_weight=False, h_dtype=h_dtype,
+            variant=GemmVariant(a_quant=a_quant, zero=acc),
+        )  # fmt: skip
+        _launch_gemm(
+            a2, a2_scale, a2_mode, 1, w2, w2_scale, w_mode, None, acc, None,
+            topk_weights.reshape(-1), rows, num_slots, config.gemm2,
+            activation=None, params=_SILU_PARAMS, out_mode=g.OUT_ATOMIC,
+            mul_routed_weight=True, h_dtype=h_dtype,
+            variant=GemmVariant(out_row_div=top_k),
+        )  # fmt: skip
+        if shared_output is None:
+            output.copy_(acc)
+        else:
+            torch.add(acc, shared_output, out=output)
+
+
+@_fused_moe_hpc_op.register_fake
+def _(output, x, w13, w2, w13_scale, w2_scale, a1_scale, a2_scale, topk_weights, topk_ids,
+      expert_map, accumulator, shared_output, block_quant, use_ue8m0):  # fmt: skip
+    return None
+
+
+def fused_moe_hpc(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    accumulator: torch.Tensor,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    shared_output: torch.Tensor | None = None,
+    block_quant: bool = True,
+    use_ue8m0: bool = False,
+) -> None:
+    """output [M, H] = sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(x[m]) (+ shared_output).
+
+    x [M, H] in the activation dtype (quantized inside); w13 [E_l, 2I, H] and w2 [E_l, H, I]
+    FP8 with scales [E_l] (per tensor; then a1_scale and a2_scale [1] are the static activation
+    scales) or [E_l, 2I/128, H/128] and [E_l, H/128, I/128] (block_quant); accumulator float32
+    with at least M * H elements; expert_map [E] global -> local (-1: skipped). Inputs are
+    assumed checked by the caller (HPCExperts).
+    """
+    _fused_moe_hpc_op(
+        output, x, w13, w2, w13_scale, w2_scale, a1_scale, a2_scale, topk_weights.float(),
+        topk_ids, expert_map, accumulator, shared_output, block_quant, use_ue8m0,
+    )  # fmt: skip
