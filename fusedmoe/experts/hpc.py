@@ -33,7 +33,7 @@ _BLOCK_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 
 
 def _hpc_scheme(quant_config) -> str | None:
-    """The fused path's kind, "tensor" or "block", for the schemes the fused path runs, None for the others."""
+    """The kind of fused path of the scheme, "tensor" or "block"; None where it has none."""
     if quant_config is None:
         return None
     a1, a2 = quant_config.a1.key, quant_config.a2.key
