@@ -193,7 +193,7 @@ def fused_experts(
         requires_grad=needs_grad(x, weights),
     )
     choice = select_backend(problem, backend=backend)
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), choice.experts_cls())
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), choice.create())
     return kernel.forward(
         x,
         weights,

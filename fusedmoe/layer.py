@@ -385,7 +385,7 @@ class FusedMoE(nn.Module):
             )
             choice = select_backend(problem, backend=self.backend)
             if choice.experts_cls.routes_inside:  # handed the logits: no modular kernel
-                self._kernels[key] = (choice, choice.experts_cls())
+                self._kernels[key] = (choice, choice.create())
             elif self.parallel_config.use_ep:
                 why = "; ".join(f"{n}: {r}" for n, r in choice.refused.items())
                 raise ValueError(
@@ -395,7 +395,7 @@ class FusedMoE(nn.Module):
                 )
             else:
                 kernel = FusedMoEModularKernel(
-                    NoEPPrepareFinalize(), choice.experts_cls(), chunk_size=self.chunk_size
+                    NoEPPrepareFinalize(), choice.create(), chunk_size=self.chunk_size
                 )
                 self._kernels[key] = (choice, kernel)
         return self._kernels[key]

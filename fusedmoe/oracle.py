@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.experts.deep_gemm import DeepGemmExperts, DeepGemmFP4Experts
 from fusedmoe.experts.hpc import HPCExperts
 from fusedmoe.experts.monolithic import MonolithicExperts
 from fusedmoe.experts.torch_ref import TorchExperts
@@ -29,6 +30,8 @@ from fusedmoe.modular.types import ActivationSpec, MoEProblem
 #: every backend, most preferred first
 BACKENDS: tuple[type[Experts], ...] = (
     TritonExperts,
+    DeepGemmExperts,
+    DeepGemmFP4Experts,
     HPCExperts,
     MonolithicExperts,
     TorchExperts,
@@ -41,6 +44,11 @@ class BackendChoice:
     experts_cls: type[Experts]
     reason: str  # why this backend was chosen
     refused: dict[str, str] = field(default_factory=dict)  # backend name -> why not
+    requested: bool = False  # named by the caller, not picked by "auto"
+
+    def create(self) -> Experts:
+        """The backend instance to run (Experts.create)."""
+        return self.experts_cls.create(requested=self.requested)
 
     def explain(self) -> str:
         lines = [f"{self.name}: {self.reason}"]
@@ -142,7 +150,7 @@ def select_backend(
         if why is not None:
             raise ValueError(f"backend {backend!r} cannot run this call: {why}")
         others = {n: r or "not requested" for n, r in refused.items() if n != cls.name}
-        return BackendChoice(cls.name, cls, "requested explicitly", others)
+        return BackendChoice(cls.name, cls, "requested explicitly", others, requested=True)
 
     for cls in BACKENDS:
         if refused[cls.name] is None:

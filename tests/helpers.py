@@ -8,6 +8,8 @@ the worst coordinates are printed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Bound on normalised max error for a computation carried out in `dtype`
@@ -73,3 +75,44 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "t
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill an output buffer with NaN so that any element left unwritten fails the comparison."""
     return t.fill_(float("nan"))
+
+
+def quantize_in_chunks(experts: dict, scheme: str, **config_kwargs) -> tuple[dict, object]:
+    """quantize_experts a few experts at a time (the whole of deepseek-v3 in float32 would
+    not fit), the scales concatenated along E."""
+    from fusedmoe.quant import make_quant_config, quantize_experts
+
+    parts = [quantize_experts(experts["w13"][i : i + 32], experts["w2"][i : i + 32], scheme)
+             for i in range(0, experts["w13"].shape[0], 32)]  # fmt: skip
+    w13 = torch.cat([p[0] for p in parts])
+    w2 = torch.cat([p[1] for p in parts])
+    qc = make_quant_config(scheme, torch.cat([p[2].w1.scale for p in parts]),
+                           torch.cat([p[2].w2.scale for p in parts]), **config_kwargs)  # fmt: skip
+    return dict(experts, w13=w13, w2=w2), qc
+
+
+def preset_problem(name: str, num_tokens: int, scheme: str | None, **config_kwargs):
+    """A preset's experts at full size, made on the GPU, and a softmax top-k routing."""
+    from fusedmoe.activation import MoEActivation
+    from fusedmoe.presets import PRESETS
+
+    spec = PRESETS[name]
+    num, hidden, inter = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    rows = MoEActivation(spec.activation).gemm1_out_size(inter)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, dtype=torch.bfloat16, device="cuda") * scale
+
+    experts = {
+        "w13": randn(num, rows, hidden, scale=3 / math.sqrt(hidden)),
+        "w2": randn(num, hidden, inter, scale=1 / math.sqrt(inter)),
+        "w13_bias": randn(num, rows) if spec.has_bias else None,
+        "w2_bias": randn(num, hidden) if spec.has_bias else None,
+    }
+    qc = None
+    if scheme is not None:
+        experts, qc = quantize_in_chunks(experts, scheme, **config_kwargs)
+    x = randn(num_tokens, hidden)
+    logits = torch.randn(num_tokens, num, device="cuda")
+    weights, ids = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
+    return spec, x, experts, weights, ids.to(torch.int32), qc

@@ -11,7 +11,6 @@ I intermediate, N = 2I (gated) or I, BM rows per aligned block.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -39,8 +38,13 @@ from fusedmoe.kernels.moe_config import (
 from fusedmoe.kernels.quant import _resolve_params
 from fusedmoe.presets import PRESETS
 from fusedmoe.quant import make_quant_config, quantize_experts
-from tests.helpers import assert_close, assert_equal, poison_
-from tests.reference import ALL_ACTIVATIONS, NON_GATED, random_experts, run_fused_experts
+from tests.helpers import assert_close, assert_equal, poison_, preset_problem
+from tests.reference import (
+    ALL_ACTIVATIONS,
+    NON_GATED,
+    random_experts,
+    run_fused_experts,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
@@ -812,47 +816,11 @@ def test_malformed_tables_raise(case, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # GPU: the compiled kernels at the presets' sizes, CUDA graphs, torch.compile, the layer
 # ---------------------------------------------------------------------------------------------
-def _gpu_quantize(experts: dict, scheme: str) -> tuple[dict, object]:
-    """quantize_experts a few experts at a time (the whole of deepseek-v3 in float32 would
-    not fit), the scales concatenated along E."""
-    parts = [quantize_experts(experts["w13"][i : i + 32], experts["w2"][i : i + 32], scheme)
-             for i in range(0, experts["w13"].shape[0], 32)]  # fmt: skip
-    w13 = torch.cat([p[0] for p in parts])
-    w2 = torch.cat([p[1] for p in parts])
-    qc = make_quant_config(scheme, torch.cat([p[2].w1.scale for p in parts]),
-                           torch.cat([p[2].w2.scale for p in parts]))  # fmt: skip
-    return dict(experts, w13=w13, w2=w2), qc
-
-
-def _preset_problem(name: str, num_tokens: int, scheme: str | None):
-    """A preset's experts at full size, made on the GPU, and a softmax top-k routing."""
-    spec = PRESETS[name]
-    num, hidden, inter = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    rows = MoEActivation(spec.activation).gemm1_out_size(inter)
-
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, dtype=torch.bfloat16, device="cuda") * scale
-
-    experts = {
-        "w13": randn(num, rows, hidden, scale=3 / math.sqrt(hidden)),
-        "w2": randn(num, hidden, inter, scale=1 / math.sqrt(inter)),
-        "w13_bias": randn(num, rows) if spec.has_bias else None,
-        "w2_bias": randn(num, hidden) if spec.has_bias else None,
-    }
-    qc = None
-    if scheme is not None:
-        experts, qc = _gpu_quantize(experts, scheme)
-    x = randn(num_tokens, hidden)
-    logits = torch.randn(num_tokens, num, device="cuda")
-    weights, ids = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
-    return spec, x, experts, weights, ids.to(torch.int32), qc
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", [None, "fp8_block"])
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"])
 def test_gpu_presets_match_torch_backend(preset, scheme):
-    spec, x, experts, weights, ids, qc = _preset_problem(preset, 1000, scheme)
+    spec, x, experts, weights, ids, qc = preset_problem(preset, 1000, scheme)
     tol = {} if qc is None else QUANT_TOL
     kwargs = dict(activation=spec.activation, quant_config=qc)
     for num_tokens in (1, 64, 1000):
@@ -873,7 +841,7 @@ def _sync_run(*args, **kwargs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", [None, "fp8_block"])
 def test_gpu_cuda_graph_replay(scheme):
-    spec, x, experts, weights, ids, qc = _preset_problem("qwen3-30b-a3b", 64, scheme)
+    spec, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 64, scheme)
     eager = _sync_run(x, experts, weights, ids, "triton", quant_config=qc)
     static_ids = ids.clone()
     stream = torch.cuda.Stream()
@@ -905,7 +873,7 @@ def test_gpu_cuda_graph_replay(scheme):
 def test_gpu_torch_compile():
     """Inductor: the custom op in one graph; fused_experts around it (in one graph from
     torch 2.13, see test_fused_experts_fullgraph)."""
-    spec, x, experts, weights, ids, _ = _preset_problem("qwen3-30b-a3b", 64, None)
+    spec, x, experts, weights, ids, _ = preset_problem("qwen3-30b-a3b", 64, None)
 
     def op(x, weights, ids):
         return _call_op(x * 0.5, experts, weights, ids) + 1

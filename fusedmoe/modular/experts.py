@@ -50,6 +50,12 @@ class Experts(abc.ABC):
     #: modular kernel on topk ids; refused where the caller has no logits
     routes_inside: ClassVar[bool] = False
 
+    @classmethod
+    def create(cls, *, requested: bool = False) -> Experts:
+        """The instance a call runs (requested: the caller named this backend rather than
+        letting the oracle pick it; a backend may then refuse instead of falling back)."""
+        return cls()
+
     # ---- capabilities (class-level: the oracle asks before building anything) ----
     @classmethod
     def is_available(cls) -> str | None:

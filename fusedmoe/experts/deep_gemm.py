@@ -1,0 +1,229 @@
+"""DeepGemmExperts ("deep_gemm") and DeepGemmFP4Experts ("deep_gemm_fp4"): the DeepGEMM path of
+the big engines, on our Triton kernels (fusedmoe.kernels.deep_gemm_moe).
+
+Prepare quantizes x (FP8 1 x 128 groups, or MXFP8); the backend permutes the tokens into a
+contiguous layout where each expert's run starts at a multiple of the alignment (128), runs
+two grouped GEMMs over it with the fused activation + group quantization between them, and
+unpermutes with the weighted top-k reduce straight into the output (finalize: NoOp).
+
+    deep_gemm      FP8 128 x 128 block weights x FP8 1 x 128 activations (float32 or UE8M0
+                   scales, row- or column-major); MXFP8 weights x MXFP8 activations
+    deep_gemm_fp4  MXFP4 weights (E2M1 packed, 1 x 32 E8M0) x FP8 1 x 128 activations
+    activations    SILU, SWIGLUSTEP, SWIGLUOAI_UNINTERLEAVE (gemm1_alpha / beta / clamp_limit)
+
+MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
+none, so there the kernels dequantize MX operands to bf16 in their load path (exact, see
+fusedmoe.kernels.moe_gemm). `native_mx(device)` says which case a GPU is.
+
+The DeepGEMM contract runs only some calls (valid_call_reason: at least `alignment` tokens, N
+and K multiples of it, N > 512, FP8 / FP4 weights, contiguous tensors). Chosen by the oracle
+("auto"), a call outside it runs on the triton backend where that supports the scheme (the
+"triton or deep_gemm" behaviour), else on the contiguous path all the same (our kernels have
+no such limits; MX schemes have no other fast path); the reason is logged once. Requested by
+name, such a call raises a ValueError. The `deep_gemm` package's own GEMMs are not called.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+
+from fusedmoe._triton import INSTALL_HINT, has_triton, interpreting
+from fusedmoe.activation import MoEActivation
+from fusedmoe.experts.triton import TritonExperts
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
+from fusedmoe.modular.types import WorkspaceShapes
+from fusedmoe.quant import keys
+from fusedmoe.quant.formats import FP8_DTYPE
+
+logger = logging.getLogger("fusedmoe")
+
+_ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUSTEP, MoEActivation.SWIGLUOAI_UNINTERLEAVE)
+_GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
+
+
+class DeepGemmExperts(Experts):
+    name = "deep_gemm"
+    #: rows each expert's run is padded to (the M alignment of DeepGEMM's contiguous layout)
+    alignment: ClassVar[int] = 128
+    #: scheme -> the activation keys it accepts
+    schemes: ClassVar[dict[str, tuple[keys.QuantKey, ...]]] = {
+        "fp8_block": _GROUP_ACTS,
+        "mxfp8": (keys.MXFP8,),
+    }
+    weight_dtype: ClassVar[torch.dtype] = FP8_DTYPE
+
+    def __init__(self, strict: bool = False) -> None:
+        #: requested by name: a call outside the contract raises instead of falling back
+        self.strict = strict
+        self._logged: set[str] = set()
+
+    @classmethod
+    def create(cls, *, requested: bool = False) -> DeepGemmExperts:
+        return cls(strict=requested)
+
+    # ---- capabilities ----
+    @classmethod
+    def is_available(cls):
+        return None if has_triton() else f"triton is not installed ({INSTALL_HINT})"
+
+    @classmethod
+    def supports_device(cls, device):
+        if device.type == "cpu":
+            return interpreting()
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability(device)[0] >= 9
+
+    @classmethod
+    def preferred_on(cls, device):
+        return device.type == "cuda"
+
+    @classmethod
+    def native_mx(cls, device: torch.device) -> bool:
+        """Whether the GPU multiplies MX operands natively (else: dequantized on load)."""
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+    @classmethod
+    def supports_dtype(cls, dtype):
+        return dtype in (torch.bfloat16, torch.float16)
+
+    @classmethod
+    def supports_quant_config(cls, quant_config):
+        if quant_config is None or quant_config.scheme not in cls.schemes:
+            return False
+        accepted = cls.schemes[quant_config.scheme]
+        return quant_config.a1.key in accepted and quant_config.a2.key == quant_config.a1.key
+
+    @classmethod
+    def supports_activation(cls, activation):
+        return activation in _ACTIVATIONS
+
+    @classmethod
+    def supports_expert_map(cls):
+        return True
+
+    @classmethod
+    def supports_ep(cls, ep_size):
+        return True
+
+    # ---- the contract of one call ----
+    def valid_call_reason(self, num_tokens: int, weights, hidden_states) -> str | None:
+        """None when the DeepGEMM contract covers this call, else why not."""
+        a = self.alignment
+        n, k = weights.gemm1_out_size, weights.hidden_size
+        tensors = (hidden_states, weights.w13, weights.w2)
+        checks = (
+            (num_tokens >= a, f"M = {num_tokens} < the alignment {a}"),
+            (n % a == 0 and k % a == 0, f"N = {n} and K = {k} must be multiples of {a}"),
+            (n > 512, f"N = {n} <= 512"),
+            (weights.w13.dtype == self.weight_dtype, f"weights are {weights.w13.dtype}"),
+            (all(t.is_contiguous() for t in tensors), "non-contiguous tensors"),
+        )
+        return next((why for ok, why in checks if not ok), None)
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.info(message)
+
+    def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
+        from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment
+
+        m_sum, _ = compute_aligned_M_and_alignment(M, top_k, local_num_experts, self.alignment)
+        n_act = activation.output_size(N)
+        return WorkspaceShapes(
+            workspace13=(m_sum, max(n_act, K)), workspace2=(m_sum, max(N, K)), output=(M, K)
+        )
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOp()
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        weights,
+        topk_weights,
+        topk_ids,
+        *,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a1q_global_scale,
+        quant_config,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        from fusedmoe.kernels.deep_gemm_moe import (
+            compute_aligned_M_and_alignment,
+            fused_experts_deep_gemm,
+        )
+
+        qc = quant_config
+        if not self.supports_quant_config(qc):
+            raise ValueError(f"the {self.name} backend does not support {qc!r}")
+        if a1q_scale is None:
+            raise ValueError(f"the {self.name} backend needs a1 quantized by prepare")
+        num_tokens, top_k = topk_ids.shape
+        why = self.valid_call_reason(num_tokens, weights, hidden_states)
+        if why is not None:
+            if self.strict:
+                raise ValueError(f"backend {self.name!r} cannot run this call: {why}")
+            if TritonExperts.supports_quant_config(qc):
+                self._log_once(f"{self.name}: {why}; this call runs on the triton backend")
+                TritonExperts().apply(
+                    output, hidden_states, weights, topk_weights, topk_ids,
+                    activation=activation, global_num_experts=global_num_experts,
+                    expert_map=expert_map, a1q_scale=a1q_scale,
+                    a1q_global_scale=a1q_global_scale, quant_config=qc,
+                    workspace13=workspace13, workspace2=workspace2,
+                    expert_tokens_meta=expert_tokens_meta,
+                    apply_router_weight_on_input=apply_router_weight_on_input,
+                )  # fmt: skip
+                return
+            self._log_once(f"{self.name}: {why}; the contiguous path runs it all the same")
+        m_sum, alignment = compute_aligned_M_and_alignment(
+            num_tokens, top_k, weights.num_local_experts, self.alignment, expert_tokens_meta
+        )
+        fused_experts_deep_gemm(
+            output,
+            hidden_states,
+            a1q_scale,
+            weights.w13,
+            weights.w2,
+            qc.w1.scale,
+            qc.w2.scale,
+            topk_weights.float(),
+            topk_ids,
+            scheme=qc.scheme,
+            activation=activation,
+            workspace13=workspace13,
+            workspace2=workspace2,
+            expert_map=expert_map,
+            alignment=alignment,
+            m_sum=m_sum,
+            column_major_scales=qc.a2.column_major_scales,
+            use_ue8m0=qc.a2.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
+            mul_routed_weight=not apply_router_weight_on_input,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(strict={self.strict})"
+
+
+class DeepGemmFP4Experts(DeepGemmExperts):
+    """MXFP4 weights x FP8 1 x 128 activations (the mxfp4_w4a8 scheme)."""
+
+    name = "deep_gemm_fp4"
+    schemes: ClassVar[dict[str, tuple[keys.QuantKey, ...]]] = {"mxfp4_w4a8": _GROUP_ACTS}
+    weight_dtype: ClassVar[torch.dtype] = torch.uint8  # two E2M1 codes per byte
+
+
+__all__ = ["DeepGemmExperts", "DeepGemmFP4Experts"]

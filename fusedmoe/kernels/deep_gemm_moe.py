@@ -1,0 +1,455 @@
+"""The DeepGEMM-style MoE op: permute into a contiguous expert-aligned layout, two grouped
+GEMMs over it, the activation + quantization between them, unpermute with the weighted top-k
+reduce.
+
+    routing  = moe_align_block_size(topk_ids, ALIGN)      expert-sorted slots, runs padded to
+                                                          ALIGN rows (128 on Hopper)
+    a1_perm  = permute(a1q, a1q_scale)                    row r holds slot sorted[r]'s token;
+                                                          m_indices[r] its expert, -1 padding
+    h        = a1_perm @ w13[m_indices].T                 grouped GEMM, bf16 out; FP8 128-block
+                                                          scales promoted per K block (MX: the
+                                                          operands dequantized on load)
+    a2       = quant(act(h))                              fused act + 1 x 128 group FP8 (MXFP8:
+                                                          act, then quantize)
+    y        = a2 @ w2[m_indices].T                       grouped GEMM, bf16 out
+    output   = unpermute_reduce(y)                        out[t] = sum_j w[t, j] y[inv[t*k + j]]
+
+Legend: M tokens, k top-k, S = M * k slots, E_l local experts, H = K hidden, N = 2I the w13
+rows, M_sum the rows of the aligned layout (compute_aligned_M_and_alignment). Padding rows are
+never read back: the GEMMs compute them from whatever the buffers hold (the blocks past the
+last expert's run are skipped), and the unpermute only reads the rows of routed slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedmoe.activation import apply_activation
+from fusedmoe.kernels import moe_gemm as g
+from fusedmoe.kernels.fused_moe import _TL_DTYPE, GemmVariant, _launch_gemm, _Rows
+from fusedmoe.kernels.moe_align import aligned_sizes, moe_align_block_size
+from fusedmoe.kernels.moe_config import GemmConfig
+from fusedmoe.kernels.quant import _act_mul_per_token_group_quant_fp8_op, _resolve_params
+from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
+from fusedmoe.quant.activation import quantize_mxfp8
+from fusedmoe.quant.formats import FP8_DTYPE
+
+__all__ = [
+    "ContiguousLayout",
+    "compute_aligned_M_and_alignment",
+    "deep_gemm_config",
+    "fused_experts_deep_gemm",
+    "permute_contiguous",
+    "permute_contiguous_torch",
+    "unpermute_reduce",
+    "unpermute_reduce_torch",
+]
+
+_PERMUTE_ROWS = 16  # rows per permute program
+_COLS = 1024  # columns per permute / unpermute program
+
+
+def compute_aligned_M_and_alignment(
+    M: int,
+    top_k: int,
+    local_num_experts: int,
+    alignment: int,
+    expert_tokens_meta: ExpertTokensMeta | None = None,
+) -> tuple[int, int]:
+    """(M_sum, alignment): the rows of the contiguous layout for M tokens.
+
+    With the per-expert token counts on the host (EP dispatch knows them) M_sum is exact:
+    sum_e round_up(count_e, alignment). Otherwise it is the most any routing can need,
+    min(S * A, S + E_l * (A - 1)) rounded up to A, so no count is read from the device.
+    """
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    if expert_tokens_meta is not None and expert_tokens_meta.expert_num_tokens_cpu is not None:
+        counts = expert_tokens_meta.expert_num_tokens_cpu.tolist()
+        return sum(-(-int(c) // alignment) * alignment for c in counts), alignment
+    return aligned_sizes(M * top_k, local_num_experts, alignment)[0], alignment
+
+
+@dataclass
+class ContiguousLayout:
+    """The permuted activations and how to undo the permutation."""
+
+    a: torch.Tensor  # [M_sum, K] rows of a1q in expert-aligned runs
+    a_scale: torch.Tensor | None  # [M_sum, G] their scales (row-major), None: unquantized
+    m_indices: torch.Tensor  # int32 [M_sum]: local expert of each row, -1 for padding
+    inv_perm: torch.Tensor  # int32 [S]: the row of each slot routed here (others: unread)
+    expert_ids: torch.Tensor  # int32 [M_sum / A]: local expert of each run block, -1 past end
+    num_rows: torch.Tensor  # int32 [1]: rows in use (a multiple of A)
+    alignment: int
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _permute_kernel(
+    a_ptr, stride_am, stride_ak,  # [M, K] (FP8 viewed as bytes)
+    s_ptr, stride_sm, stride_sg,  # [M, G] scales
+    ap_ptr, stride_apm, stride_apk,  # [M_sum, K]
+    sp_ptr, stride_spm, stride_spg,  # [M_sum, G]
+    sorted_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting at block_m = ALIGN
+    m_indices_ptr, inv_ptr,  # [M_sum], [S]
+    K, G, num_slots, num_rows,
+    TOP_K: tl.constexpr,
+    ALIGN: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < num_rows
+    num_post = tl.load(num_post_ptr)
+    slots = tl.load(sorted_ptr + rows, mask=in_range & (rows < num_post), other=num_slots)
+    valid = slots < num_slots
+    tokens = (slots // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = valid[:, None] & (cols < K)[None, :]
+    a = tl.load(a_ptr + tokens[:, None] * stride_am + cols[None, :] * stride_ak, mask=mask)
+    dst = ap_ptr + rows.to(tl.int64)[:, None] * stride_apm + cols[None, :] * stride_apk
+    tl.store(dst, a, mask=mask)
+    if tl.program_id(1) == 0:
+        expert = tl.load(expert_ids_ptr + rows // ALIGN, mask=valid, other=-1)
+        tl.store(m_indices_ptr + rows, tl.where(valid, expert, -1), mask=in_range)
+        tl.store(inv_ptr + slots, rows, mask=valid)
+        if HAS_SCALE:
+            groups = tl.arange(0, BLOCK_G)
+            s_mask = valid[:, None] & (groups < G)[None, :]
+            s = tl.load(
+                s_ptr + tokens[:, None] * stride_sm + groups[None, :] * stride_sg, mask=s_mask
+            )
+            s_dst = sp_ptr + rows.to(tl.int64)[:, None] * stride_spm + groups[None, :] * stride_spg
+            tl.store(s_dst, s, mask=s_mask)
+
+
+@triton.jit
+def _unpermute_reduce_kernel(
+    y_ptr, stride_ym, stride_yh,  # [M_sum, H]
+    out_ptr, stride_om, stride_oh,  # [M, H]
+    w_ptr, stride_wm, stride_wk,  # float32 [M, k]
+    ids_ptr, stride_im, stride_ik,  # [M, k] global ids
+    map_ptr,  # [E] global -> local
+    inv_ptr,  # [S]
+    H,
+    TOP_K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    """out[m] = sum_j w[m, j] * y[inv[m * k + j]] over the slots routed here, in fp32."""
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        gid = tl.load(ids_ptr + m * stride_im + j * stride_ik)
+        routed = gid >= 0
+        if HAS_MAP:
+            routed = tl.load(map_ptr + gid, mask=routed, other=-1) >= 0
+        row = tl.where(routed, tl.load(inv_ptr + m * TOP_K + j), 0).to(tl.int64)
+        mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
+        y = tl.load(y_ptr + row * stride_ym + cols * stride_yh, mask=mask, other=0.0)
+        y = y.to(tl.float32)
+        if MUL_WEIGHT:
+            y *= tl.load(w_ptr + m * stride_wm + j * stride_wk)
+        acc += y
+    acc = g._round_to(acc, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+    tl.store(
+        out_ptr + m * stride_om + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers and their torch twins
+# ---------------------------------------------------------------------------------------------
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def permute_contiguous(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    alignment: int,
+    m_sum: int,
+    expert_map: torch.Tensor | None = None,
+    *,
+    a_out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+) -> ContiguousLayout:
+    """a [M, K] (+ scales [M, G]) -> the contiguous expert-aligned layout of its M * k slots.
+    a_out / scale_out: buffers of [m_sum, K] / [m_sum, G] to write into (workspaces)."""
+    num_tokens, top_k = topk_ids.shape
+    num_slots = num_tokens * top_k
+    k = a.shape[1]
+    routing = moe_align_block_size(topk_ids, alignment, num_local_experts, expert_map)
+    if routing.sorted_token_ids.shape[0] < m_sum:
+        raise ValueError(
+            f"m_sum {m_sum} exceeds the rows any routing needs "
+            f"({routing.sorted_token_ids.shape[0]})"
+        )
+    a_perm = a.new_empty((m_sum, k)) if a_out is None else a_out
+    s_perm = None
+    if a_scale is not None:
+        groups = a_scale.shape[1]
+        s_perm = a_scale.new_empty((m_sum, groups)) if scale_out is None else scale_out
+    m_indices = torch.empty(m_sum, dtype=torch.int32, device=a.device)
+    inv_perm = torch.empty(max(num_slots, 1), dtype=torch.int32, device=a.device)
+    if m_sum > 0:
+        block_k = min(_COLS, triton.next_power_of_2(k))
+        grid = (triton.cdiv(m_sum, _PERMUTE_ROWS), triton.cdiv(k, block_k))
+        scale_args = (a_scale, *a_scale.stride(), s_perm, *s_perm.stride())
+        if a_scale is None:
+            scale_args = (a, 0, 0, a_perm, 0, 0)
+        ab, apb = _as_bytes(a), _as_bytes(a_perm)
+        groups = 1 if a_scale is None else a_scale.shape[1]
+        guard = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
+        with guard:
+            _permute_kernel[grid](
+                ab, ab.stride(0), ab.stride(1),
+                *scale_args[:3],
+                apb, apb.stride(0), apb.stride(1),
+                *scale_args[3:],
+                routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_post_padded,
+                m_indices, inv_perm,
+                k, groups, num_slots, m_sum,
+                TOP_K=top_k,
+                ALIGN=alignment,
+                HAS_SCALE=a_scale is not None,
+                BLOCK_R=_PERMUTE_ROWS,
+                BLOCK_K=block_k,
+                BLOCK_G=triton.next_power_of_2(groups),
+                num_warps=4,
+            )  # fmt: skip
+    return ContiguousLayout(
+        a_perm, s_perm, m_indices, inv_perm, routing.expert_ids,
+        routing.num_tokens_post_padded, alignment,
+    )  # fmt: skip
+
+
+def permute_contiguous_torch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    alignment: int,
+    expert_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict[int, int]]:
+    """The spec, in loops: (a_perm [R, K], scales [R, G], m_indices [R], {slot: row}) with R
+    the rows in use: each local expert's slots in slot order, its run padded to `alignment`
+    (padding rows of a zero and m_indices -1)."""
+    ids = topk_ids.reshape(-1).tolist()
+    if expert_map is not None:
+        emap = expert_map.tolist()
+        ids = [emap[i] if i >= 0 else -1 for i in ids]
+    top_k = topk_ids.shape[1]
+    rows, experts, where = [], [], {}
+    for e in range(num_local_experts):
+        run = [s for s, i in enumerate(ids) if i == e]
+        if not run:
+            continue
+        for s in run:
+            where[s] = len(rows)
+            rows.append(s // top_k)
+            experts.append(e)
+        pad = -len(run) % alignment
+        rows += [-1] * pad
+        experts += [-1] * pad
+    index = torch.tensor(rows, dtype=torch.long)
+    take = index.clamp(min=0)
+
+    def gather(t):
+        out = t.cpu()[take].clone()
+        out[index < 0] = 0
+        return out
+
+    a_perm = gather(a.view(torch.uint8) if a.element_size() == 1 else a).view(a.dtype)
+    s_perm = None if a_scale is None else gather(a_scale)
+    return a_perm, s_perm, torch.tensor(experts, dtype=torch.int32), where
+
+
+def unpermute_reduce(
+    y: torch.Tensor,
+    output: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    inv_perm: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    mul_weight: bool = True,
+) -> None:
+    """output [M, H] = sum_j w[m, j] * y[inv_perm[m * k + j]] over the slots routed here."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = y.shape[1]
+    if num_tokens == 0:
+        return
+    block_h = min(_COLS, triton.next_power_of_2(hidden))
+    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    guard = torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext()
+    with guard:
+        _unpermute_reduce_kernel[grid](
+            y, y.stride(0), y.stride(1),
+            output, output.stride(0), output.stride(1),
+            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
+            topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+            topk_ids if expert_map is None else expert_map,
+            inv_perm,
+            hidden,
+            TOP_K=top_k,
+            HAS_MAP=expert_map is not None,
+            MUL_WEIGHT=mul_weight,
+            BLOCK_H=block_h,
+            ROUND_IN_FP32=not y.is_cuda,
+            num_warps=4,
+        )  # fmt: skip
+
+
+def unpermute_reduce_torch(
+    y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    where: dict[int, int],
+    mul_weight: bool = True,
+) -> torch.Tensor:
+    """The spec: out[m] = sum_j w[m, j] * y[where[m * k + j]] (slots in `where`), fp32 sum."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32)
+    for m in range(num_tokens):
+        for j in range(top_k):
+            row = where.get(m * top_k + j)
+            if row is not None:
+                w = float(topk_weights[m, j]) if mul_weight else 1.0
+                out[m] += w * y[row].float().cpu()
+    return out.to(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the op
+# ---------------------------------------------------------------------------------------------
+def deep_gemm_config(m_sum: int, n: int, k: int, alignment: int) -> tuple[int, GemmConfig]:
+    """(rows per GEMM block, tile) of the grouped GEMMs: 128 x 128 x 128 FP8 tiles (a run is
+    a multiple of the alignment, so every block has one expert), 8 warps, 3 stages; 64 rows
+    where the alignment is 64."""
+    block_m = min(128, alignment)
+    return block_m, GemmConfig(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
+
+
+def _grouped_gemm(a, a_scale, a_mode, w, w_scale, w_mode, out, layout, *, w_fp4, h_dtype):
+    """out [M_sum, N] = a @ w[m_indices].T over the runs (bf16 out, no epilogue)."""
+    m_sum = a.shape[0]
+    block_m, config = deep_gemm_config(m_sum, out.shape[1], a.shape[1], layout.alignment)
+    rows = _Rows(block_m, m_sum // block_m, _AlignedRuns(layout), layout.m_indices, None)
+    _launch_gemm(
+        a, a_scale, a_mode, 1, w, w_scale, w_mode, None, out, None, layout.m_indices, rows,
+        m_sum, config, activation=None, params=(0.0, 0.0, 0.0, False), out_mode=g.OUT_PLAIN,
+        mul_routed_weight=False, h_dtype=h_dtype,
+        variant=GemmVariant(align=layout.alignment, w_fp4=w_fp4),
+    )  # fmt: skip
+
+
+@dataclass
+class _AlignedRuns:
+    """The AlignedRouting fields the contiguous GEMM reads (the sorted ids are unused)."""
+
+    layout: ContiguousLayout
+
+    @property
+    def sorted_token_ids(self):
+        return self.layout.m_indices
+
+    @property
+    def expert_ids(self):
+        return self.layout.expert_ids
+
+    @property
+    def num_tokens_post_padded(self):
+        return self.layout.num_rows
+
+
+# activation scale / weight scale layouts per scheme, and how a2 is made
+_A_MODE = {"fp8_block": g.A_GROUP, "mxfp8": g.A_MX, "mxfp4_w4a8": g.A_GROUP}
+_W_MODE = {"fp8_block": g.W_BLOCK, "mxfp8": g.W_MX, "mxfp4_w4a8": g.W_MX}
+
+
+def fused_experts_deep_gemm(
+    output: torch.Tensor,
+    a1q: torch.Tensor,
+    a1q_scale: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    scheme: str,
+    activation: ActivationSpec,
+    workspace13: torch.Tensor,
+    workspace2: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    alignment: int = 128,
+    m_sum: int | None = None,
+    column_major_scales: bool = False,
+    use_ue8m0: bool = False,
+    mul_routed_weight: bool = True,
+) -> ContiguousLayout:
+    """output [M, H] = the experts' weighted top-k sum, through the contiguous layout.
+
+    a1q [M, K] quantized by prepare (FP8, scales [M, K/128] float32, or MXFP8 with uint8 E8M0
+    scales [M, K/32]); w13 / w2 FP8 with 128 x 128 block scales, MXFP8, or MXFP4 (uint8 packed,
+    [E_l, N, K/2]) with E8M0 scales. Inputs are assumed checked by the caller (the backend).
+    Returns the layout (for tests).
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_local, n, _ = w13.shape
+    hidden = a1q.shape[1]
+    if m_sum is None:
+        m_sum = compute_aligned_M_and_alignment(num_tokens, top_k, num_local, alignment)[0]
+    h_dtype = _TL_DTYPE[output.dtype]
+    w_fp4 = scheme == "mxfp4_w4a8"
+    # workspace13 holds a1 permuted, then a2; workspace2 holds h, then y
+    raw13 = workspace13.view(-1).view(torch.uint8)
+    a_out = raw13[: m_sum * hidden].view(torch.uint8).view(FP8_DTYPE).view(m_sum, hidden)
+    scale_bytes = (m_sum * hidden + 15) // 16 * 16
+    groups = a1q_scale.shape[1]
+    scale_out = (
+        raw13[scale_bytes : scale_bytes + m_sum * groups * a1q_scale.element_size()]
+        .view(a1q_scale.dtype)
+        .view(m_sum, groups)
+    )
+    layout = permute_contiguous(
+        a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
+        a_out=a_out, scale_out=scale_out,
+    )  # fmt: skip
+    h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
+    a_mode, w_mode = _A_MODE[scheme], _W_MODE[scheme]
+    _grouped_gemm(
+        layout.a, layout.a_scale, a_mode, w13, w13_scale, w_mode, h, layout, w_fp4=w_fp4,
+        h_dtype=h_dtype,
+    )  # fmt: skip
+    if scheme == "mxfp8":  # no fused MX kernel: the activation (fp32), then MXFP8
+        a2q, a2_scale = quantize_mxfp8(apply_activation(activation.kind, h, activation.params))
+    else:
+        alpha, beta, limit, has_limit = _resolve_params(activation.kind, activation.params)
+        a2q, a2_scale = _act_mul_per_token_group_quant_fp8_op(
+            h, activation.kind.value, alpha, beta, limit, has_limit, g.QUANT_GROUP,
+            column_major_scales, use_ue8m0,
+        )  # fmt: skip
+    y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
+    _grouped_gemm(a2q, a2_scale, a_mode, w2, w2_scale, w_mode, y, layout, w_fp4=w_fp4,
+                  h_dtype=h_dtype)  # fmt: skip
+    unpermute_reduce(
+        y, output, topk_weights, topk_ids, layout.inv_perm, expert_map, mul_routed_weight
+    )
+    return layout
