@@ -272,22 +272,29 @@ _TILE = 4096  # elements per program at large M: 32 per thread at 4 warps, 16-by
 _COLS_PER_PROGRAM = 1024  # widest tile along K
 _MIN_TILE = 512  # smallest tile the small-M split goes down to
 _MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+_INTERPRETER_TILE = 1 << 16  # the CPU interpreter: cost per program, not per element
 
 _override: contextvars.ContextVar[QuantKernelConfig | None] = contextvars.ContextVar(
     "fusedmoe_quant_kernel_config", default=None
 )
 
 
-def quant_kernel_config(num_rows: int, num_groups: int, group_size: int) -> QuantKernelConfig:
+def quant_kernel_config(
+    num_rows: int, num_groups: int, group_size: int, on_gpu: bool = True
+) -> QuantKernelConfig:
     """The tile for quantizing [num_rows, num_groups * group_size]: large tiles of whole groups
     (few, long memory transactions), split while that leaves fewer programs than the GPU has
-    room for (small M), down to _MIN_TILE elements."""
+    room for (small M), down to _MIN_TILE elements. On the interpreter (on_gpu False), where
+    each program costs Python overhead, tiles of up to _INTERPRETER_TILE and no split."""
     override = _override.get()
     if override is not None:
         return override
     block_g = triton.next_power_of_2(group_size)
     groups = min(triton.next_power_of_2(num_groups), max(1, _COLS_PER_PROGRAM // block_g))
-    block_m = min(triton.next_power_of_2(max(num_rows, 1)), max(1, _TILE // (groups * block_g)))
+    tile = _TILE if on_gpu else _INTERPRETER_TILE
+    block_m = min(triton.next_power_of_2(max(num_rows, 1)), max(1, tile // (groups * block_g)))
+    if not on_gpu:
+        return QuantKernelConfig(block_m=block_m, groups_per_program=groups, num_warps=4)
 
     def programs() -> int:
         return triton.cdiv(num_rows, block_m) * triton.cdiv(num_groups, groups)
@@ -373,7 +380,7 @@ def _launch_group_quant(
     if m == 0 or k == 0:
         return q, scales
     num_groups = scales.shape[1]
-    cfg = quant_kernel_config(m, num_groups, group_size)
+    cfg = quant_kernel_config(m, num_groups, group_size, x.is_cuda)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(num_groups, cfg.groups_per_program))
     with _device_guard(x):
         _group_quant_fp8_kernel[grid](
@@ -471,7 +478,7 @@ def _act_mul_per_token_group_quant_fp8_op(
     if m == 0 or i == 0:
         return q, scales
     num_groups = scales.shape[1]
-    cfg = quant_kernel_config(m, num_groups, group_size)
+    cfg = quant_kernel_config(m, num_groups, group_size, h.is_cuda)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(num_groups, cfg.groups_per_program))
     with _device_guard(h):
         _act_mul_group_quant_fp8_kernel[grid](
