@@ -23,6 +23,8 @@ last expert's run are skipped), and the unpermute only reads the rows of routed 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -337,10 +339,28 @@ def unpermute_reduce_torch(
 # ---------------------------------------------------------------------------------------------
 # the op
 # ---------------------------------------------------------------------------------------------
+_override: contextvars.ContextVar[tuple[int, GemmConfig] | None] = contextvars.ContextVar(
+    "fusedmoe_deep_gemm_config", default=None
+)
+
+
+@contextlib.contextmanager
+def use_deep_gemm_config(block_m: int, config: GemmConfig) -> Iterator[None]:
+    """Scoped override of deep_gemm_config (benchmarks, sweeps): every grouped GEMM inside."""
+    token = _override.set((block_m, config))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
 def deep_gemm_config(m_sum: int, n: int, k: int, alignment: int) -> tuple[int, GemmConfig]:
     """(rows per GEMM block, tile) of the grouped GEMMs: 128 x 128 x 128 FP8 tiles (a run is
     a multiple of the alignment, so every block has one expert), 8 warps, 3 stages; 64 rows
     where the alignment is 64."""
+    override = _override.get()
+    if override is not None:
+        return override
     block_m = min(128, alignment)
     return block_m, GemmConfig(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
 

@@ -43,6 +43,7 @@ from fusedmoe.quant.formats import FP8_DTYPE
 __all__ = ["fused_moe_hpc", "local_expert_map"]
 
 _SILU_PARAMS = (1.0, 0.0, 0.0, False)  # alpha, beta, limit, has_limit: plain SiLU * up
+_SHARED_MEMORY_BUDGET = 192 * 1024  # of the 227 KB an H100 / H200 block may use, for the stages
 
 
 @functools.lru_cache(maxsize=32)
@@ -95,6 +96,10 @@ def _fused_moe_hpc_op(
         gemm1 = dataclasses.replace(gemm1, block_k=g.QUANT_GROUP)
         if gemm1.block_n % g.QUANT_GROUP:
             gemm1 = dataclasses.replace(gemm1, block_n=g.QUANT_GROUP)
+    # x is read in the activation dtype (2 bytes, not FP8's 1): fewer stages fit in shared memory
+    block_bytes = gemm1.block_k * (config.block_m * x.element_size() + 2 * gemm1.block_n)
+    stages = max(2, min(gemm1.num_stages, _SHARED_MEMORY_BUDGET // block_bytes))
+    gemm1 = dataclasses.replace(gemm1, num_stages=stages)
     if block_quant:
         a_quant = g.AQ_GROUP_UE8M0 if use_ue8m0 else g.AQ_GROUP
         a_mode, w_mode, a2_mode = g.A_GROUP, g.W_BLOCK, g.A_GROUP

@@ -224,6 +224,9 @@ def make_quant_config(
     for name, value in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
         if value is not None and (not isinstance(value, torch.Tensor) or value.numel() != 1):
             raise ValueError(f"{name} must be a one-element float32 tensor")
+        # checked once here (a host read): quantize does not read device scales per call
+        if value is not None and not float(value.reshape(())) > 0:
+            raise ValueError(f"{name} must be positive, got {float(value.reshape(()))}")
 
     def act(scale):
         return OperandQuant(act_key, scale, column_major_scales=column_major_scales)
