@@ -31,6 +31,7 @@ from fusedmoe.modular.types import PrepareResult
 from fusedmoe.quant import keys
 from fusedmoe.quant.activation import quantize_input
 from fusedmoe.quant.config import FusedMoEQuantConfig
+from fusedmoe.quant.reference import Quantized
 
 
 @dataclass
@@ -78,6 +79,17 @@ def quantizes_before_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
     return key.layout is not keys.ScaleLayout.TENSOR and (
         key.scale_format is not keys.ScaleFormat.E4M3_GLOBAL
     )
+
+
+def _quantize_rows(x: torch.Tensor, quant_config: FusedMoEQuantConfig | None) -> Quantized:
+    """quantize_input, also for x with no rows (a rank where no token is): the quantizers
+    reduce over rows, so a zero row is quantized and the rows sliced off (per-row scales too)."""
+    if x.shape[0] or quant_config is None or quant_config.a1.key is None:
+        return quantize_input(x, quant_config)
+    q = quantize_input(x.new_zeros(1, x.shape[1]), quant_config)
+    per_row = quant_config.a1.key.layout is not keys.ScaleLayout.TENSOR
+    scale = q.scale[:0] if per_row and q.scale is not None else q.scale
+    return Quantized(q=q.q[:0], scale=scale, global_scale=q.global_scale)
 
 
 def even_split(num_tokens: int, num_ranks: int) -> tuple[int, ...]:
@@ -150,7 +162,7 @@ class EPPrepareFinalize(PrepareFinalize):
         quantize_first = quantizes_before_dispatch(qc)
         scale_here, global_scale, col_major = None, None, False
         if quantize_first:
-            q = quantize_input(a1, qc)
+            q = _quantize_rows(a1, qc)
             x, scale_here, global_scale = q.q, q.scale, q.global_scale
         else:
             x = a1
@@ -168,7 +180,7 @@ class EPPrepareFinalize(PrepareFinalize):
         if col_major and a1q_scale is not None:  # back to the layout the config asked for
             a1q_scale = a1q_scale.t().contiguous().t()
         if not quantize_first:
-            q = quantize_input(received.x, qc)
+            q = _quantize_rows(received.x, qc)
             a1q, a1q_scale, global_scale = q.q, q.scale, q.global_scale
         return PrepareResult(
             a1q=a1q,
