@@ -8,10 +8,11 @@ replicas), W the most replicas of one expert, R_ep ranks.
                         hot expert evenly over its replicas); no host sync
     record_expert_load  load[e] += number of slots routed to logical expert e; no host sync
     rebalance           loads [E] -> a proposed ExpertPlacement: replicate the hottest experts
-                        (each extra replica to the expert with the highest load per replica),
-                        then pack the replicas onto the ranks heaviest first, each to the least
-                        loaded rank with a free slot (avoiding two replicas of one expert on a
-                        rank where it can)
+                        (each extra replica to one of the experts with the highest load per
+                        replica, the one that packs best), then pack the replicas onto the
+                        ranks heaviest first, each to the least loaded rank with a free slot
+                        (avoiding two replicas of one expert on a rank where it can); the
+                        current placement stays unless the proposal is strictly better
     apply_placement     move a FusedMoE layer's expert tensors to a new placement: local copies,
                         and point-to-point send / recv from the rank that holds each expert
     rebalance_layer     the whole step: sum the loads over the group, rebalance, move, reset
@@ -97,10 +98,18 @@ def _as_loads(load: torch.Tensor | Sequence[float]) -> list[float]:
 
 
 def rebalance(
-    load: torch.Tensor | Sequence[float], num_physical: int, ep_size: int
+    load: torch.Tensor | Sequence[float],
+    num_physical: int,
+    ep_size: int,
+    current: ExpertPlacement | None = None,
 ) -> ExpertPlacement:
     """Propose a placement of E = len(load) logical experts as num_physical physical ones over
-    ep_size ranks (linear slot counts: the first num_physical % ep_size ranks hold one more)."""
+    ep_size ranks (linear slot counts: the first num_physical % ep_size ranks hold one more).
+
+    Each extra replica goes to one of the few experts with the highest load per replica: the
+    one whose packing leaves the lightest heaviest rank. current: the placement in use; it is
+    kept (returned) unless the proposal balances the load strictly better.
+    """
     loads = _as_loads(load)
     num_logical = len(loads)
     for name, value in (("num_physical", num_physical), ("ep_size", ep_size)):
@@ -111,32 +120,61 @@ def rebalance(
     if not 1 <= ep_size <= num_physical:
         raise ValueError(f"ep_size must be in [1, num_physical={num_physical}], got {ep_size}")
 
-    replicas = [1] * num_logical
-    for _ in range(num_physical - num_logical):  # the hottest per replica gets one more
-        hottest = max(range(num_logical), key=lambda e: (loads[e] / replicas[e], -e))
-        replicas[hottest] += 1
-
     base, extra = divmod(num_physical, ep_size)
-    free = [base + (1 if r < extra else 0) for r in range(ep_size)]
-    rank_load = [0.0] * ep_size
-    holds: list[list[int]] = [[] for _ in range(ep_size)]
-    items = sorted(
-        ((loads[e] / replicas[e], e) for e in range(num_logical) for _ in range(replicas[e])),
-        key=lambda item: (-item[0], item[1]),
-    )
-    for share, expert in items:
-        open_ranks = [r for r in range(ep_size) if free[r]]
-        fresh = [r for r in open_ranks if expert not in holds[r]] or open_ranks
-        rank = min(fresh, key=lambda r: (rank_load[r], r))
-        holds[rank].append(expert)
-        rank_load[rank] += share
-        free[rank] -= 1
+    slots = [base + (1 if r < extra else 0) for r in range(ep_size)]
+    replicas = [1] * num_logical
+    for added in range(num_physical - num_logical):
+        hottest = sorted(range(num_logical), key=lambda e: (-loads[e] / replicas[e], e))
+        best, best_key = None, None
+        for e in hottest[:_CANDIDATES]:
+            trial = list(replicas)
+            trial[e] += 1
+            # pack as if every replica left were placed too (fills the slots like the end state)
+            _, rank_load = _pack(loads, trial, slots, num_physical - num_logical - added - 1)
+            key = (max(rank_load), -loads[e] / replicas[e], e)
+            if best_key is None or key < best_key:
+                best, best_key = e, key
+        replicas[best] += 1
+    holds, _ = _pack(loads, replicas, slots, 0)
 
     physical_to_logical, physical_rank = [], []
     for rank, experts in enumerate(holds):  # physical ids rank by rank, logical order within
         physical_to_logical += sorted(experts)
         physical_rank += [rank] * len(experts)
-    return ExpertPlacement(num_logical, ep_size, tuple(physical_to_logical), tuple(physical_rank))
+    proposal = ExpertPlacement(
+        num_logical, ep_size, tuple(physical_to_logical), tuple(physical_rank)
+    )
+    if current is not None and imbalance(loads, current) <= imbalance(loads, proposal):
+        return current
+    return proposal
+
+
+_CANDIDATES = 4  # experts tried for each extra replica
+
+
+def _pack(
+    loads: list[float], replicas: list[int], slots: list[int], spare: int
+) -> tuple[list[list[int]], list[float]]:
+    """Replicas (each carrying load / count) onto ranks, heaviest first, each to the least
+    loaded rank with a free slot (one without that expert where it can); `spare` slots are
+    left free (the replicas not decided yet). -> (experts of each rank, load of each rank)."""
+    free = list(slots)
+    for _ in range(spare):  # keep the spare slots on the fullest ranks: they fill last
+        free[max(range(len(free)), key=lambda r: (free[r], -r))] -= 1
+    rank_load = [0.0] * len(slots)
+    holds: list[list[int]] = [[] for _ in slots]
+    items = sorted(
+        ((loads[e] / replicas[e], e) for e in range(len(loads)) for _ in range(replicas[e])),
+        key=lambda item: (-item[0], item[1]),
+    )
+    for share, expert in items:
+        open_ranks = [r for r in range(len(slots)) if free[r]]
+        fresh = [r for r in open_ranks if expert not in holds[r]] or open_ranks
+        rank = min(fresh, key=lambda r: (rank_load[r], r))
+        holds[rank].append(expert)
+        rank_load[rank] += share
+        free[rank] -= 1
+    return holds, rank_load
 
 
 def rank_loads(load: torch.Tensor | Sequence[float], placement: ExpertPlacement) -> list[float]:
@@ -262,8 +300,10 @@ def gather_expert_load(layer) -> torch.Tensor:
 def rebalance_layer(layer) -> ExpertPlacement:
     """Sum the loads, propose a placement, move the experts to it, reset the counters."""
     load = gather_expert_load(layer)
-    placement = rebalance(load, layer.placement.num_physical, layer.placement.ep_size)
-    apply_placement(layer, placement)
+    current = layer.placement
+    placement = rebalance(load, current.num_physical, current.ep_size, current=current)
+    if placement is not current:
+        apply_placement(layer, placement)
     layer.expert_load.zero_()
     return placement
 
