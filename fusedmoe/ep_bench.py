@@ -205,16 +205,17 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     weights = layer._expert_weights(experts.hidden_size_alignment)
     topk_weights, topk_ids = layer.router.select_experts(x, logits)
     qc = layer.quant_config
+    num_physical = layer.placement.num_physical  # the ids the experts see (E without replicas)
     dist.barrier()
     t0 = timer.mark()
     prepared = pf.prepare(
-        x, topk_weights, topk_ids, layer.num_experts, layer.expert_map, False, qc,
+        x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
         defer_input_quant=experts.wants_unquantized_input(),
     )  # fmt: skip
     t1 = timer.mark()
     num_tokens, top_k = prepared.topk_ids.shape
     shapes = experts.workspace_shapes(
-        num_tokens, weights.gemm1_out_size, weights.hidden_size, top_k, layer.num_experts,
+        num_tokens, weights.gemm1_out_size, weights.hidden_size, top_k, num_physical,
         weights.num_local_experts, layer.activation.kind,
     )  # fmt: skip
     dtype = experts.workspace_dtype(x.dtype)
@@ -225,7 +226,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     if num_tokens:
         experts.apply(
             out, prepared.a1q, weights, prepared.topk_weights, prepared.topk_ids,
-            activation=layer.activation, global_num_experts=layer.num_experts,
+            activation=layer.activation, global_num_experts=num_physical,
             expert_map=layer.expert_map, a1q_scale=prepared.a1q_scale,
             a1q_global_scale=prepared.a1q_global_scale, quant_config=qc, workspace13=ws13,
             workspace2=ws2, expert_tokens_meta=prepared.expert_tokens_meta,
