@@ -241,6 +241,7 @@ class EPCase:
     chunk_size: int | None = None
     shared: bool = False  # shared experts and zero experts
     rebalance: bool = False  # EPLB: rebalance after the calls, run them again
+    backend: str = "torch"  # triton: on the CPU under its interpreter (TRITON_INTERPRET=1)
 
 
 A1_SCALE, A2_SCALE = torch.tensor([0.02]), torch.tensor([0.05])
@@ -261,6 +262,9 @@ EP2_CASES = [
     EPCase("naive_eplb", redundant=3, placement="round_robin", rebalance=True,
            calls=((11, 4), (0, 6))),
     EPCase("a2a_eplb", "all_to_all", redundant=2, rebalance=True, calls=((11, 4), (0, 6))),
+    EPCase("naive_triton_rr", placement="round_robin", backend="triton", calls=((5, 0), (3, 4))),
+    EPCase("a2a_triton_fp8_block", "all_to_all", scheme="fp8_block", backend="triton",
+           calls=((5, 0), (3, 4))),
 ]  # fmt: skip
 EP4_CASES = [
     EPCase("naive4", calls=((3, 0, 7, 1), (0, 0, 0, 2))),
@@ -349,6 +353,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
             if case.shared:
                 layer.load_weights(data["shared"])
             quantize(layer, case)
+            layer.set_backend(case.backend)
             outputs, placements = [], []
             rounds = 2 if case.rebalance else 1
             for _ in range(rounds):
@@ -450,7 +455,7 @@ def _check_case(case: EPCase, world: int, spawned) -> None:
                 what = f"{case.name} round {round_} call {c} rank {r}"
                 if case.sequence_parallel:
                     exp = expected
-                assert_close(got, exp, torch.float32, what=what)
+                assert_close(got, exp, torch.float32, what=what, **tolerance(case))
     stats = [rk["stats"] for rk in ranks]
     assert all(s["calls"] > 0 for s in stats)
     # what one rank sent, the others received
@@ -458,6 +463,14 @@ def _check_case(case: EPCase, world: int, spawned) -> None:
     if case.rebalance:
         placements = [rk["placements"][0] for rk in ranks]
         assert all(p == placements[0] for p in placements)  # every rank computed the same
+
+
+def tolerance(case: EPCase) -> dict:
+    """Sharded == unsharded up to float32 summation order; the triton backend against the torch
+    one (the reference here) with FP8 may round an intermediate to a neighbouring FP8 value."""
+    if case.backend == "triton" and case.scheme is not None:
+        return {"tol": 5e-2, "rms_tol": 5e-3}
+    return {}
 
 
 def _case_params(cases):
