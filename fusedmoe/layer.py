@@ -16,17 +16,25 @@ handed the logits, y, w, ids = backend.apply_monolithic(x_r, logits, ...), and t
 output is computed from the w, ids it returns. routed_scaling_factor is applied to the router
 weights in float32, so identity zero experts are scaled like every other routed expert.
 
-Parallelism (parallel_config), on the monolithic backend only:
-    ep_size > 1   the layer holds its rank's experts only, a contiguous block of E / ep_size
-                  (fusedmoe.parallel.linear_expert_map); load_weights takes global checkpoints
-                  and keeps that block. Without DP the output is this rank's partial sum: an
-                  all-reduce over the EP group gives the layer's output. The terms that belong
-                  to no expert (zero experts, shared experts) are added by ep_rank 0 only, so the
-                  sum stays exact; a routed_output_transform (not linear in general) is refused.
-    dp_size > 1   with ep_size == dp_size (EP over the DP group): each rank routes its tokens,
-                  all-gathers x, ids and weights, runs its experts on every rank's tokens and a
-                  reduce-scatter returns the full output of its own tokens. With ep_size == 1
-                  every rank holds every expert and its tokens stay local.
+Parallelism (parallel_config; fusedmoe.parallel says how tokens and experts are spread):
+    ep_size > 1   the layer holds its rank's physical experts only, placed as
+                  parallel_config.placement says ("linear" blocks or "round_robin";
+                  fusedmoe.placement), plus num_redundant_experts replicas (EPLB); its
+                  expert_map buffer maps physical ids to local slots. load_weights takes global
+                  checkpoints and keeps (and replicates) the local experts.
+      dp_size == 1, not sequence_parallel: the ranks share their tokens and the output is this
+                  rank's partial sum: an all-reduce over the EP group gives the layer's output.
+                  The terms that belong to no expert (zero experts, shared experts) are added by
+                  ep_rank 0 only, so the sum stays exact; a routed_output_transform (not linear
+                  in general) is refused.
+      dp_size == ep_size (EP over the DP group) or sequence_parallel: tokens travel to their
+                  experts (modular backends: parallel_config.all2all_backend, "naive"
+                  all-gather or "all_to_all"; monolithic: all-gather) and each rank gets the
+                  full output of its own tokens (sequence parallel: of every token).
+    dp_size > 1, ep_size == 1: every rank holds every expert and its tokens stay local.
+EPLB (num_redundant_experts > 0): each token's logical ids pick one physical replica
+(fusedmoe.eplb.map_to_physical); expert_load counts the logical experts' tokens;
+fusedmoe.eplb.rebalance and apply_placement move the experts.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from torch import nn
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.eplb import map_to_physical, record_expert_load
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
@@ -50,7 +59,8 @@ from fusedmoe.modular.types import (
     needs_grad,
 )
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
-from fusedmoe.parallel import ParallelConfig, linear_expert_map
+from fusedmoe.parallel import ParallelConfig
+from fusedmoe.placement import ExpertPlacement, expert_placement
 from fusedmoe.quant.config import (
     FusedMoEQuantConfig,
     check_scheme,
@@ -134,10 +144,11 @@ class FusedMoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = shared_expert_gate
 
-        # the experts this rank holds: global ids [expert_start, expert_start + local_num_experts)
-        self.expert_start, self.local_num_experts = _local_experts(
-            num_experts, self.parallel_config
-        )
+        # the physical experts this rank holds (all of them without EP), and the expert_map,
+        # replica table and load counters that go with them (see _set_placement)
+        self._set_placement(_initial_placement(num_experts, self.parallel_config), device)
+        #: count each logical expert's tokens in expert_load (on with EPLB replicas)
+        self.record_expert_load = self.parallel_config.num_redundant_experts > 0
         #: intermediate size of the stored weights: intermediate_size, or that rounded up to the
         #: K-group width of a quantization scheme (see quantize_)
         self.padded_intermediate_size = intermediate_size
@@ -196,12 +207,42 @@ class FusedMoE(nn.Module):
             **self._router_kwargs,
         )
 
+    def _set_placement(self, placement: ExpertPlacement, device=None) -> None:
+        """Take `placement` (the weights are the caller's business: fusedmoe.eplb moves them).
+
+        expert_start: the first global id of this rank's experts when they are one contiguous
+        block of logical experts (what the monolithic backend runs), else None.
+        """
+        pc = self.parallel_config
+        if device is None and getattr(self, "w13_weight", None) is not None:
+            device = self.w13_weight.device
+        self.placement = placement
+        self.local_num_experts = placement.num_local(pc.ep_rank)
+        self.expert_start = placement.contiguous_start(pc.ep_rank)
+        mapped = pc.use_ep or placement.has_replicas
+        self.register_buffer(
+            "expert_map", placement.expert_map(pc.ep_rank, device) if mapped else None, False
+        )
+        table, counts = placement.replica_table(device) if placement.has_replicas else (None, None)
+        self.register_buffer("logical_to_physical", table, False)
+        self.register_buffer("replica_count", counts, False)
+        if getattr(self, "expert_load", None) is None:
+            load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            self.register_buffer("expert_load", load, False)
+        self._kernels = {}  # an all-to-all dispatch knows where each expert lives
+
     def _check_parallel(self, routed_output_transform) -> None:
         pc = self.parallel_config
-        if pc.ep_size > self.num_experts:
+        if pc.ep_size > self.num_experts + pc.num_redundant_experts:
             raise ValueError(
                 f"parallel_config.ep_size ({pc.ep_size}) must be <= num_experts "
-                f"({self.num_experts}): every rank holds at least one expert"
+                f"({self.num_experts})"
+                + (
+                    f" + num_redundant_experts ({redundant})"
+                    if (redundant := pc.num_redundant_experts)
+                    else ""
+                )
+                + ": every rank holds at least one expert"
             )
         if pc.dp_size > 1 and pc.use_ep and (pc.ep_size, pc.ep_rank) != (pc.dp_size, pc.dp_rank):
             raise ValueError(
@@ -217,8 +258,10 @@ class FusedMoE(nn.Module):
 
     @property
     def _ep_partial(self) -> bool:
-        """The output is this rank's partial sum (EP without DP): an all-reduce completes it."""
-        return self.parallel_config.use_ep and self.parallel_config.dp_size == 1
+        """The output is this rank's partial sum (EP over shared tokens, no dispatch): an
+        all-reduce completes it."""
+        pc = self.parallel_config
+        return pc.use_ep and not pc.moves_tokens
 
     def _apply(self, fn, recurse=True):
         if self.quant_scheme is not None:
@@ -260,11 +303,6 @@ class FusedMoE(nn.Module):
         """
         if self.quant_scheme is not None:
             raise ValueError(f"the layer is already quantized ({self.quant_scheme})")
-        if self.parallel_config.use_ep:
-            raise ValueError(
-                "quantize_: expert parallelism (ep_size > 1) runs on the monolithic backend, "
-                "which is unquantized"
-            )
         gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]
         if gemm1:
             raise ValueError(
@@ -369,6 +407,7 @@ class FusedMoE(nn.Module):
     def _kernel(self, device: torch.device, dtype: torch.dtype, requires_grad: bool):
         key = (device, dtype, requires_grad)
         if key not in self._kernels:
+            pc = self.parallel_config
             problem = MoEProblem(
                 device=device,
                 dtype=dtype,
@@ -379,23 +418,28 @@ class FusedMoE(nn.Module):
                 activation=self.activation,
                 quant_config=self.quant_config,
                 has_bias=self.has_bias,
-                ep_size=self.parallel_config.ep_size,
+                # a block of logical experts runs on a shift (monolithic); anything else on a map
+                has_expert_map=self.expert_start is None,
+                ep_size=pc.ep_size,
+                all2all_backend=pc.all2all_backend if pc.moves_tokens else None,
+                sequence_parallel=pc.sequence_parallel,
                 requires_grad=requires_grad,
                 has_router_logits=True,
             )
             choice = select_backend(problem, backend=self.backend)
             if choice.experts_cls.routes_inside:  # handed the logits: no modular kernel
                 self._kernels[key] = (choice, choice.create())
-            elif self.parallel_config.use_ep:
-                why = "; ".join(f"{n}: {r}" for n, r in choice.refused.items())
-                raise ValueError(
-                    "parallel_config.ep_size > 1: expert parallelism runs on the monolithic "
-                    f"backend only; {choice.name} would need an EP prepare/finalize, which this "
-                    f"version of fusedmoe does not have yet ({why})"
-                )
             else:
+                if requires_grad and pc.moves_tokens:
+                    raise ValueError(
+                        "a forward that autograd records (training) with an EP token dispatch: "
+                        "the dispatch and combine are inference only; run under "
+                        "torch.no_grad() or without dp_size / sequence_parallel"
+                    )
                 kernel = FusedMoEModularKernel(
-                    NoEPPrepareFinalize(), choice.create(), chunk_size=self.chunk_size
+                    _prepare_finalize(pc, self.placement),
+                    choice.create(),
+                    chunk_size=self.chunk_size,
                 )
                 self._kernels[key] = (choice, kernel)
         return self._kernels[key]
@@ -486,6 +530,10 @@ class FusedMoE(nn.Module):
                 split.topk_ids,
                 split.zero_output,
             )
+        if self.record_expert_load:
+            record_expert_load(self.expert_load, topk_ids)
+        if self.logical_to_physical is not None:  # EPLB: each slot picks one replica
+            topk_ids = map_to_physical(topk_ids, self.logical_to_physical, self.replica_count)
         alignment = choice.experts_cls.hidden_size_alignment
         pad = -self.hidden_size % alignment
         x_in = nn.functional.pad(x_routed, (0, pad)) if pad else x_routed
@@ -495,7 +543,8 @@ class FusedMoE(nn.Module):
             topk_weights,
             topk_ids,
             activation=self.activation,
-            global_num_experts=self.num_experts,
+            global_num_experts=self.placement.num_physical,
+            expert_map=self.expert_map,
             quant_config=self.quant_config,
         )
         if pad:
@@ -518,6 +567,8 @@ class FusedMoE(nn.Module):
             dispatch=self._dispatch,
             input_ids=input_ids,
         )
+        if self.record_expert_load:  # zero experts' ids (>= E) are not counted
+            record_expert_load(self.expert_load, result.topk_ids)
         zero_output = None
         if self.zero_expert_num > 0:
             zero_output = split_zero_experts(
@@ -591,29 +642,35 @@ class FusedMoE(nn.Module):
                 if param is None:
                     hint = " (construct with has_bias=True)" if "bias" in target.param else ""
                     raise ValueError(f"{name}: the layer has no {target.param}{hint}")
-                index, shape = target.index, target.shape
-                if self.parallel_config.use_ep:
-                    local = self._this_ranks_share(name, tensor, index, shape)
-                    if local is None:
+                shares = [(target.index, tensor, target.shape)]
+                if self.expert_map is not None:
+                    shares = self._this_ranks_share(name, tensor, target.index, target.shape)
+                    if not shares:
                         continue  # another rank's expert
-                    index, tensor, shape = local
-                slot = param[index] if index else param
-                _copy_checked(name, slot, tensor, shape, exact_dtype=target.exact_dtype)
+                for index, share, shape in shares:
+                    slot = param[index] if index else param
+                    _copy_checked(name, slot, share, shape, exact_dtype=target.exact_dtype)
             elif not self._load_other(name, tensor):
                 raise ValueError(f"{name}: not a weight of this FusedMoE layer")
             loaded.append(name)
         return loaded
 
     def _this_ranks_share(self, name, tensor, index, shape):
-        """A global expert tensor -> (index, tensor, shape) of this rank's experts, or None."""
-        start, count = self.expert_start, self.local_num_experts
+        """A global (logical) expert tensor -> [(index, tensor, shape)] for this rank's local
+        slots that compute that expert: none (another rank's), one, or several (replicas)."""
+        local_logical = self.placement.local_logical(self.parallel_config.ep_rank)
         if index:  # one expert's tensor: (expert, rows)
-            local = index[0] - start
-            return None if not 0 <= local < count else ((local, *index[1:]), tensor, shape)
-        # every expert's (fused names): check the global shape, keep this rank's block
+            expert = index[0]
+            return [
+                ((slot, *index[1:]), tensor, shape)
+                for slot, logical in enumerate(local_logical)
+                if logical == expert
+            ]
+        # every expert's (fused names): check the global shape, keep this rank's experts
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
-        return (), tensor[start : start + count], (count, *shape[1:])
+        rows = torch.tensor(local_logical, dtype=torch.long, device=tensor.device)
+        return [((), tensor.index_select(0, rows), (len(local_logical), *shape[1:]))]
 
     def _load_other(self, name: str, tensor: torch.Tensor) -> bool:
         if name.endswith("e_score_correction_bias"):
@@ -638,6 +695,14 @@ class FusedMoE(nn.Module):
                 return True
         return False
 
+    def _placement_repr(self) -> str:
+        pc = self.parallel_config
+        if not (pc.use_ep or self.placement.has_replicas):
+            return ""
+        if self.expert_start is not None:
+            return f", experts [{self.expert_start}, {self.expert_start + self.local_num_experts})"
+        return f", experts {{{self.placement.describe(pc.ep_rank)}}}"
+
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
@@ -649,21 +714,34 @@ class FusedMoE(nn.Module):
                 if self.padded_intermediate_size == self.intermediate_size
                 else f", padded_intermediate_size={self.padded_intermediate_size}"
             )
-            + (
-                f", experts [{self.expert_start}, {self.expert_start + self.local_num_experts})"
-                if self.parallel_config.use_ep
-                else ""
-            )
+            + self._placement_repr()
         )
 
 
-def _local_experts(num_experts: int, parallel_config: ParallelConfig) -> tuple[int, int]:
-    """(first global expert id, count) of this rank's block (linear placement)."""
-    if not parallel_config.use_ep:
-        return 0, num_experts
-    expert_map = linear_expert_map(num_experts, parallel_config.ep_size, parallel_config.ep_rank)
-    local = (expert_map >= 0).nonzero().flatten()
-    return int(local[0]), local.numel()
+def _initial_placement(num_experts: int, pc: ParallelConfig) -> ExpertPlacement:
+    return expert_placement(num_experts, pc.ep_size, pc.placement, pc.num_redundant_experts)
+
+
+def _prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement):
+    """The prepare/finalize for the parallel config: NoEP unless tokens travel."""
+    if not pc.moves_tokens:
+        return NoEPPrepareFinalize()
+    # torch.distributed is imported here, only when a dispatch is asked for
+    if pc.all2all_backend == "all_to_all":
+        from fusedmoe.modular.all_to_all_ep import AllToAllEPPrepareFinalize
+
+        return AllToAllEPPrepareFinalize(
+            pc.ep_size,
+            pc.ep_rank,
+            placement.owner(),
+            pc.group,
+            sequence_parallel=pc.sequence_parallel,
+        )
+    from fusedmoe.modular.ep_prepare_finalize import NaiveEPPrepareFinalize
+
+    return NaiveEPPrepareFinalize(
+        pc.ep_size, pc.ep_rank, pc.group, sequence_parallel=pc.sequence_parallel
+    )
 
 
 def _pad_intermediate(

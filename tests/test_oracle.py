@@ -126,11 +126,16 @@ def test_parallel_config_validation(kwargs, error, match):
         ParallelConfig(**kwargs)
 
 
-def test_layer_refuses_expert_parallelism_on_modular_backends():
+def test_layer_expert_parallelism_backends():
     ep = ParallelConfig(ep_size=2, ep_rank=0)
-    with pytest.raises(ValueError, match="expert parallelism runs on the monolithic backend only"):
-        FusedMoE(E, 2, H, I, parallel_config=ep, backend="torch")
+    # modular backends run a shard through the expert_map (tests/test_ep.py checks the result)
+    assert (
+        FusedMoE(E, 2, H, I, parallel_config=ep, backend="torch").backend_choice().name == "torch"
+    )
     assert FusedMoE(E, 2, H, I, parallel_config=ep).backend_choice().name == "monolithic"
+    rr = ParallelConfig(ep_size=2, ep_rank=0, placement="round_robin")
+    with pytest.raises(ValueError, match="'monolithic' cannot run this call: no expert_map"):
+        FusedMoE(E, 2, H, I, parallel_config=rr, backend="monolithic")
 
 
 def test_layer_parallel_config_type():

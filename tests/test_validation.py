@@ -292,12 +292,15 @@ CONSTRUCTOR_CASES = [
     ),
     ("backend", {"backend": "fastest"}, ValueError, "unknown backend"),
     ("backend type", {"backend": 3}, TypeError, "backend must be"),
-    # expert parallelism runs on the monolithic backend only
+    # the monolithic backend dispatches by all-gather only
     (
         "ep",
-        {"parallel_config": ParallelConfig(ep_size=2), "backend": "torch"},
+        {
+            "parallel_config": ParallelConfig(ep_size=2, dp_size=2, all2all_backend="all_to_all"),
+            "backend": "monolithic",
+        },
         ValueError,
-        "expert parallelism runs on the monolithic backend only",
+        "routes inside and dispatches by all-gather only: no 'all_to_all' dispatch",
     ),
 ]
 

@@ -98,7 +98,18 @@ class Experts(abc.ABC):
 
     @classmethod
     def supports_ep(cls, ep_size: int) -> bool:
-        return ep_size == 1
+        """Whether the backend runs one shard of an EP group: any backend that takes an
+        expert_map does (the EP prepare/finalize brings it the tokens and takes the results)."""
+        return ep_size == 1 or cls.supports_expert_map()
+
+    @classmethod
+    def supports_token_dispatch(cls, all2all_backend: str | None, sequence_parallel: bool) -> bool:
+        """Whether the backend runs where tokens travel between ranks that way. A modular
+        backend runs under any EP prepare/finalize; one that routes inside dispatches by
+        itself, by all-gather only (fusedmoe.modular.dp_dispatch)."""
+        if not cls.routes_inside:
+            return True
+        return all2all_backend in (None, "naive") and not sequence_parallel
 
     @classmethod
     def supports_autograd(cls) -> bool:
@@ -136,6 +147,17 @@ class Experts(abc.ABC):
             (
                 cls.supports_ep(problem.ep_size),
                 lambda: f"no expert parallelism (ep={problem.ep_size})",
+            ),
+            (
+                cls.supports_token_dispatch(problem.all2all_backend, problem.sequence_parallel),
+                lambda: (
+                    "routes inside and dispatches by all-gather only: no "
+                    + (
+                        "sequence-parallel dispatch"
+                        if problem.sequence_parallel
+                        else f"{problem.all2all_backend!r} dispatch"
+                    )
+                ),
             ),
             (
                 not problem.requires_grad or cls.supports_autograd(),

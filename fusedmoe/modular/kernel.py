@@ -6,8 +6,10 @@
         prepare_finalize.finalize(output[chunk], out_buffer, ...)
 
 Every token's result depends on that token alone, so chunking changes nothing in the output;
-it bounds the workspace memory for long prefills. Workspaces are reused across calls, except
-when autograd records the call (each such call gets its own, as backward needs them).
+it bounds the workspace memory for long prefills. Under EP the chunks follow the rank with the
+most tokens (PrepareFinalize.num_tokens_across_ranks), so every rank joins every collective.
+Workspaces are reused across calls, except when autograd records the call (each such call gets
+its own, as backward needs them).
 """
 
 from __future__ import annotations
@@ -88,11 +90,14 @@ class FusedMoEModularKernel:
         """hidden_states [M, H] -> [M, H]. Inputs are assumed checked by the caller."""
         num_tokens = hidden_states.shape[0]
         output = torch.empty_like(hidden_states)
-        if num_tokens == 0:
+        # Under EP every rank runs as many chunks as the rank with the most tokens: a rank with
+        # fewer (or none) passes empty chunks, and still joins each dispatch and combine.
+        most = self.prepare_finalize.num_tokens_across_ranks(num_tokens, hidden_states.device)
+        if most == 0:
             return output
-        step = self.chunk_size if self.experts.supports_chunking() else num_tokens
-        for start in range(0, num_tokens, step):
-            end = min(start + step, num_tokens)
+        step = self.chunk_size if self.experts.supports_chunking() else most
+        for chunk_start in range(0, most, step):
+            start, end = min(chunk_start, num_tokens), min(chunk_start + step, num_tokens)
             self._forward_chunk(
                 output[start:end],
                 hidden_states[start:end],
@@ -157,23 +162,24 @@ class FusedMoEModularKernel:
             expert_output = output  # the backend reduces into the result: finalize copies nothing
         else:
             expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
-        experts.apply(
-            expert_output,
-            prepared.a1q,
-            weights,
-            prepared.topk_weights,
-            prepared.topk_ids,
-            activation=activation,
-            global_num_experts=global_num_experts,
-            expert_map=expert_map,
-            a1q_scale=prepared.a1q_scale,
-            a1q_global_scale=prepared.a1q_global_scale,
-            quant_config=quant_config,
-            workspace13=workspace13,
-            workspace2=workspace2,
-            expert_tokens_meta=prepared.expert_tokens_meta,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-        )
+        if num_tokens:  # EP: a rank where no token landed skips its experts, not finalize
+            experts.apply(
+                expert_output,
+                prepared.a1q,
+                weights,
+                prepared.topk_weights,
+                prepared.topk_ids,
+                activation=activation,
+                global_num_experts=global_num_experts,
+                expert_map=expert_map,
+                a1q_scale=prepared.a1q_scale,
+                a1q_global_scale=prepared.a1q_global_scale,
+                quant_config=quant_config,
+                workspace13=workspace13,
+                workspace2=workspace2,
+                expert_tokens_meta=prepared.expert_tokens_meta,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+            )
         self.prepare_finalize.finalize(
             output,
             expert_output,

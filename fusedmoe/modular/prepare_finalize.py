@@ -3,7 +3,9 @@
     prepare:  x [M, H] -> (apply the router weight on the input) -> quantize -> EP dispatch
     finalize: expert output -> weighted top-k reduce (if the experts left it) -> EP combine
 
-Only PrepareFinalize objects talk to a process group; the no-EP one here only quantizes.
+Only PrepareFinalize objects talk to a process group; the no-EP one here only quantizes. The EP
+ones: NaiveEPPrepareFinalize (fusedmoe.modular.ep_prepare_finalize, all-gather / reduce-scatter)
+and AllToAllEPPrepareFinalize (fusedmoe.modular.all_to_all_ep, tokens to their experts' ranks).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ class PrepareFinalize(abc.ABC):
     def num_dispatchers(self) -> int:
         """How many ranks send tokens to this rank's experts."""
         return 1
+
+    def num_tokens_across_ranks(self, num_tokens: int, device: torch.device) -> int:
+        """The most tokens any rank of the dispatch group has in this call: the modular kernel
+        loops over that many chunks on every rank, so a rank with fewer (or no) tokens still
+        joins every collective. No EP: num_tokens."""
+        return num_tokens
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         """The id dtype the dispatch needs, or None for any."""

@@ -111,6 +111,10 @@ class MoEProblem:
     has_bias: bool = False
     has_expert_map: bool = False
     ep_size: int = 1
+    #: how tokens travel to the experts' ranks: None (they stay), "naive", "all_to_all"
+    #: (fusedmoe.parallel.ParallelConfig.moves_tokens), and whether in sequence-parallel mode
+    all2all_backend: str | None = None
+    sequence_parallel: bool = False
     requires_grad: bool = False  # autograd will differentiate through the experts
     #: the caller has the router logits (FusedMoE does; fused_experts gets topk ids only), so a
     #: backend that routes inside (Experts.routes_inside) can run

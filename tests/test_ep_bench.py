@@ -1,0 +1,81 @@
+"""fusedmoe.ep_bench on 2 gloo processes, shrunken: the table's rows, traffic and the check."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import tempfile
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fusedmoe.ep_bench import main, parse_args
+
+
+def _bench_worker(rank: int, port: int, argv: list[str], path: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+    )  # fmt: skip
+    code = main(argv)
+    with open(f"{path}.rank{rank}", "w") as f:
+        f.write(str(code))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+def test_ep_bench_on_two_cpu_processes():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        argv = ["--device", "cpu", "--scale", "32", "--tokens", "4,7", "--dtypes", "bf16",
+                "--iters", "1", "--warmup", "0", "--check", "--json", path]  # fmt: skip
+        context = mp.start_processes(
+            _bench_worker, args=(_free_port(), argv, path), nprocs=2, join=False,
+            start_method="spawn",
+        )  # fmt: skip
+        for _ in range(120):
+            if context.join(timeout=1):
+                break
+        else:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the benchmark did not finish in 120 s")
+        codes = [pathlib.Path(f"{path}.rank{r}").read_text() for r in range(2)]
+        with open(path) as f:
+            report = json.load(f)
+    assert codes == ["0", "0"]
+    rows = report["rows"]
+    assert [(r["kind"], r["tokens_per_rank"]) for r in rows] == [
+        ("naive", 4), ("naive", 7), ("all_to_all", 4), ("all_to_all", 7),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["ranks"] == 2 and row["forward_ms"] > 0
+        assert row["dispatch_bytes"] > 0 and row["combine_bytes"] > 0
+        # the smallest count is checked against the unsharded layer
+        assert row["check"].startswith("ok") if row["tokens_per_rank"] == 4 else not row["check"]
+    naive, a2a = rows[0], rows[2]
+    assert a2a["dispatch_bytes"] <= naive["dispatch_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--tokens", "a"], "--tokens must be a comma list"),
+        (["--kinds", "deepep"], "--kinds"),
+        (["--iters", "0"], "--iters must be >= 1"),
+    ],
+)
+def test_ep_bench_arguments(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert match in capsys.readouterr().err
