@@ -52,6 +52,7 @@ import triton.language as tl
 
 from fusedmoe.kernels.quant import (
     _FP8_MAX,
+    _divide_by_group_scale,
     _gated_activation,
     _quantize_groups,
     _round_to_e4m3_grid,
@@ -288,7 +289,10 @@ def _quantize_a_tile(
     x = a.to(tl.float32)
     if A_QUANT == _AQ_STATIC:
         scale = tl.load(a_scale_ptr)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
+        # x / scale as IEEE division, from one correctly rounded reciprocal: div_rn per element
+        # is a long instruction sequence, and these tiles are quantized once per column tile
+        y = _divide_by_group_scale(x, scale, tl.math.div_rn(1.0, scale))
+        y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
         if ROUND_IN_FP32:
             y = _round_to_e4m3_grid(y)
         return y, tl.zeros((BLOCK_M,), tl.float32) + scale
@@ -559,7 +563,8 @@ def _moe_gemm_kernel(
     act = tl.where(out_mask, act, 0.0)  # padding must not count in a group's amax
     if OUT_MODE == _OUT_FP8_STATIC:
         scale = tl.load(out_scale_ptr)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(act, scale), -_FP8_MAX), _FP8_MAX)
+        q = _divide_by_group_scale(act, scale, tl.math.div_rn(1.0, scale))
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
         if ROUND_IN_FP32:
             q = _round_to_e4m3_grid(q)
         tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
