@@ -70,12 +70,12 @@ def grouped_mm_experts(
 ) -> torch.Tensor:
     """The experts around torch._grouped_mm. x [M, H], w13 [E, N, H], w2 [E, H, I] -> [M, H].
 
-        order        = argsort(topk_ids.flatten())          [S] slots sorted by expert
-        expert_ends  = #slots with id <= e, for each e      [E] int32
-        h            = grouped_mm(x[order // k], w13)       [S, N]
-        a            = act(h)                               [S, I]
-        y            = grouped_mm(a, w2) * topk_weights     [S, H], in sorted order
-        out[m]       = sum_j y[slot (m, j)]                 [M, H]
+    order        = argsort(topk_ids.flatten())          [S] slots sorted by expert
+    expert_ends  = #slots with id <= e, for each e      [E] int32
+    h            = grouped_mm(x[order // k], w13)       [S, N]
+    a            = act(h)                               [S, I]
+    y            = grouped_mm(a, w2) * topk_weights     [S, H], in sorted order
+    out[m]       = sum_j y[slot (m, j)]                 [M, H]
     """
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -103,11 +103,11 @@ def eager_experts(
 ) -> torch.Tensor:
     """The experts as Hugging Face's eager MoE blocks compute them. x [M, H] -> [M, H].
 
-        mask[e, j, m] = topk_ids[m, j] == e                 [E, k, M]
-        for e with any token:
-            j, m   = where(mask[e])                          the slots routed to e
-            y      = act(x[m] @ w13[e].T) @ w2[e].T * topk_weights[m, j]
-            out[m] += y                                      (index_add, in x's dtype)
+    mask[e, j, m] = topk_ids[m, j] == e                 [E, k, M]
+    for e with any token:
+        j, m   = where(mask[e])                          the slots routed to e
+        y      = act(x[m] @ w13[e].T) @ w2[e].T * topk_weights[m, j]
+        out[m] += y                                      (index_add, in x's dtype)
     """
     num_experts = w13.shape[0]
     out = torch.zeros_like(x)

@@ -56,8 +56,8 @@ class ExpertSet:
     w13: torch.Tensor  # [E, N, H] (FP4: [E, N, H/2] uint8), the scheme's storage dtype
     w2: torch.Tensor  # [E, H, I] (FP4: [E, H, I/2])
     quant_config: FusedMoEQuantConfig | None  # None: unquantized
-    w13_plain: torch.Tensor  # [E, N, H] the values of w13 in the activation dtype
-    w2_plain: torch.Tensor  # [E, H, I]
+    w13_plain: torch.Tensor | None  # [E, N, H] the values of w13 in the activation dtype
+    w2_plain: torch.Tensor | None  # [E, H, I]
 
 
 def make_expert_weights(
@@ -84,9 +84,11 @@ def _chunks(w13: torch.Tensor, w2: torch.Tensor) -> list[slice]:
     return [slice(s, s + step) for s in range(0, w13.shape[0], step)]
 
 
-def quantize_expert_set(w13: torch.Tensor, w2: torch.Tensor, scheme: str | None) -> ExpertSet:
+def quantize_expert_set(
+    w13: torch.Tensor, w2: torch.Tensor, scheme: str | None, *, with_plain: bool = True
+) -> ExpertSet:
     """The experts in `scheme` (None: as they are), quantized a few experts at a time, with the
-    dequantized values for the baselines."""
+    dequantized values for the baselines (with_plain=False: w13_plain and w2_plain are None)."""
     if scheme is None:
         return ExpertSet(w13, w2, None, w13, w2)
     parts = [quantize_experts(w13[c], w2[c], scheme) for c in _chunks(w13, w2)]

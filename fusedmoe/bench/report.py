@@ -97,6 +97,9 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
         panels.setdefault((r.preset, r.quant, r.routing), []).append(r)
     if not panels:
         raise ValueError("--plot: no rows to plot")
+    names = list(dict.fromkeys(r.backend for r in rows))  # one color per contender everywhere
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {name: palette[n % len(palette)] for n, name in enumerate(names)}
     cols = min(3, len(panels))
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4.0 * nrows), squeeze=False)
@@ -107,8 +110,9 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
         for backend, series in by_backend.items():
             series.sort(key=lambda r: r.tokens)
             ax.plot(
-                [r.tokens for r in series], [r.time_ms for r in series], marker="o", label=backend
-            )
+                [r.tokens for r in series], [r.time_ms for r in series], marker="o",
+                label=backend, color=color[backend],
+            )  # fmt: skip
         floor = sorted({(r.tokens, r.floor_ms) for r in panel if r.weights == quant})
         if floor:
             ax.plot(
@@ -116,6 +120,8 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
                 label=f"floor ({quant} weights)",
             )  # fmt: skip
         ax.set_xscale("log", base=2)
+        ticks = sorted({r.tokens for r in panel})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_yscale("log")
         ax.set_xlabel("tokens (M)")
         ax.set_ylabel("time (ms)")
