@@ -349,7 +349,7 @@ def _add_tune(sub) -> None:
     p.add_argument(
         "--min-gain",
         type=float,
-        default=0.02,
+        default=0.03,
         help="a config replaces the heuristic's only when this much faster",
     )
     p.set_defaults(func=run_tune)
