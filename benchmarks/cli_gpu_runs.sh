@@ -4,7 +4,7 @@
 #   OUT=/some/dir bash benchmarks/cli_gpu_runs.sh tune-bf16|tune-fp8|bench
 #
 # tune-*: fusedmoe tune for every preset, token buckets 1 ... 16384, into fusedmoe/kernels/tuned/
-#         (--ship); a tarball of that folder lands in $OUT. About 6 minutes each on an H100/H200.
+#         (--ship); a tarball of that folder lands in $OUT. About 4 minutes each on an H100/H200.
 # bench:  fusedmoe bench for every preset, bf16 and fp8_block, the triton backend beside the two
 #         baselines, with JSON, CSV and the PNG plot in $OUT. About 5 minutes on an H200.
 # Run from the repository root; each step fits in one 10-minute device command.
@@ -17,7 +17,7 @@ tokens=1,8,64,256,1024,4096,16384
 case "${1:?tune-bf16, tune-fp8 or bench}" in
   tune-bf16|tune-fp8)
     dtype=$([ "$1" = tune-bf16 ] && echo bf16 || echo fp8_block)
-    python3 -m fusedmoe tune --dtype "$dtype" --tokens "$tokens" --ship --budget-s 300 \
+    python3 -m fusedmoe tune --dtype "$dtype" --tokens "$tokens" --ship --budget-s 200 \
       2>&1 | tee "$OUT/tune_${gpu}_${dtype}.log" | grep -v dropped
     tar czf "$OUT/tuned_${gpu}_${dtype}.tgz" -C fusedmoe/kernels tuned
     ;;
