@@ -3,9 +3,10 @@ runs on this machine. Everything is read from the backends' own capability predi
 (fusedmoe.modular.experts.Experts); a backend added to BACKENDS appears here by itself.
 
 Columns: the activation dtypes (bf16, fp16, fp32, fp64) and quantization schemes
-(fusedmoe.quant SCHEMES) it accepts, its activations, biases, expert_map, expert parallelism,
-autograd, whether it routes inside (needs the router logits), the devices it supports (CPU,
-CUDA, and where the CPU only emulates it: preferred_on), and "runs here".
+(fusedmoe.quant SCHEMES) it accepts, its activations, the hidden sizes it takes, biases,
+expert_map, expert parallelism, autograd, whether it routes inside (needs the router logits),
+the devices it supports (CPU, CUDA, and where the CPU only emulates it: preferred_on), and
+"runs here".
 
 A scheme is asked about with a config built from a small quantized tensor on the CPU (a
 predicate may look at keys, layouts or scale dtypes, never at values). "runs here" is yes when
@@ -47,6 +48,7 @@ class BackendCapabilities:
     ep: bool
     autograd: bool
     routes_inside: bool
+    hidden_multiple: int | None  # hidden sizes it takes are multiples of this (None: unclear)
     devices: list[str]  # "cpu", "cuda"; "cpu (by name)" where auto never picks it there
     runs_here: str | None  # None: yes; else why not
 
@@ -68,6 +70,16 @@ def _devices(cls: type[Experts]) -> list[str]:
     return devices
 
 
+def _hidden_multiple(cls: type[Experts]) -> int | None:
+    """The smallest power of two a such that the backend takes hidden sizes a and 3a (so
+    probably every multiple of a); the layer pads to Experts.hidden_size_alignment anyway."""
+    for shift in range(11):
+        a = 1 << shift
+        if cls.supports_hidden_size(a) and cls.supports_hidden_size(3 * a):
+            return max(a, cls.hidden_size_alignment)
+    return None
+
+
 def _runs_here(cls: type[Experts]) -> str | None:
     why = cls.is_available()
     if why is not None:
@@ -80,7 +92,7 @@ def _runs_here(cls: type[Experts]) -> str | None:
     if torch.cuda.is_available():
         return "supports neither the CPU nor this GPU"
     if cls.supports_device(torch.device("cuda")):
-        return "needs a CUDA GPU (none visible)"
+        return "needs a CUDA GPU, none is visible"
     return "supports no device present here"
 
 
@@ -96,6 +108,7 @@ def capabilities(cls: type[Experts]) -> BackendCapabilities:
         ep=cls.supports_ep(_EP_PROBE),
         autograd=cls.supports_autograd(),
         routes_inside=cls.routes_inside,
+        hidden_multiple=_hidden_multiple(cls),
         devices=_devices(cls),
         runs_here=_runs_here(cls),
     )
@@ -108,6 +121,10 @@ def capability_matrix() -> list[BackendCapabilities]:
 
 def as_json(matrix: list[BackendCapabilities]) -> list[dict]:
     return [asdict(c) for c in matrix]
+
+
+def _multiple(value: int | None) -> str:
+    return "any" if value == 1 else "?" if value is None else f"% {value} == 0"
 
 
 def _yes(flag: bool) -> str:
@@ -126,6 +143,7 @@ def format_matrix(matrix: list[BackendCapabilities]) -> str:
                 "runs here": "yes" if c.runs_here is None else f"no ({c.runs_here})",
                 "devices": ", ".join(c.devices) or "-",
                 "activations": acts,
+                "hidden size": _multiple(c.hidden_multiple),
                 "bias": _yes(c.bias),
                 "expert_map": _yes(c.expert_map),
                 "EP": _yes(c.ep),
