@@ -6,7 +6,7 @@
 # tune-*: fusedmoe tune for every preset, token buckets 1 ... 16384, into fusedmoe/kernels/tuned/
 #         (--ship); a tarball of that folder lands in $OUT. About 4 minutes each on an H100/H200.
 # bench:  fusedmoe bench for every preset, bf16 and fp8_block, the triton backend beside the two
-#         baselines, with JSON, CSV and the PNG plot in $OUT. About 5 minutes on an H200.
+#         baselines, with JSON, CSV and the PNG plot in $OUT. About 2 minutes on an H200.
 # Run from the repository root; each step fits in one 10-minute device command.
 set -euo pipefail
 OUT=${OUT:?set OUT to a folder for the results}
@@ -23,7 +23,13 @@ case "${1:?tune-bf16, tune-fp8 or bench}" in
     ;;
   bench)
     python3 -m fusedmoe backends > "$OUT/backends_${gpu}.txt"
+    # the measured ceilings (what --ceilings auto uses), for the record; the table and plot
+    # take PERFORMANCE.md's figures on the lent H200 / H100, as the README's table does
+    python3 -c "from fusedmoe.ceilings import measured_ceilings as m; print(m('cuda'))" \
+      | tee "$OUT/ceilings_${gpu}.txt"
+    ceilings=$([ "$gpu" = gpu ] && echo auto || echo "$gpu")
     python3 -m fusedmoe bench --quant bf16,fp8_block --tokens "$tokens" --backends triton \
+      --ceilings "$ceilings" \
       --ref-max-slots 8192 --rep-ms 30 --json "$OUT/bench_${gpu}.json" \
       --csv "$OUT/bench_${gpu}.csv" --plot "$OUT/bench_${gpu}.png" | tee "$OUT/bench_${gpu}.txt"
     ;;
