@@ -131,7 +131,7 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the title
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
