@@ -61,9 +61,14 @@ def test_a_new_backend_appears_by_itself(monkeypatch, capsys):
         def supports_ep(cls, ep_size):
             return ep_size == 1
 
+        @classmethod
+        def supports_hidden_size(cls, hidden_size):
+            return hidden_size % 128 == 0
+
     monkeypatch.setattr(caps, "BACKENDS", (*caps.BACKENDS, OnlyFp8))
     entry = caps.capability_matrix()[-1]
     assert entry.name == "only_fp8" and entry.devices == ["cuda"] and not entry.ep
+    assert entry.hidden_multiple == 128 and caps.capability_matrix()[0].hidden_multiple == 1
     assert entry.schemes == ["fp8_tensor", "fp8_channel", "fp8_block"]
     assert entry.runs_here is None if torch.cuda.is_available() else "CUDA" in entry.runs_here
     assert "only_fp8" in caps.format_matrix(caps.capability_matrix())
