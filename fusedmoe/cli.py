@@ -1,6 +1,12 @@
-"""The `fusedmoe` command.
+"""The `fusedmoe` command: argument parsing, then one driver per subcommand.
 
-fusedmoe demo [--preset qwen3-30b-a3b] [--tokens N] [--device cpu|cuda] [--dtype bfloat16]
+fusedmoe demo      [--preset qwen3-30b-a3b] [--tokens N] [--device cpu|cuda] [--dtype bfloat16]
+fusedmoe bench     [--preset a,b | --experts E --top-k k --hidden H --intermediate I]
+                   [--quant bf16,fp8_block] [--tokens 1,8,64] [--routing uniform,skewed]
+                   [--backends triton,...] [--json F] [--csv F] [--plot F.png]   (fusedmoe.bench)
+fusedmoe tune      [--preset a,b | custom shape] [--dtype bf16,fp8_block] [--tokens ...]
+                   [--out DIR | --ship] [--budget-s S]                           (fusedmoe.tune)
+fusedmoe backends  [--json]                                              (fusedmoe.capabilities)
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fusedmoe.activation import MoEActivation
 from fusedmoe.presets import PRESETS, get_preset
 from fusedmoe.quant.config import SCHEMES
 
@@ -187,6 +194,167 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def csv_list(kind=str, choices: Sequence | None = None):
+    """An argparse type: "a,b,c" -> [kind(a), kind(b), kind(c)], each in `choices`."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of numbers, got {text!r}"
+            ) from None
+        bad = [v for v in values if choices is not None and v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not among {list(choices)}")
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
+        return values
+
+    return parse
+
+
+def _add_shape_arguments(p: argparse.ArgumentParser, preset_help: str) -> None:
+    p.add_argument("--preset", type=csv_list(str, tuple(PRESETS)), default=None, help=preset_help)
+    shape = p.add_argument_group("a custom shape instead of presets (all four)")
+    shape.add_argument("--experts", type=int, default=None, help="E")
+    shape.add_argument("--top-k", type=int, default=None, help="k")
+    shape.add_argument("--hidden", type=int, default=None, help="H")
+    shape.add_argument("--intermediate", type=int, default=None, help="I")
+    shape.add_argument("--activation", default="silu", choices=[a.value for a in MoEActivation])
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from fusedmoe.bench.command import run_bench_command
+
+    return run_bench_command(args)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from fusedmoe.tune import run_tune_command
+
+    return run_tune_command(args)
+
+
+def run_backends(args: argparse.Namespace) -> int:
+    import json
+
+    from fusedmoe.capabilities import as_json, capability_matrix, format_matrix
+
+    matrix = capability_matrix()
+    if args.json:
+        print(json.dumps(as_json(matrix), indent=1))
+    else:
+        print(format_matrix(matrix))
+    return 0
+
+
+def _add_bench(sub) -> None:
+    from fusedmoe.bench.command import CPU_SCALE, CPU_TOKENS, GPU_TOKENS
+    from fusedmoe.bench.sweep import QUANTS
+    from fusedmoe.ceilings import NAMED_CEILINGS
+
+    p = sub.add_parser(
+        "bench",
+        help="time every backend that supports a shape here, beside grouped_mm and eager",
+        description="Time every backend that supports the shape and scheme on this machine, "
+        "beside two baselines (grouped_mm: torch._grouped_mm; eager: a per-expert loop), "
+        "against the roofline floor, checked against the reference backend.",
+    )
+    _add_shape_arguments(p, "presets (default: all); on the CPU scaled down by --scale")
+    p.add_argument(
+        "--quant",
+        type=csv_list(str, QUANTS),
+        default=["bf16"],
+        help="bf16, fp16, fp32 or quantization schemes (default bf16)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=csv_list(int),
+        default=None,
+        help=f"token counts (default {GPU_TOKENS} on a GPU, {CPU_TOKENS} on the CPU)",
+    )
+    p.add_argument("--routing", type=csv_list(str, ("uniform", "skewed")), default=["uniform"])
+    p.add_argument(
+        "--backends",
+        type=csv_list(str),
+        default=None,
+        help="backends to time (default: every one that supports the config here)",
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        help=f"divide presets' H and I by this (default {CPU_SCALE} on cpu, 1 on gpu)",
+    )
+    p.add_argument(
+        "--ceilings",
+        default="auto",
+        choices=["auto", *NAMED_CEILINGS],
+        help="floor ceilings: measured once per device and cached (auto), or "
+        "PERFORMANCE.md's figures",
+    )
+    p.add_argument("--hbm-gbps", type=float, default=None, help="HBM read bandwidth, GB/s")
+    p.add_argument("--bf16-tflops", type=float, default=None, help="bf16 matmul peak")
+    p.add_argument("--fp8-tflops", type=float, default=None, help="fp8 matmul peak")
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--csv", default=None, help="write the rows as CSV here")
+    p.add_argument("--plot", default=None, help="write a PNG of time against tokens here")
+    p.add_argument("--rep-ms", type=float, default=50.0, help="timed ms per contender and row")
+    p.add_argument(
+        "--ref-max-slots",
+        type=int,
+        default=1 << 17,
+        help="rows with more M*k slots compare against another contender instead "
+        "of the float64 reference",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=run_bench)
+
+
+def _add_tune(sub) -> None:
+    from fusedmoe.bench.command import GPU_TOKENS
+    from fusedmoe.tune import TUNE_DTYPES
+
+    p = sub.add_parser(
+        "tune",
+        help="search the Triton kernel configs of a shape on this GPU and write the table",
+        description="Search the Triton backend's kernel configs for each token bucket on the "
+        "current GPU, verify the winners against the reference, and write the JSON table the "
+        "backend loads for this device name. Needs a CUDA GPU.",
+    )
+    _add_shape_arguments(p, "presets (default: all)")
+    p.add_argument(
+        "--dtype",
+        type=csv_list(str, tuple(TUNE_DTYPES)),
+        default=["bf16"],
+        help=f"of {list(TUNE_DTYPES)} (default bf16)",
+    )
+    p.add_argument("--tokens", type=csv_list(int), default=list(GPU_TOKENS), help="M buckets")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="table root (default $FUSEDMOE_TUNED_CONFIGS, else the user cache)",
+    )
+    p.add_argument("--ship", action="store_true", help="write into fusedmoe/kernels/tuned/")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for the whole run, shared evenly (default: no limit)",
+    )
+    p.add_argument("--max-configs", type=int, default=40, help="configs timed per bucket at most")
+    p.add_argument("--rep-ms", type=float, default=20.0, help="timed ms per config")
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.03,
+        help="a config replaces the heuristic's only when this much faster",
+    )
+    p.set_defaults(func=run_tune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusedmoe", description=__doc__.strip().splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -213,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=run_demo)
+    _add_bench(sub)
+    _add_tune(sub)
+    backends = sub.add_parser(
+        "backends", help="what every backend supports, and whether it runs on this machine"
+    )
+    backends.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    backends.set_defaults(func=run_backends)
     return parser
 
 

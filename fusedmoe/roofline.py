@@ -12,6 +12,10 @@ routing touches (the only ones whose weights must be read).
     floor  = max(bytes / HBM bandwidth, flops / matrix peak)   (the FP8 peak for FP8 weights)
 
 Report a timing as floor / time (percent of the roofline). Plain arithmetic: no GPU, no Triton.
+
+`moe_floor` is the whole sum for one weight format (every scheme of fusedmoe.quant and the
+unquantized dtypes): its bytes per weight value and scale bytes (`weight_bytes`), and which
+matmul peak bounds it (`uses_fp8_peak`: 8-bit or narrower activations).
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ __all__ = [
     "H100",
     "H200",
     "Ceilings",
+    "MoEFloor",
     "ceilings_for",
     "distinct_experts",
     "floor_seconds",
     "fp8_block_scale_bytes",
     "moe_bytes",
+    "moe_floor",
     "moe_flops",
+    "scale_bytes",
+    "uses_fp8_peak",
+    "weight_bytes",
 ]
 
 
@@ -112,3 +121,110 @@ def floor_seconds(num_bytes: float, flops: float, ceilings: Ceilings, fp8: bool)
     """max(bytes / HBM bandwidth, flops / matmul peak): no implementation can beat it."""
     peak_tflops = ceilings.fp8_tflops if fp8 else ceilings.bf16_tflops
     return max(num_bytes / (ceilings.hbm_gbps * 1e9), flops / (peak_tflops * 1e12))
+
+
+# ---------------------------------------------------------------------------------------------
+# one weight format: bytes per value, scale bytes, which peak
+
+#: unquantized formats: bytes per value
+_PLAIN_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+#: quantized schemes: bytes per weight value (4-bit formats pack two values a byte)
+_SCHEME_BYTES = {
+    "fp8_tensor": 1.0,
+    "fp8_channel": 1.0,
+    "fp8_block": 1.0,
+    "mxfp8": 1.0,
+    "mxfp4_w4a8": 0.5,
+    "mxfp4_w4a16": 0.5,
+    "nvfp4": 0.5,
+    "int8": 1.0,
+}
+#: schemes whose activations stay 16-bit: their GEMMs run at the bf16 peak
+_A16_SCHEMES = frozenset({"mxfp4_w4a16"})
+
+
+def _check_format(quant: str) -> str:
+    if quant not in _PLAIN_BYTES and quant not in _SCHEME_BYTES:
+        known = [*_PLAIN_BYTES, *_SCHEME_BYTES]
+        raise ValueError(f"unknown weight format {quant!r}; expected one of {known}")
+    return quant
+
+
+def weight_bytes(quant: str) -> float:
+    """Bytes of one weight value: 2 for bf16, 1 for FP8 / INT8, 0.5 for FP4, ..."""
+    quant = _check_format(quant)
+    return _PLAIN_BYTES.get(quant) or _SCHEME_BYTES[quant]
+
+
+def uses_fp8_peak(quant: str) -> bool:
+    """Whether the GEMMs run on 8-bit (or narrower) operands: the FP8 matmul peak bounds them.
+
+    INT8 and the 4-bit formats with 8- or 4-bit activations are given the FP8 peak too (Hopper's
+    INT8 peak equals its FP8 one and it has no FP4 tensor cores); fp32 is given the bf16 peak.
+    """
+    return _check_format(quant) in _SCHEME_BYTES and quant not in _A16_SCHEMES
+
+
+def scale_bytes(
+    quant: str, num_distinct: int, hidden_size: int, intermediate_size: int, gemm1_rows: int
+) -> float:
+    """Bytes of the weight scales of D experts: w13 [D, N1, H] and w2 [D, H, I], N1 = gemm1_rows.
+
+    fp8_tensor             float32 per expert and tensor          D * 4 * 2
+    fp8_channel, int8      float32 per output row                 D * 4 * (N1 + H)
+    fp8_block              float32 per 128 x 128 block            (fp8_block_scale_bytes)
+    mxfp8, mxfp4_*         one E8M0 byte per 32 values along K    D * (N1 H + H I) / 32
+    nvfp4                  one E4M3 byte per 16 values, plus a     D * (N1 H + H I) / 16
+                           float32 global scale per tensor           + D * 4 * 2
+    """
+    quant = _check_format(quant)
+    d, h, i, n1 = num_distinct, hidden_size, intermediate_size, gemm1_rows
+    values = d * (n1 * h + h * i)
+    if quant == "fp8_tensor":
+        return float(d * 4 * 2)
+    if quant in ("fp8_channel", "int8"):
+        return float(d * 4 * (n1 + h))
+    if quant == "fp8_block":
+        h_blocks = math.ceil(h / 128)
+        return float(d * 4 * (math.ceil(n1 / 128) * h_blocks + h_blocks * math.ceil(i / 128)))
+    if quant in ("mxfp8", "mxfp4_w4a8", "mxfp4_w4a16"):
+        return values / 32
+    if quant == "nvfp4":
+        return values / 16 + d * 4 * 2
+    return 0.0
+
+
+@dataclass(frozen=True)
+class MoEFloor:
+    """The floor of one MoE expert computation and the two sums it is the larger of."""
+
+    num_bytes: float  # weights of the D touched experts + their scales + x in and out
+    flops: float  # 2 * M * k * (N1 + I) * H
+    seconds: float  # max(num_bytes / HBM, flops / peak)
+
+
+def moe_floor(
+    quant: str,
+    *,
+    num_distinct: int,
+    num_tokens: int,
+    top_k: int,
+    hidden_size: int,
+    intermediate_size: int,
+    ceilings: Ceilings,
+    gated: bool = True,
+    act_bytes: float = 2.0,
+) -> MoEFloor:
+    """The floor for weights in format `quant` (a scheme, or "bf16" / "fp16" / "fp32").
+
+    gated: w13 has 2I rows per expert (I for a non-gated activation), so the weights are
+    3 * H * I values per expert gated and 2 * H * I otherwise; act_bytes: of x and the output.
+    """
+    h, i = hidden_size, intermediate_size
+    n1 = 2 * i if gated else i
+    weights = num_distinct * (n1 + i) * h * weight_bytes(quant)
+    scales = scale_bytes(quant, num_distinct, h, i, n1)
+    num_bytes = float(weights + scales + 2 * num_tokens * h * act_bytes)
+    flops = 2.0 * num_tokens * top_k * (n1 + i) * h
+    seconds = floor_seconds(num_bytes, flops, ceilings, uses_fp8_peak(quant))
+    return MoEFloor(num_bytes, flops, seconds)

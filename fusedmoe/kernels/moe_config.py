@@ -5,9 +5,10 @@ A config is frozen per (E_l, N, K, M bucket, dtype, device). Tables are JSON fil
 
     <device name>/E=<E_l>,N=<N>,K=<K>,dtype=<dtype>.json     {"<M>": {config fields}, ...}
 
-looked up first in $FUSEDMOE_TUNED_CONFIGS (a user directory), then in the tables shipped in
-fusedmoe/kernels/tuned/; the entry of the nearest M is used. N is the w13 rows per expert
-(2I gated), K the hidden size.
+looked up first in the user's directory ($FUSEDMOE_TUNED_CONFIGS, else <cache dir>/tuned, where
+`fusedmoe tune` writes by default; the cache dir is $FUSEDMOE_CACHE_DIR or ~/.cache/fusedmoe),
+then in the tables shipped in fusedmoe/kernels/tuned/; the entry of the nearest M is used.
+N is the w13 rows per expert (2I gated), K the hidden size.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import triton
 
+from fusedmoe._paths import user_tuned_dir
+
 __all__ = [
     "TUNED_CONFIGS_ENV",
     "GemmConfig",
@@ -31,6 +34,7 @@ __all__ = [
     "moe_kernel_config",
     "table_path",
     "use_moe_kernel_config",
+    "user_tables_dir",
 ]
 
 TUNED_CONFIGS_ENV = "FUSEDMOE_TUNED_CONFIGS"
@@ -104,6 +108,12 @@ def use_moe_kernel_config(config: MoEKernelConfig) -> Iterator[None]:
         _override.reset(token)
 
 
+def user_tables_dir() -> Path:
+    """$FUSEDMOE_TUNED_CONFIGS, else the user cache's tuned/ (fusedmoe tune's default --out)."""
+    env = os.environ.get(TUNED_CONFIGS_ENV)
+    return Path(env) if env else user_tuned_dir()
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
@@ -134,8 +144,7 @@ def _load_table(path: str) -> dict[int, MoEKernelConfig] | None:
 def _tuned(device_name: str | None, e: int, n: int, k: int, dtype: str, m: int):
     if device_name is None:
         return None
-    roots = [Path(os.environ[TUNED_CONFIGS_ENV])] if os.environ.get(TUNED_CONFIGS_ENV) else []
-    for root in [*roots, SHIPPED_DIR]:
+    for root in (user_tables_dir(), SHIPPED_DIR):
         table = _load_table(str(table_path(root, device_name, e, n, k, dtype)))
         if table:
             return table[min(table, key=lambda key: (abs(key - m), key))]

@@ -1,0 +1,151 @@
+"""The inputs of one benchmark row: expert weights in each format, and a routing.
+
+Every contender of a row gets the same inputs; the same (shape, routing, M) gets the same
+inputs in every run (generators seeded from a hash of their names).
+
+Weights: w13 [E, N, H] and w2 [E, H, I] drawn N(0, 1 / fan_in) in the activation dtype, in
+place (no float32 copy of the whole: deepseek-v3's bf16 experts are 22 GB). A scheme's weights
+are quantized a few experts at a time (quantize makes several float32 temporaries), and the
+baselines, which only run 16-bit GEMMs, read the dequantized values back in the activation
+dtype: every contender computes the same function.
+
+Routing: logits [M, E] ~ N(0, 1) (uniform: every expert equally popular) or the same with an
+expert bias -1.2 * log(rank + 1) over a random ranking (skewed: Zipf-like popularity, as real
+routing is); topk = softmax, top-k, renormalize (fusedmoe's plain TopKRouter). The logits are
+kept for backends that route inside: they route them to the same ids.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from fusedmoe.activation import MoEActivation
+from fusedmoe.quant import dequantize, make_quant_config, quantize_experts
+from fusedmoe.quant.config import FusedMoEQuantConfig
+from fusedmoe.router import create_router
+
+__all__ = [
+    "ROUTINGS",
+    "ExpertSet",
+    "RoutingInputs",
+    "make_expert_weights",
+    "make_routing",
+    "quantize_expert_set",
+    "seeded",
+]
+
+ROUTINGS = ("uniform", "skewed")
+# elements of one float32 copy of a chunk of experts while (de)quantizing
+_CHUNK_ELEMENTS = 1 << 28
+
+
+def seeded(device: torch.device, *key: object) -> torch.Generator:
+    """A generator seeded by `key`: the same numbers in every run and for every contender."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(zlib.crc32("/".join(map(str, key)).encode()))
+    return gen
+
+
+@dataclass
+class ExpertSet:
+    """The experts of one row, in the format the backends read and as the baselines read them."""
+
+    w13: torch.Tensor  # [E, N, H] (FP4: [E, N, H/2] uint8), the scheme's storage dtype
+    w2: torch.Tensor  # [E, H, I] (FP4: [E, H, I/2])
+    quant_config: FusedMoEQuantConfig | None  # None: unquantized
+    w13_plain: torch.Tensor | None  # [E, N, H] the values of w13 in the activation dtype
+    w2_plain: torch.Tensor | None  # [E, H, I]
+
+
+def make_expert_weights(
+    name: str,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    activation: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, N, H] and w2 [E, H, I] in `dtype`, N(0, 1 / fan_in), drawn in place."""
+    e, h, i = num_experts, hidden_size, intermediate_size
+    n = MoEActivation.parse(activation).gemm1_out_size(i)
+    gen = seeded(device, name, e, h, i, "weights")
+    w13 = torch.empty(e, n, h, dtype=dtype, device=device).normal_(0.0, h**-0.5, generator=gen)
+    w2 = torch.empty(e, h, i, dtype=dtype, device=device).normal_(0.0, i**-0.5, generator=gen)
+    return w13, w2
+
+
+def _chunks(w13: torch.Tensor, w2: torch.Tensor) -> list[slice]:
+    per_expert = (w13[0].numel() + w2[0].numel()) * 4  # quantize holds several fp32 copies
+    step = max(1, _CHUNK_ELEMENTS // max(per_expert, 1))
+    return [slice(s, s + step) for s in range(0, w13.shape[0], step)]
+
+
+def quantize_expert_set(
+    w13: torch.Tensor, w2: torch.Tensor, scheme: str | None, *, with_plain: bool = True
+) -> ExpertSet:
+    """The experts in `scheme` (None: as they are), quantized a few experts at a time, with the
+    dequantized values for the baselines (with_plain=False: w13_plain and w2_plain are None)."""
+    if scheme is None:
+        return ExpertSet(w13, w2, None, w13, w2)
+    parts = [quantize_experts(w13[c], w2[c], scheme) for c in _chunks(w13, w2)]
+    q13 = torch.cat([p[0] for p in parts])
+    q2 = torch.cat([p[1] for p in parts])
+
+    configs = [p[2] for p in parts]
+    del parts
+
+    def cat(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if values[0] is None else torch.cat(values)
+
+    config = make_quant_config(
+        scheme,
+        cat([qc.w1.scale for qc in configs]),
+        cat([qc.w2.scale for qc in configs]),
+        w1_global_scale=cat([qc.w1.global_scale for qc in configs]),
+        w2_global_scale=cat([qc.w2.global_scale for qc in configs]),
+    )
+    plain13 = torch.empty_like(w13)
+    plain2 = torch.empty_like(w2)
+    for c in _chunks(w13, w2):
+        for out, q, operand in ((plain13, q13, config.w1), (plain2, q2, config.w2)):
+            g = None if operand.global_scale is None else operand.global_scale[c]
+            out[c] = dequantize(q[c], operand.scale[c], operand.key, g).to(out.dtype)
+    return ExpertSet(q13, q2, config, plain13, plain2)
+
+
+@dataclass
+class RoutingInputs:
+    """One row's tokens and routing."""
+
+    x: torch.Tensor  # [M, H] activation dtype
+    router_logits: torch.Tensor  # float32 [M, E]
+    topk_weights: torch.Tensor  # float32 [M, k], rows sum to 1
+    topk_ids: torch.Tensor  # int32 [M, k]
+
+
+def make_routing(
+    name: str,
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+    kind: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> RoutingInputs:
+    """x and a `kind` ("uniform" or "skewed") routing of M tokens over E experts."""
+    if kind not in ROUTINGS:
+        raise ValueError(f"routing must be one of {list(ROUTINGS)}, got {kind!r}")
+    gen = seeded(device, name, kind, num_tokens, num_experts, hidden_size)
+    x = torch.randn(num_tokens, hidden_size, device=device, generator=gen).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
+    if kind == "skewed":  # the expert of popularity rank r gets a logit bias -1.2 log(r + 1)
+        rank = torch.randperm(num_experts, device=device, generator=gen)
+        logits = logits - 1.2 * torch.log1p(rank.float())
+    router = create_router(top_k, num_experts, renormalize=True, scoring_func="softmax")
+    topk_weights, topk_ids = router.select_experts(x, logits)
+    return RoutingInputs(x, logits, topk_weights, topk_ids)

@@ -1,0 +1,404 @@
+"""`fusedmoe tune`: search the Triton backend's kernel configs for one shape on this GPU, verify
+the winners, and write the table the backend loads for this device name.
+
+Legend: E_l local experts, k top-k, H hidden (K of GEMM1), I intermediate, N = 2I (gated) rows
+of w13 per expert, M tokens.
+
+For each token bucket M (the shape's real sizes):
+
+    candidates  the heuristic's config (fusedmoe.kernels.moe_config.heuristic_config), the
+                heuristic's configs of the neighbouring buckets, and every config one step
+                from it: block_m x/÷ 2; per GEMM block_n and block_k x/÷ 2, num_warps 4 <-> 8,
+                num_stages +-1, group_m in {1, 8, 16}; fuse_activation toggled for fp8_block.
+                Then the same steps around the best so far, until nothing improves, the
+                bucket's share of --budget-s is spent, or --max-configs were timed
+    timing      the whole fused_experts call under use_moe_kernel_config(candidate), median of
+                CUDA-graph replays (triton.testing.do_bench_cudagraph), summed over a uniform
+                and a Zipf-skewed routing (fusedmoe.bench.inputs): a config that wins on uniform
+                routing alone can lose 30-50% when a popular expert's rows make many thin
+                tiles; a candidate that does not compile or launch (shared memory, registers)
+                is dropped
+    winner      the fastest, kept only if it beats the heuristic by more than --min-gain
+                (else the heuristic's config is written: noise must not change the table)
+    verified    against fused_experts(..., backend="torch") (float64 inside) on the first
+                min(M, 256) tokens, within the test suite's tolerance of the dtype (quantized:
+                normalised max 0.08, RMS 1.5e-2), and against the heuristic's config at the full
+                M; a winner that fails is dropped for the next best
+
+The table, {"<M>": config}, goes to table_path(root, device name, E_l, N, H, dtype) where root
+is --out (default: $FUSEDMOE_TUNED_CONFIGS, else <cache dir>/tuned, both read automatically),
+or the package's fusedmoe/kernels/tuned/ with --ship. Entries already in the file for other
+buckets are kept. Needs a CUDA GPU: on the CPU it refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fusedmoe.activation import MoEActivation
+from fusedmoe.bench.inputs import (
+    ROUTINGS,
+    make_expert_weights,
+    make_routing,
+    quantize_expert_set,
+)
+from fusedmoe.bench.timing import rel_err
+from fusedmoe.functional import fused_experts
+
+__all__ = ["TUNE_DTYPES", "TuneResult", "TuneShape", "candidates_around", "tune_shape"]
+
+#: --dtype names -> (activation dtype, the tables' dtype key, weight scheme or None)
+TUNE_DTYPES = {
+    "bf16": (torch.bfloat16, "bfloat16", None),
+    "fp16": (torch.float16, "float16", None),
+    "fp32": (torch.float32, "float32", None),
+    "fp8_tensor": (torch.bfloat16, "fp8_tensor", "fp8_tensor"),
+    "fp8_channel": (torch.bfloat16, "fp8_channel", "fp8_channel"),
+    "fp8_block": (torch.bfloat16, "fp8_block", "fp8_block"),
+    "int8": (torch.bfloat16, "int8", "int8"),
+}
+#: normalised max error of the triton backend against the float64 reference (tests/helpers.py)
+VERIFY_TOLERANCE = {"bfloat16": 3e-2, "float16": 4e-3, "float32": 1e-4}
+QUANT_TOLERANCE = 0.08  # quantized: max error ...
+QUANT_RMS_TOLERANCE = 1.5e-2  # ... and normalised RMS error
+VERIFY_MAX_TOKENS = 256
+#: accumulator elements per program above which a tile spills heavily (never faster)
+_MAX_ACC = 128 * 256
+
+
+@dataclass(frozen=True)
+class TuneShape:
+    name: str
+    num_experts: int  # E_l: the experts in w13 (local experts under EP)
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: str = "silu"
+
+    @property
+    def gemm1_rows(self) -> int:
+        return MoEActivation.parse(self.activation).gemm1_out_size(self.intermediate_size)
+
+
+@dataclass
+class TuneResult:
+    tokens: int
+    heuristic_ms: float
+    best_ms: float
+    config: object  # MoEKernelConfig written to the table
+    tried: int  # candidates timed
+    failed: int  # candidates that did not compile or launch
+    rejected: int  # faster candidates that failed verification
+    max_err: float  # the written config's error against the reference
+
+
+def _pow2_steps(value: int, low: int, high: int) -> list[int]:
+    return [v for v in (value // 2, value * 2) if low <= v <= high]
+
+
+def _gemm_steps(g, *, fp8_block: bool) -> Iterable:
+    """GemmConfigs one knob away from g."""
+    k_high = 128 if fp8_block else 256  # a 128-block scale per K tile: BK divides 128
+    for bn in _pow2_steps(g.block_n, 16, 256):
+        yield dataclasses.replace(g, block_n=bn)
+    for bk in _pow2_steps(g.block_k, 32 if fp8_block else 16, k_high):
+        yield dataclasses.replace(g, block_k=bk)
+    yield dataclasses.replace(g, num_warps=8 if g.num_warps == 4 else 4)
+    for stages in (g.num_stages - 1, g.num_stages + 1):
+        if 2 <= stages <= 5:
+            yield dataclasses.replace(g, num_stages=stages)
+    for group_m in (1, 8, 16):
+        if group_m != g.group_m:
+            yield dataclasses.replace(g, group_m=group_m)
+
+
+def _fits(config, gated: bool) -> bool:
+    acc1 = config.block_m * config.gemm1.block_n * (2 if gated and config.fuse_activation else 1)
+    return max(acc1, config.block_m * config.gemm2.block_n) <= _MAX_ACC
+
+
+def candidates_around(config, dtype_key: str, gated: bool = True) -> list:
+    """Configs one step from `config`, most promising first (rows per block, then tiles)."""
+    fp8_block = dtype_key == "fp8_block"
+    out = [dataclasses.replace(config, block_m=bm) for bm in _pow2_steps(config.block_m, 16, 128)]
+    for which in ("gemm1", "gemm2"):
+        for g in _gemm_steps(getattr(config, which), fp8_block=fp8_block):
+            out.append(dataclasses.replace(config, **{which: g}))
+    if fp8_block:
+        out.append(dataclasses.replace(config, fuse_activation=not config.fuse_activation))
+    return [c for c in out if _fits(c, gated)]
+
+
+def _unique(configs: Iterable) -> list:
+    seen, out = set(), []
+    for c in configs:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+def _close_enough(out: torch.Tensor, ref: torch.Tensor, dtype_key: str) -> tuple[bool, float]:
+    err = rel_err(out, ref)
+    if dtype_key in VERIFY_TOLERANCE:
+        return err <= VERIFY_TOLERANCE[dtype_key], err
+    scale = max(float(ref.double().abs().max()), 1e-30)
+    rms = float((out.double() - ref.double()).square().mean().sqrt()) / scale
+    return err <= QUANT_TOLERANCE and rms <= QUANT_RMS_TOLERANCE, err
+
+
+@dataclass(frozen=True)
+class _Search:
+    """The knobs of one search (those of tune_shape)."""
+
+    budget_s: float | None  # per bucket
+    max_configs: int
+    rep_ms: float
+    min_gain: float
+    log: Callable[[str], None]
+
+
+def tune_shape(
+    shape: TuneShape,
+    dtype: str,
+    tokens: list[int],
+    *,
+    budget_s: float | None = None,
+    max_configs: int = 40,
+    rep_ms: float = 20.0,
+    min_gain: float = 0.03,
+    log: Callable[[str], None] = print,
+) -> list[TuneResult]:
+    """Tune every bucket of `tokens` for one shape and dtype on the current CUDA device;
+    budget_s is shared evenly by the buckets."""
+    act_dtype, _, scheme = TUNE_DTYPES[dtype]
+    device = torch.device("cuda", torch.cuda.current_device())
+    w13, w2 = make_expert_weights(
+        shape.name, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+        shape.activation, act_dtype, device,
+    )  # fmt: skip
+    experts = quantize_expert_set(w13, w2, scheme, with_plain=False)
+    del w13, w2
+    share = None if budget_s is None else budget_s / max(len(tokens), 1)
+    search = _Search(share, max_configs, rep_ms, min_gain, log)
+    results = [_tune_bucket(shape, dtype, experts, m, search) for m in tokens]
+    del experts
+    torch.cuda.empty_cache()
+    return results
+
+
+def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search) -> TuneResult:
+    import triton.testing
+
+    from fusedmoe.kernels.moe_config import heuristic_config, use_moe_kernel_config
+
+    act_dtype, dtype_key, _ = TUNE_DTYPES[dtype]
+    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
+    gated = MoEActivation.parse(shape.activation).is_gated
+    start = time.perf_counter()
+    device = experts.w13.device
+    routings = [make_routing(shape.name, m, e, k, h, kind, act_dtype, device) for kind in ROUTINGS]
+    r = routings[0]  # uniform: the one verified
+
+    def run(r=r) -> torch.Tensor:
+        return fused_experts(
+            r.x, experts.w13, experts.w2, r.topk_weights, r.topk_ids,
+            activation=shape.activation, quant_config=experts.quant_config, backend="triton",
+        )  # fmt: skip
+
+    timed: dict = {}  # config -> sum over the routings of the median ms
+    failed = []
+
+    def measure(config) -> None:
+        try:
+            total = 0.0
+            with use_moe_kernel_config(config):
+                for routing in routings:
+                    call = functools.partial(run, routing)
+                    call()  # compile outside the capture
+                    total += triton.testing.do_bench_cudagraph(
+                        call, rep=search.rep_ms, return_mode="median"
+                    )
+            timed[config] = total
+        except Exception as exc:  # out of shared memory / registers
+            torch.cuda.synchronize()
+            failed.append(config)
+            search.log(f"    {_short(config)}: dropped ({type(exc).__name__}: {str(exc)[:80]})")
+
+    def spent() -> bool:
+        elapsed = time.perf_counter() - start
+        over_time = search.budget_s is not None and elapsed > search.budget_s
+        return over_time or len(timed) + len(failed) >= search.max_configs
+
+    base = heuristic_config(m, k, e, h, i, dtype_key)
+    measure(base)
+    if base not in timed:
+        raise RuntimeError(f"the heuristic config {_short(base)} does not run for M={m}")
+    seeds = [heuristic_config(mm, k, e, h, i, dtype_key) for mm in (max(1, m // 8), m * 8)]
+    queue = _unique([*seeds, *candidates_around(base, dtype_key, gated)])
+    best = base
+    while queue and not spent():
+        config = queue.pop(0)
+        if config in timed or config in failed:
+            continue
+        measure(config)
+        if config in timed and timed[config] < timed[best]:
+            best = config
+            fresh = [c for c in candidates_around(best, dtype_key, gated) if c not in timed]
+            queue = _unique([*fresh, *queue])  # search around the new best first
+    faster = [
+        c for c in sorted(timed, key=timed.get) if timed[c] < timed[base] * (1 - search.min_gain)
+    ]
+    chosen, rejected, err = _verify(
+        [*faster, base], run, r, experts, shape, dtype_key, use_moe_kernel_config
+    )
+    search.log(
+        f"  M={m}: heuristic {timed[base]:.4f} ms, tuned {timed[chosen]:.4f} ms (both routings) "
+        f"({timed[base] / timed[chosen]:.2f}x) after {len(timed)} configs "
+        f"({len(failed)} failed, {rejected} rejected), rel_err {err:.1e}: {_short(chosen)}"
+    )
+    return TuneResult(m, timed[base], timed[chosen], chosen, len(timed), len(failed), rejected, err)
+
+
+def _verify(ranked, run, r, experts, shape, dtype_key, override) -> tuple:
+    """The first config of `ranked` that matches the reference and the heuristic's output;
+    the last (the heuristic) must. -> (config, how many were rejected, its error)."""
+    m_v = min(r.x.shape[0], VERIFY_MAX_TOKENS)
+    sub = dataclasses.replace(
+        r, x=r.x[:m_v], topk_weights=r.topk_weights[:m_v], topk_ids=r.topk_ids[:m_v]
+    )
+    with torch.inference_mode():
+        ref = fused_experts(
+            sub.x, experts.w13, experts.w2, sub.topk_weights, sub.topk_ids,
+            activation=shape.activation, quant_config=experts.quant_config, backend="torch",
+        )  # fmt: skip
+        with override(ranked[-1]):
+            full_base = run().clone()
+        for n, config in enumerate(ranked):
+            with override(config):
+                ok_ref, err = _close_enough(run(sub), ref, dtype_key)
+                ok_full = config is ranked[-1] or _close_enough(run(), full_base, dtype_key)[0]
+            if ok_ref and ok_full:
+                return config, n, err
+    raise RuntimeError(
+        f"the heuristic config fails verification for {shape.name} {dtype_key} "
+        f"M={r.x.shape[0]}: rel_err {err:.2e} (a kernel bug: report it)"
+    )
+
+
+def _short(config) -> str:
+    g1, g2 = config.gemm1, config.gemm2
+    fuse = "" if config.fuse_activation else " unfused"
+    return (
+        f"BM{config.block_m} g1[{g1.block_n}x{g1.block_k} gm{g1.group_m} w{g1.num_warps} "
+        f"s{g1.num_stages}] g2[{g2.block_n}x{g2.block_k} gm{g2.group_m} w{g2.num_warps} "
+        f"s{g2.num_stages}]{fuse}"
+    )
+
+
+def write_table(
+    root: Path, device_name: str, shape: TuneShape, dtype: str, results: list[TuneResult]
+) -> Path:
+    """Merge the results into the table file (other buckets already there are kept)."""
+    from fusedmoe.kernels.moe_config import table_path
+
+    dtype_key = TUNE_DTYPES[dtype][1]
+    path = table_path(
+        root, device_name, shape.num_experts, shape.gemm1_rows, shape.hidden_size, dtype_key
+    )
+    table = {}
+    if path.is_file():
+        try:
+            table = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            table = {}
+    for res in results:
+        table[str(res.tokens)] = res.config.to_json()
+    table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def _fail(message: str) -> int:
+    import sys
+
+    print(f"fusedmoe tune: {message}", file=sys.stderr)
+    return 2
+
+
+def tune_shapes(args) -> list[TuneShape]:
+    from fusedmoe.presets import PRESETS, get_preset
+
+    sizes = [args.experts, args.top_k, args.hidden, args.intermediate]
+    if any(v is not None for v in sizes):
+        if any(v is None for v in sizes):
+            raise ValueError("a custom shape needs --experts --top-k --hidden --intermediate")
+        if args.preset is not None:
+            raise ValueError("give either --preset or a custom shape (--experts ...), not both")
+        if any(v < 1 for v in sizes):
+            raise ValueError(f"--experts --top-k --hidden --intermediate must be >= 1, got {sizes}")
+        return [TuneShape("custom", *sizes, activation=args.activation)]
+    names = args.preset if args.preset is not None else list(PRESETS)
+    presets = [get_preset(n) for n in names]
+    return [
+        TuneShape(p.name, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, p.activation)
+        for p in presets
+    ]
+
+
+def run_tune_command(args) -> int:
+    """fusedmoe tune: refuses without a CUDA GPU and Triton; else tunes and writes the tables."""
+    from fusedmoe._triton import INSTALL_HINT, has_triton
+
+    try:
+        shapes = tune_shapes(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.ship and args.out is not None:
+        return _fail("give --out DIR or --ship, not both")
+    if not torch.cuda.is_available():
+        return _fail(
+            "needs a CUDA GPU: it times the Triton kernels on the GPU whose tables it writes, "
+            "and none is visible here (the CPU runs the heuristic's configs; nothing to tune)"
+        )
+    if not has_triton():
+        return _fail(f"needs Triton: {INSTALL_HINT}")
+    from fusedmoe.kernels.moe_config import SHIPPED_DIR, user_tables_dir
+
+    root = SHIPPED_DIR if args.ship else Path(args.out) if args.out else user_tables_dir()
+    device_name = torch.cuda.get_device_name()
+    tokens = sorted(set(args.tokens))
+    cases = len(shapes) * len(args.dtype)
+    budget = None if args.budget_s is None else args.budget_s / cases
+    print(f"fusedmoe tune on {device_name}: {cases} shape(s) x dtype(s), tokens {tokens}")
+    print(f"tables go to {root}")
+    begin = time.perf_counter()
+    for shape in shapes:
+        for dtype in args.dtype:
+            print(
+                f"{shape.name} {dtype}: E={shape.num_experts} k={shape.top_k} "
+                f"H={shape.hidden_size} I={shape.intermediate_size} {shape.activation}",
+                flush=True,
+            )
+            results = tune_shape(
+                shape, dtype, tokens, budget_s=budget, max_configs=args.max_configs,
+                rep_ms=args.rep_ms, min_gain=args.min_gain,
+                log=lambda text: print(text, flush=True),
+            )  # fmt: skip
+            path = write_table(root, device_name, shape, dtype, results)
+            print(f"  wrote {path}", flush=True)
+    print(f"done in {time.perf_counter() - begin:.0f} s")
+    return 0

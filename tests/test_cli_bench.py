@@ -1,0 +1,157 @@
+"""fusedmoe bench on the CPU: tiny shapes, every output format, the baselines, bad input."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedmoe import fused_experts
+from fusedmoe._triton import interpreting
+from fusedmoe.baselines import eager_experts, grouped_mm_experts, grouped_mm_unavailable
+from fusedmoe.cli import main
+from tests.helpers import assert_close
+
+ROW_KEYS = {"preset", "quant", "backend", "tokens", "time_ms", "tflops", "gbps", "roofline_pct"}
+ROW_KEYS |= {"rel_err", "routing", "weights", "distinct", "floor_ms", "err_ref", "timing"}
+# a custom shape, and ceilings given so that nothing is measured
+TINY = ["bench", "--experts", "6", "--top-k", "2", "--hidden", "64", "--intermediate", "32"]
+TINY += ["--hbm-gbps", "20", "--bf16-tflops", "0.5", "--fp8-tflops", "1", "--quiet"]
+TINY += ["--device", "cpu"]  # also on a GPU machine
+
+
+def test_bench_writes_json_and_csv(tmp_path, capsys):
+    js, cs = tmp_path / "rows.json", tmp_path / "rows.csv"
+    argv = [*TINY, "--tokens", "1,7", "--quant", "bf16,fp8_block", "--routing", "uniform,skewed"]
+    assert main([*argv, "--json", str(js), "--csv", str(cs)]) == 0
+    out = capsys.readouterr().out
+    assert "the oracle picks" in out and "TFLOP/s" in out and "roofline_pct" in out
+    rows = json.loads(js.read_text())
+    assert isinstance(rows, list) and rows and all(set(r) >= ROW_KEYS for r in rows)
+    # every case has the reference backend, both baselines and nothing that cannot run here
+    backends = {r["backend"] for r in rows}
+    assert {"torch", "grouped_mm", "eager"} <= backends and "triton" not in backends
+    assert {(r["quant"], r["routing"], r["tokens"]) for r in rows} == {
+        (q, r, m) for q in ("bf16", "fp8_block") for r in ("uniform", "skewed") for m in (1, 7)
+    }
+    for r in rows:
+        assert r["time_ms"] > 0 and r["floor_ms"] > 0 and r["timing"] == "cpu"
+        assert r["roofline_pct"] == pytest.approx(100 * r["floor_ms"] / r["time_ms"])
+        # the baselines compute in bf16 without activation quantization: a few % in fp8 rows
+        assert r["rel_err"] < (0.1 if r["quant"] == "fp8_block" else 0.03), r
+        assert r["weights"] == (r["quant"] if r["backend"] != "grouped_mm" and
+                                r["backend"] != "eager" else "bf16")  # fmt: skip
+    with cs.open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(rows) and set(table[0]) >= ROW_KEYS
+    assert [float(r["time_ms"]) for r in table] == [r["time_ms"] for r in rows]
+
+
+def test_bench_plot_is_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "latency.png"
+    assert main([*TINY, "--tokens", "1,4,16", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "wrote the plot" in capsys.readouterr().out
+
+
+def test_bench_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main([*TINY, "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install 'fusedmoe[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bench_preset_is_scaled_and_labelled(capsys):
+    argv = ["bench", "--preset", "deepseek-v3", "--scale", "64", "--tokens", "3", "--quiet"]
+    argv += ["--device", "cpu"]
+    assert main([*argv, "--ceilings", "h200", "--backends", "monolithic"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3 (scaled 1/64)" in out and "NVIDIA H200" in out
+    lines = [line for line in out.splitlines() if line.startswith("deepseek-v3")]
+    # named backends: only those (and the baselines), none of the others
+    assert sorted(line.split()[5] for line in lines) == ["eager", "grouped_mm", "monolithic"]
+
+
+def test_bench_names_what_it_does_not_time(capsys):
+    assert main([*TINY, "--tokens", "2", "--quant", "mxfp4_w4a16"]) == 0
+    out = capsys.readouterr().out
+    assert "not timing monolithic: does not support quant config" in out
+    assert "not timing triton" in out
+
+
+def test_bench_named_triton_runs_on_the_interpreter(capsys):
+    pytest.importorskip("triton")
+    if not interpreting():
+        pytest.skip("Triton's CPU interpreter is off")
+    assert main([*TINY, "--tokens", "3", "--backends", "triton", "--quant", "bf16"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    triton = [r for r in rows if r[:1] == ["custom"] and r[3] == "triton"]
+    assert len(triton) == 1 and float(triton[0][12]) < 0.03  # rel_err against torch
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backends", "nope"], "unknown backend"),
+        (["--tokens", "0"], "--tokens"),
+        (["--preset", "mixtral-8x7b"], "not both"),
+        (["--top-k", "9"], "exceeds --experts"),
+    ],
+)
+def test_bench_refuses_bad_arguments(argv, message, capsys):
+    assert main([*TINY, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_bench_on_cuda_without_a_gpu(capsys):
+    assert main([*TINY[:-2], "--device", "cuda"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_partial_custom_shape_and_bad_quant(capsys):
+    assert main(["bench", "--experts", "4", "--quiet"]) == 2
+    assert "missing --top-k --hidden --intermediate" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([*TINY, "--quant", "fp7"])
+    assert exc.value.code == 2 and "fp7" in capsys.readouterr().err
+
+
+def test_bench_entry_point_json_on_stdout_side(tmp_path):
+    js = tmp_path / "rows.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "fusedmoe", *TINY, "--tokens", "2", "--json", str(js)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "time_ms" in result.stdout and len(json.loads(js.read_text())) >= 3
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_no_mul"])
+def test_baselines_match_the_reference(activation):
+    """grouped_mm (the op where it runs, and its loop twin) and eager: odd M, an expert that
+    gets no token, gated and non-gated activations."""
+    num_experts, top_k, hidden, inter, tokens = 8, 2, 64, 32, 37
+    gated = activation != "gelu_no_mul"
+    x = torch.randn(tokens, hidden).bfloat16()
+    w13 = (torch.randn(num_experts, (2 if gated else 1) * inter, hidden) / 8).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter) / 6).bfloat16()
+    weights, ids = (
+        torch.rand(tokens, top_k).softmax(-1),
+        torch.randint(0, num_experts, (tokens, top_k)),
+    )
+    ids = torch.where(ids == 3, torch.full_like(ids, 5), ids).int()  # expert 3: no token
+    ref = fused_experts(x, w13, w2, weights, ids, activation=activation, backend="torch")
+    outs = {
+        "loop": grouped_mm_experts(x, w13, w2, weights, ids, activation, loop=True),
+        "eager": eager_experts(x, w13, w2, weights, ids, activation),
+    }
+    if grouped_mm_unavailable(x.device, x.dtype) is None:
+        outs["grouped_mm"] = grouped_mm_experts(x, w13, w2, weights, ids, activation)
+    for name, out in outs.items():
+        assert_close(out, ref, torch.bfloat16, what=name)
