@@ -24,22 +24,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_moe import (
-    csv_list,
-    make_expert_weights,
-    make_routing,
-    quantize_fp8_block,
-    rel_err,
-    seeded,
-    time_us,
-)
-
 from fusedmoe import fused_experts
+from fusedmoe.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.bench.timing import rel_err, time_ms
 from fusedmoe.presets import PRESETS
-from fusedmoe.quant import make_quant_config, quantize_experts
+from fusedmoe.quant import make_quant_config
 from fusedmoe.roofline import (
     ceilings_for,
     distinct_experts,
@@ -69,45 +60,47 @@ class Row:
     note: str
 
 
-def quantize_fp8_tensor(w13, w2, x_calib):
-    """fp8_tensor weights (a scale per expert) with static a1 / a2 scales from a calibration
-    batch: a1 from |x|, a2 from the activations the torch backend computes on a few tokens."""
-    parts = [quantize_experts(w13[i : i + 16], w2[i : i + 16], "fp8_tensor")
-             for i in range(0, w13.shape[0], 16)]  # fmt: skip
-    q13 = torch.cat([p[0] for p in parts])
-    q2 = torch.cat([p[1] for p in parts])
-    s13 = torch.cat([p[2].w1.scale for p in parts])
-    s2 = torch.cat([p[2].w2.scale for p in parts])
+def csv_list(kind):
+    return lambda text: [kind(v) for v in text.split(",") if v]
+
+
+def quantize_static_fp8_tensor(w13, w2, x_calib):
+    """fp8_tensor weights (a scale per expert) with static a1 / a2 scales: a1 from |x| of a
+    calibration batch; a2 = 8 / 448 (SiLU * up of these N(0, 1/fan_in) weights stays within a
+    few units)."""
+    experts = quantize_expert_set(w13, w2, "fp8_tensor", with_plain=False)
     a1 = x_calib.abs().amax().float().reshape(1) / 448
-    # a2: the SiLU * up outputs stay within a few units for these N(0, 1/fan_in) weights
     a2 = torch.tensor([8.0 / 448], device=x_calib.device)
-    return q13, q2, make_quant_config("fp8_tensor", s13, s2, a1_scale=a1, a2_scale=a2)
+    qc = experts.quant_config
+    static = make_quant_config("fp8_tensor", qc.w1.scale, qc.w2.scale, a1_scale=a1, a2_scale=a2)
+    return experts.w13, experts.w2, static
 
 
 def run_case(preset_name, quant, args, ceilings, device):
     preset = PRESETS[preset_name]
     e, k, h, i = preset.num_experts, preset.top_k, preset.hidden_size, preset.intermediate_size
-    w13, w2 = make_expert_weights(preset, device)
+    act, dtype = preset.activation, torch.bfloat16
+    w13, w2 = make_expert_weights(preset.name, e, h, i, act, dtype, device)
     if quant == "fp8_block":
-        q13, q2, qc = quantize_fp8_block(w13, w2)
+        experts = quantize_expert_set(w13, w2, "fp8_block", with_plain=False)
+        q13, q2, qc = experts.w13, experts.w2, experts.quant_config
     else:
-        calib = torch.randn(256, h, device=device, generator=seeded(device, "calib")).bfloat16()
-        q13, q2, qc = quantize_fp8_tensor(w13, w2, calib)
+        calib = make_routing(preset.name, 256, e, k, h, "uniform", dtype, device).x
+        q13, q2, qc = quantize_static_fp8_tensor(w13, w2, calib)
     del w13, w2
     torch.cuda.empty_cache()
     rows = []
     for routing in args.routing:
         for m in args.tokens:
-            gen = seeded(device, preset.name, routing, m)
-            x = torch.randn(m, h, device=device, generator=gen).bfloat16()
-            topk_weights, topk_ids = make_routing(m, e, k, routing, gen)
+            inputs = make_routing(preset.name, m, e, k, h, routing, dtype, device)
+            x, topk_weights, topk_ids = inputs.x, inputs.topk_weights, inputs.topk_ids
             d = distinct_experts(topk_ids, e)
             scale_bytes = fp8_block_scale_bytes(d, h, i) if quant == "fp8_block" else 4.0 * d
             num_bytes = moe_bytes(d, m, k, h, i, 1, 2, scale_bytes)
             flops = moe_flops(m, k, h, i)
             floor_us = floor_seconds(num_bytes, flops, ceilings, True) * 1e6
             run = functools.partial(fused_experts, x, q13, q2, topk_weights, topk_ids,
-                                    activation=preset.activation, quant_config=qc)  # fmt: skip
+                                    activation=act, quant_config=qc)  # fmt: skip
             ref = None
             if m * k <= 8192:
                 ref = run(backend="torch")
@@ -120,7 +113,9 @@ def run_case(preset_name, quant, args, ceilings, device):
                                     floor_us, float("nan"), float("nan"), None,
                                     f"refused: {exc}"[:90]))  # fmt: skip
                     continue
-                us, how = time_us(functools.partial(run, backend=backend), device, args.rep_ms)
+                ms, how = time_ms(functools.partial(run, backend=backend), device,
+                                  rep_ms=args.rep_ms)  # fmt: skip
+                us = ms * 1e3
                 against = ref if ref is not None else outputs.get("triton")
                 err = None if against is None else rel_err(outputs[backend], against)
                 row = Row(preset_name, quant, routing, backend, m, us, floor_us,
@@ -143,8 +138,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=csv_list(str), default=list(DEFAULT_CASES))
     p.add_argument("--tokens", type=csv_list(int), default=list(DEFAULT_TOKENS))
-    p.add_argument("--backends", type=csv_list(str, BACKENDS), default=list(BACKENDS))
-    p.add_argument("--routing", type=csv_list(str, ("uniform", "skewed")), default=["uniform"])
+    p.add_argument("--backends", type=csv_list(str), default=list(BACKENDS))
+    p.add_argument("--routing", type=csv_list(str), default=["uniform"])
     p.add_argument("--rep-ms", type=int, default=50)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)

@@ -18,19 +18,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import (
-    csv_list,
-    make_expert_weights,
-    make_routing,
-    quantize_fp8_block,
-    seeded,
-    time_us,
-)
+from bench_fp8_backends import csv_list
 
 from fusedmoe import fused_experts
+from fusedmoe.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.bench.timing import time_ms
 from fusedmoe.kernels.deep_gemm_moe import use_deep_gemm_config
 from fusedmoe.kernels.moe_config import (
     GemmConfig,
@@ -67,23 +62,22 @@ def main(argv=None) -> int:
     ceilings = ceilings_for(torch.cuda.get_device_name())
     preset = PRESETS[args.preset]
     e, k, h, i = preset.num_experts, preset.top_k, preset.hidden_size, preset.intermediate_size
-    w13, w2 = make_expert_weights(preset, device)
-    q13, q2, qc = quantize_fp8_block(w13, w2)
-    del w13, w2
+    w13, w2 = make_expert_weights(preset.name, e, h, i, preset.activation, torch.bfloat16, device)
+    experts = quantize_expert_set(w13, w2, "fp8_block", with_plain=False)
+    q13, q2, qc = experts.w13, experts.w2, experts.quant_config
+    del w13, w2, experts
     torch.cuda.empty_cache()
 
     def inputs(m):
-        gen = seeded(device, preset.name, "uniform", m)
-        x = torch.randn(m, h, device=device, generator=gen).bfloat16()
-        weights, ids = make_routing(m, e, k, "uniform", gen)
-        d = distinct_experts(ids, e)
+        r = make_routing(preset.name, m, e, k, h, "uniform", torch.bfloat16, device)
+        d = distinct_experts(r.topk_ids, e)
         nbytes = moe_bytes(d, m, k, h, i, 1, 2, fp8_block_scale_bytes(d, h, i))
         floor = floor_seconds(nbytes, moe_flops(m, k, h, i), ceilings, True) * 1e6
-        return x, weights, ids, floor
+        return r.x, r.topk_weights, r.topk_ids, floor
 
     def report(what, m, run, floor):
         try:
-            us, _ = time_us(run, device, 40)
+            us = time_ms(run, device, rep_ms=40)[0] * 1e3
         except Exception as exc:  # a tile that does not fit: say so and go on
             print(f"{what:<44} M={m:<6} failed: {type(exc).__name__}: {exc!s:.80}", flush=True)
             return

@@ -225,9 +225,46 @@ def _add_shape_arguments(p: argparse.ArgumentParser, preset_help: str) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.ep > 1:
+        return run_ep_bench(args)
     from fusedmoe.bench.command import run_bench_command
 
     return run_bench_command(args)
+
+
+def run_ep_bench(args: argparse.Namespace) -> int:
+    """`fusedmoe bench --ep N` under torchrun: the expert-parallel layer (fusedmoe.ep_bench)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.ep:
+        print(
+            f"fusedmoe bench --ep {args.ep} runs one process per rank: launch it as "
+            f"`torchrun --nproc-per-node {args.ep} -m fusedmoe bench --ep {args.ep} ...` "
+            f"(WORLD_SIZE is {world})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.experts is not None or (args.preset and len(args.preset) != 1):
+        print("fusedmoe bench --ep takes one --preset (no custom shape)", file=sys.stderr)
+        return 2
+    from fusedmoe import ep_bench
+
+    argv = ["--preset", args.preset[0] if args.preset else "deepseek-v3"]
+    argv += ["--dtypes", ",".join(args.quant), "--kinds", ",".join(args.ep_kinds)]
+    if args.tokens:
+        argv += ["--tokens", ",".join(map(str, args.tokens))]
+    if args.backends:
+        argv += ["--backend", args.backends[0]]
+    if args.device != "auto":
+        argv += ["--device", args.device]
+    if args.scale:
+        argv += ["--scale", str(args.scale)]
+    if args.json:
+        argv += ["--json", args.json]
+    if args.check:
+        argv.append("--check")
+    return ep_bench.main(argv)
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -310,6 +347,15 @@ def _add_bench(sub) -> None:
         "of the float64 reference",
     )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    ep = p.add_argument_group("expert parallelism (under torchrun: one process per rank)")
+    ep.add_argument("--ep", type=int, default=1, help="ranks: time the EP layer (tokens per rank)")
+    ep.add_argument(
+        "--ep-kinds",
+        type=csv_list(str, ("naive", "all_to_all")),
+        default=["naive", "all_to_all"],
+        help="EP prepare/finalize kinds",
+    )
+    ep.add_argument("--check", action="store_true", help="EP: compare with the unsharded layer")
     p.set_defaults(func=run_bench)
 
 

@@ -79,3 +79,29 @@ def test_ep_bench_arguments(argv, match, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+def test_bench_ep_needs_torchrun(monkeypatch, capsys):
+    from fusedmoe.cli import main as cli_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli_main(["bench", "--ep", "2"]) == 2
+    assert "torchrun --nproc-per-node 2 -m fusedmoe bench --ep 2" in capsys.readouterr().err
+
+
+def test_bench_ep_hands_its_flags_to_ep_bench(monkeypatch):
+    from fusedmoe import ep_bench
+    from fusedmoe.cli import main as cli_main
+
+    seen = []
+    monkeypatch.setattr(ep_bench, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = ["bench", "--ep", "4", "--preset", "qwen3-30b-a3b", "--quant", "bf16,fp8_block",
+            "--tokens", "64,1024", "--ep-kinds", "all_to_all", "--device", "cpu",
+            "--check"]  # fmt: skip
+    assert cli_main(argv) == 0
+    expected = ["--preset", "qwen3-30b-a3b", "--dtypes", "bf16,fp8_block", "--kinds",
+                "all_to_all", "--tokens", "64,1024", "--device", "cpu", "--check"]  # fmt: skip
+    assert seen == [expected]
+    parse_args(expected)  # ep_bench accepts what the CLI hands it
+    assert cli_main(["bench", "--ep", "4", "--preset", "qwen3-30b-a3b,deepseek-v3"]) == 2
