@@ -470,3 +470,21 @@ def test_quant_config_of_the_wrong_type_is_refused(experts):
         fused_experts(
             torch.randn(3, H), experts["w13"], experts["w2"], weights, ids, quant_config="fp8"
         )
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_tensor", "mxfp4_w4a8", "nvfp4", "int8"])
+def test_quantize_experts_in_chunks_equals_at_once(scheme, monkeypatch):
+    """Large layers are quantized a few experts at a time: the same bytes and scales."""
+    from fusedmoe.quant import config as qconfig
+
+    w13, w2 = torch.randn(7, 64, 256), torch.randn(7, 256, 32)
+    whole = quantize_experts(w13, w2, scheme)
+    monkeypatch.setattr(qconfig, "_CHUNK_ELEMENTS", 2 * 64 * 256)  # chunks of 2 experts
+    chunked = quantize_experts(w13, w2, scheme)
+    for a, b in ((whole[0], chunked[0]), (whole[1], chunked[1])):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for a, b in ((whole[2].w1, chunked[2].w1), (whole[2].w2, chunked[2].w2)):
+        assert torch.equal(a.scale.float(), b.scale.float())
+        assert (a.global_scale is None) == (b.global_scale is None)
+        if a.global_scale is not None:
+            assert torch.equal(a.global_scale, b.global_scale)

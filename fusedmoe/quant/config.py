@@ -29,7 +29,7 @@ from fusedmoe.activation import ActivationParams
 from fusedmoe.quant import keys
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.keys import ElementFormat, QuantKey, ScaleFormat, ScaleLayout
-from fusedmoe.quant.reference import quantize
+from fusedmoe.quant.reference import Quantized, quantize
 
 SCHEMES = (
     "fp8_tensor",
@@ -243,9 +243,27 @@ def make_quant_config(
     )
 
 
+#: elements of w quantized at once: the spec holds a few float32 copies of what it quantizes,
+#: so a whole DeepSeek-V3 layer (3.8e9 elements per weight) goes a few experts at a time
+_CHUNK_ELEMENTS = 1 << 28
+
+
 def quantize_weight(w: torch.Tensor, scheme: str, what: str = "w"):
-    """One expert weight [E, N, K] -> Quantized in the scheme's weight format."""
-    return quantize(w, weight_key(scheme), what=what)
+    """One expert weight [E, N, K] -> Quantized in the scheme's weight format, a few experts at
+    a time (every weight scale layout is per expert, so the chunks concatenate along E)."""
+    key = weight_key(scheme)
+    step = max(1, _CHUNK_ELEMENTS // max(w[0].numel(), 1)) if w.dim() == 3 else len(w)
+    if w.dim() != 3 or w.shape[0] <= step:
+        return quantize(w, key, what=what)
+    parts = [quantize(w[e : e + step], key, what=what) for e in range(0, w.shape[0], step)]
+    global_scale = None
+    if parts[0].global_scale is not None:
+        global_scale = torch.cat([p.global_scale for p in parts])
+    return Quantized(
+        q=torch.cat([p.q for p in parts]),
+        scale=torch.cat([p.scale for p in parts]),
+        global_scale=global_scale,
+    )
 
 
 def quantize_experts(
