@@ -183,7 +183,9 @@ def test_requested_by_name_refuses_calls_outside_the_contract():
         fused_experts(_x(5), w13, w2, weights, ids, quant_config=qc, backend="deep_gemm")
 
 
-def test_auto_choice_falls_back_to_triton_and_logs_once(monkeypatch, caplog):
+def test_unrequested_instance_falls_back_to_triton_and_logs_once(monkeypatch, caplog):
+    """The instance the oracle builds when it picks deep_gemm itself (create(requested=False):
+    the MX schemes, or a call with backend="auto" wherever deep_gemm is preferred)."""
     w13, w2, qc = _quantized("fp8_block")
     weights, ids = _routing(5, E, K_TOP)
     calls = []
@@ -231,6 +233,45 @@ def test_mx_schemes_run_the_contiguous_path_outside_the_contract():
     )  # fmt: skip
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+def test_mx_activation_scales_of_a_k_tail_are_not_read_past_the_row():
+    """K = 160: the second 128-wide K tile holds one 32-group of MX scales; the codes past it
+    belong to the next row (padding rows of the workspace hold anything: 0xFF is E8M0 NaN)."""
+    from fusedmoe.kernels.deep_gemm_moe import fused_experts_deep_gemm
+
+    hidden = 160
+    experts = random_experts(E, hidden, I, dtype=torch.bfloat16)
+    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "mxfp8")
+    w13, w2, qc = w13.to(DEVICE), w2.to(DEVICE), _to_device(qc)
+    weights, ids = _routing(9, E, K_TOP)
+    x = torch.randn(9, hidden, dtype=torch.bfloat16, device=DEVICE)
+    from fusedmoe.quant.activation import quantize_activation
+
+    a1 = quantize_activation(x, qc.a1)
+    shapes = DeepGemmExperts().workspace_shapes(
+        9, 2 * I, hidden, K_TOP, E, E, ActivationSpec().kind
+    )
+    ws13 = torch.full(shapes.workspace13, -1, dtype=torch.int16, device=DEVICE).view(torch.bfloat16)
+    ws2 = torch.full(shapes.workspace2, -1, dtype=torch.int16, device=DEVICE).view(torch.bfloat16)
+    out = poison_(torch.empty(9, hidden, dtype=torch.bfloat16, device=DEVICE))
+    fused_experts_deep_gemm(
+        out, a1.q, a1.scale, w13, w2, qc.w1.scale, qc.w2.scale, weights, ids, scheme="mxfp8",
+        activation=ActivationSpec(), workspace13=ws13, workspace2=ws2,
+    )  # fmt: skip
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+def test_config_override_keeps_blocks_inside_a_run():
+    from fusedmoe.kernels.deep_gemm_moe import use_deep_gemm_config
+    from fusedmoe.kernels.moe_config import GemmConfig
+
+    with (
+        pytest.raises(ValueError, match="block_m"),
+        use_deep_gemm_config(256, GemmConfig(128, 128, 8, 8, 3)),
+    ):
+        pass
 
 
 def test_workspaces_and_reduce():

@@ -116,26 +116,43 @@ def test_zero_tokens():
 
 @pytest.mark.parametrize("scheme", ["fp8_block", "fp8_tensor_static"])
 @pytest.mark.parametrize("num_tokens", [1, 11])
-def test_ep_rank_skips_experts_of_other_ranks(scheme, num_tokens):
-    """Rank 1 of 3 holds global experts [E, 2E): its output is the torch backend's with an
-    expert_map over the same local weights; routed experts elsewhere contribute zero."""
+@pytest.mark.parametrize("how", ["ep_rank", "expert_map"])
+def test_ep_rank_skips_experts_of_other_ranks(scheme, num_tokens, how):
+    """Rank 1 of 3 of 3E + 1 experts holds global experts [E + 1, 2E + 1) (the first rank takes
+    the extra one): its output is the torch backend's with an expert_map over the same local
+    weights; routed experts elsewhere contribute zero. The rank is given by ep_rank / ep_size,
+    or by the expert_map a caller (the layer under EP) passes."""
     w13, w2, qc = _problem(scheme)
-    num_global = 3 * E
+    num_global = 3 * E + 1
     weights, ids = _routing(num_tokens, num_global, 4, empty=0.1)
     x = _x(num_tokens)
     expert_map = torch.full((num_global,), -1, dtype=torch.int32)
-    expert_map[E : 2 * E] = torch.arange(E, dtype=torch.int32)
+    expert_map[E + 1 : 2 * E + 1] = torch.arange(E, dtype=torch.int32)
+    expert_map = expert_map.to(DEVICE)
     ref = fused_experts(
         x, w13, w2, weights, ids, quant_config=qc, backend="torch",
-        expert_map=expert_map.to(DEVICE), global_num_experts=num_global,
+        expert_map=expert_map, global_num_experts=num_global,
     )  # fmt: skip
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), HPCExperts(ep_rank=1))
+    experts = HPCExperts(ep_rank=1, ep_size=3) if how == "ep_rank" else HPCExperts()
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
     out = kernel.forward(
         x, ExpertWeights(w13, w2), weights, ids, activation=ActivationSpec(),
         global_num_experts=num_global, quant_config=qc,
+        expert_map=expert_map if how == "expert_map" else None,
     )  # fmt: skip
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
     assert float(out.float().abs().max()) > 0  # some experts are local: not trivially zero
+
+
+def test_ep_rank_must_match_the_local_experts():
+    w13, w2, qc = _problem("fp8_block")
+    weights, ids = _routing(3, 3 * E, 2)
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), HPCExperts(ep_rank=0, ep_size=2))
+    with pytest.raises(ValueError, match="rank 0 of 2 holds 9 of the 18 experts"):
+        kernel.forward(
+            _x(3), ExpertWeights(w13, w2), weights, ids, activation=ActivationSpec(),
+            global_num_experts=3 * E, quant_config=qc,
+        )  # fmt: skip
 
 
 def test_op_adds_shared_output_and_overwrites_accumulator():
@@ -167,6 +184,8 @@ def test_contract():
     assert experts.wants_unquantized_input()
     with pytest.raises(ValueError, match="ep_rank"):
         HPCExperts(ep_rank=-1)
+    with pytest.raises(ValueError, match=r"ep_rank must be in \[0, 2\)"):
+        HPCExperts(ep_rank=2, ep_size=2)
 
 
 @pytest.mark.parametrize(

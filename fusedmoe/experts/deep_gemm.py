@@ -12,8 +12,8 @@ unpermutes with the weighted top-k reduce straight into the output (finalize: No
     activations    SILU, SWIGLUSTEP, SWIGLUOAI_UNINTERLEAVE (gemm1_alpha / beta / clamp_limit)
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
-none, so there the kernels dequantize MX operands to bf16 in their load path (exact, see
-fusedmoe.kernels.moe_gemm). `native_mx(device)` says which case a GPU is.
+none, so the kernels dequantize MX operands to bf16 in their load path (exact, see
+fusedmoe.kernels.moe_gemm) -- on Blackwell too, for now.
 
 The DeepGEMM contract runs only some calls (valid_call_reason: at least `alignment` tokens, N
 and K multiples of it, N > 512, FP8 / FP4 weights, contiguous tensors). Chosen by the oracle
@@ -83,11 +83,6 @@ class DeepGemmExperts(Experts):
     @classmethod
     def preferred_on(cls, device):
         return device.type == "cuda"
-
-    @classmethod
-    def native_mx(cls, device: torch.device) -> bool:
-        """Whether the GPU multiplies MX operands natively (else: dequantized on load)."""
-        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
 
     @classmethod
     def supports_dtype(cls, dtype):

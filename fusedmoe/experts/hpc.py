@@ -13,8 +13,9 @@ latency: three launches at M = 1, four above (the alignment), no host synchronis
                 float32 or UE8M0 scales)
     activation  SiLU (no clamp)
     hidden      a multiple of 128
-    EP          no expert_map: HPCExperts(ep_rank=r) runs the contiguous block of experts
-                [r * E_l, (r + 1) * E_l) and skips the others itself
+    EP          no expert_map needed: HPCExperts(ep_rank=r, ep_size=n) runs rank r's linear block
+                of experts (fusedmoe.parallel.linear_expert_map) and skips the others itself;
+                an expert_map the caller passes (the layer under EP) is followed instead
     workspaces  (M, H) float32 accumulator, (0,), output (M, H): finalize's reduce is NoOp
 """
 
@@ -46,12 +47,15 @@ def _hpc_scheme(quant_config) -> str | None:
 
 class HPCExperts(Experts):
     name = "hpc"
-    hidden_size_alignment = 128
 
-    def __init__(self, ep_rank: int = 0) -> None:
-        if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or ep_rank < 0:
-            raise ValueError(f"ep_rank must be a non-negative int, got {ep_rank!r}")
+    def __init__(self, ep_rank: int = 0, ep_size: int = 1) -> None:
+        for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not 0 <= ep_rank < max(ep_size, 1):
+            raise ValueError(f"ep_rank must be in [0, {ep_size}), got {ep_rank}")
         self.ep_rank = ep_rank
+        self.ep_size = ep_size
 
     @classmethod
     def is_available(cls):
@@ -135,16 +139,20 @@ class HPCExperts(Experts):
         scheme = _hpc_scheme(quant_config)
         if scheme is None:  # the oracle refuses these; a direct call gets the reason
             raise ValueError(f"the hpc backend does not support {quant_config!r}")
-        if expert_map is not None:
-            raise ValueError("the hpc backend takes no expert_map: construct it with ep_rank")
         if apply_router_weight_on_input:
             raise ValueError("the hpc backend applies the router weight in GEMM2, not on x")
-        num_local = weights.num_local_experts
-        expert_start = self.ep_rank * num_local
-        if expert_start + num_local > global_num_experts:
-            raise ValueError(
-                f"ep_rank {self.ep_rank} with {num_local} local experts is past the "
-                f"{global_num_experts} global experts"
+        if expert_map is None:  # rank ep_rank's linear block: E / ep_size, the first E % ep_size
+            base, extra = divmod(global_num_experts, self.ep_size)  # ranks one more
+            block = base + (self.ep_rank < extra)
+            if weights.num_local_experts != block:
+                raise ValueError(
+                    f"{weights.num_local_experts} local experts, but rank {self.ep_rank} of "
+                    f"{self.ep_size} holds {block} of the {global_num_experts} experts: "
+                    "construct HPCExperts(ep_rank=..., ep_size=...) to match, or pass an "
+                    "expert_map"
+                )
+            expert_map = local_expert_map(
+                global_num_experts, self.ep_size, self.ep_rank, hidden_states.device
             )
         qc = quant_config
         fused_moe_hpc(
@@ -159,15 +167,13 @@ class HPCExperts(Experts):
             accumulator=workspace13,
             a1_scale=qc.a1.scale,
             a2_scale=qc.a2.scale,
-            expert_map=local_expert_map(
-                global_num_experts, expert_start, num_local, hidden_states.device
-            ),
+            expert_map=expert_map,
             block_quant=scheme == "block",
             use_ue8m0=qc.a1.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
         )
 
     def __repr__(self) -> str:
-        return f"HPCExperts(ep_rank={self.ep_rank})"
+        return f"HPCExperts(ep_rank={self.ep_rank}, ep_size={self.ep_size})"
 
 
 __all__ = ["HPCExperts"]

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe.activation import apply_activation
+from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.kernels import moe_gemm as g
-from fusedmoe.kernels.fused_moe import _TL_DTYPE, GemmVariant, _launch_gemm, _Rows
+from fusedmoe.kernels.fused_moe import _TL_DTYPE, GemmVariant, _launch_gemm, _Rows, moe_sum
 from fusedmoe.kernels.moe_align import aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
 from fusedmoe.kernels.quant import _act_mul_per_token_group_quant_fp8_op, _resolve_params
@@ -132,44 +132,6 @@ def _permute_kernel(
             )
             s_dst = sp_ptr + rows.to(tl.int64)[:, None] * stride_spm + groups[None, :] * stride_spg
             tl.store(s_dst, s, mask=s_mask)
-
-
-@triton.jit
-def _unpermute_reduce_kernel(
-    y_ptr, stride_ym, stride_yh,  # [M_sum, H]
-    out_ptr, stride_om, stride_oh,  # [M, H]
-    w_ptr, stride_wm, stride_wk,  # float32 [M, k]
-    ids_ptr, stride_im, stride_ik,  # [M, k] global ids
-    map_ptr,  # [E] global -> local
-    inv_ptr,  # [S]
-    H,
-    TOP_K: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
-):  # fmt: skip
-    """out[m] = sum_j w[m, j] * y[inv[m * k + j]] over the slots routed here, in fp32."""
-    m = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        gid = tl.load(ids_ptr + m * stride_im + j * stride_ik)
-        routed = gid >= 0
-        if HAS_MAP:
-            routed = tl.load(map_ptr + gid, mask=routed, other=-1) >= 0
-        row = tl.where(routed, tl.load(inv_ptr + m * TOP_K + j), 0).to(tl.int64)
-        mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
-        y = tl.load(y_ptr + row * stride_ym + cols * stride_yh, mask=mask, other=0.0)
-        y = y.to(tl.float32)
-        if MUL_WEIGHT:
-            y *= tl.load(w_ptr + m * stride_wm + j * stride_wk)
-        acc += y
-    acc = g._round_to(acc, out_ptr.dtype.element_ty, ROUND_IN_FP32)
-    tl.store(
-        out_ptr + m * stride_om + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=h_mask
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,28 +254,11 @@ def unpermute_reduce(
     mul_weight: bool = True,
 ) -> None:
     """output [M, H] = sum_j w[m, j] * y[inv_perm[m * k + j]] over the slots routed here."""
-    num_tokens, top_k = topk_ids.shape
-    hidden = y.shape[1]
-    if num_tokens == 0:
-        return
-    block_h = min(_COLS, triton.next_power_of_2(hidden))
-    grid = (num_tokens, triton.cdiv(hidden, block_h))
     guard = torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext()
     with guard:
-        _unpermute_reduce_kernel[grid](
-            y, y.stride(0), y.stride(1),
-            output, output.stride(0), output.stride(1),
-            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
-            topk_ids, topk_ids.stride(0), topk_ids.stride(1),
-            topk_ids if expert_map is None else expert_map,
-            inv_perm,
-            hidden,
-            TOP_K=top_k,
-            HAS_MAP=expert_map is not None,
-            MUL_WEIGHT=mul_weight,
-            BLOCK_H=block_h,
-            ROUND_IN_FP32=not y.is_cuda,
-            num_warps=4,
+        moe_sum(
+            y, output, topk_ids, expert_map, inv_perm=inv_perm,
+            topk_weights=topk_weights if mul_weight else None,
         )  # fmt: skip
 
 
@@ -346,7 +291,10 @@ _override: contextvars.ContextVar[tuple[int, GemmConfig] | None] = contextvars.C
 
 @contextlib.contextmanager
 def use_deep_gemm_config(block_m: int, config: GemmConfig) -> Iterator[None]:
-    """Scoped override of deep_gemm_config (benchmarks, sweeps): every grouped GEMM inside."""
+    """Scoped override of deep_gemm_config (benchmarks, sweeps): every grouped GEMM inside.
+    block_m must divide the alignment (a block reads one expert's weights)."""
+    if block_m < 16 or block_m & (block_m - 1) or 128 % block_m:
+        raise ValueError(f"block_m must be a power of two in [16, 128], got {block_m}")
     token = _override.set((block_m, config))
     try:
         yield
@@ -371,6 +319,8 @@ def _grouped_gemm(a, a_scale, a_mode, w, w_scale, w_mode, out, layout, *, w_fp4,
     """out [M_sum, N] = a @ w[m_indices].T over the runs (bf16 out, no epilogue)."""
     m_sum = a.shape[0]
     block_m, config = deep_gemm_config(m_sum, out.shape[1], a.shape[1], layout.alignment)
+    if layout.alignment % block_m:
+        raise ValueError(f"{block_m}-row GEMM blocks would span the {layout.alignment}-row runs")
     rows = _Rows(block_m, m_sum // block_m, _AlignedRuns(layout), layout.m_indices, None)
     _launch_gemm(
         a, a_scale, a_mode, 1, w, w_scale, w_mode, None, out, None, layout.m_indices, rows,
@@ -404,6 +354,83 @@ _A_MODE = {"fp8_block": g.A_GROUP, "mxfp8": g.A_MX, "mxfp4_w4a8": g.A_GROUP}
 _W_MODE = {"fp8_block": g.W_BLOCK, "mxfp8": g.W_MX, "mxfp4_w4a8": g.W_MX}
 
 
+@torch.library.custom_op(
+    "fusedmoe::fused_experts_deep_gemm", mutates_args=("output", "workspace13", "workspace2")
+)
+def _fused_experts_deep_gemm_op(
+    output: torch.Tensor,
+    a1q: torch.Tensor,
+    a1q_scale: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    workspace13: torch.Tensor,
+    workspace2: torch.Tensor,
+    scheme: str,
+    activation: str,
+    act_alpha: float | None,
+    act_beta: float | None,
+    act_limit: float | None,
+    alignment: int,
+    m_sum: int,
+    column_major_scales: bool,
+    use_ue8m0: bool,
+    mul_routed_weight: bool,
+) -> None:
+    num_local, n, _ = w13.shape
+    hidden = a1q.shape[1]
+    act = MoEActivation(activation)
+    params = ActivationParams(act_alpha, act_beta, act_limit)
+    h_dtype = _TL_DTYPE[output.dtype]
+    w_fp4 = scheme == "mxfp4_w4a8"
+    # workspace13 holds a1 permuted and its scales; workspace2 holds h, then y (a2 and its
+    # scales come from the act + quantization op, which allocates them)
+    raw13 = workspace13.view(-1).view(torch.uint8)
+    a_out = raw13[: m_sum * hidden].view(FP8_DTYPE).view(m_sum, hidden)
+    scale_bytes = (m_sum * hidden + 15) // 16 * 16
+    groups = a1q_scale.shape[1]
+    scale_out = (
+        raw13[scale_bytes : scale_bytes + m_sum * groups * a1q_scale.element_size()]
+        .view(a1q_scale.dtype)
+        .view(m_sum, groups)
+    )
+    layout = permute_contiguous(
+        a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
+        a_out=a_out, scale_out=scale_out,
+    )  # fmt: skip
+    h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
+    a_mode, w_mode = _A_MODE[scheme], _W_MODE[scheme]
+    _grouped_gemm(
+        layout.a, layout.a_scale, a_mode, w13, w13_scale, w_mode, h, layout, w_fp4=w_fp4,
+        h_dtype=h_dtype,
+    )  # fmt: skip
+    if scheme == "mxfp8":  # no fused MX kernel: the activation (fp32), then MXFP8
+        a2q, a2_scale = quantize_mxfp8(apply_activation(act, h, params))
+    else:
+        alpha, beta, limit, has_limit = _resolve_params(act, params)
+        a2q, a2_scale = _act_mul_per_token_group_quant_fp8_op(
+            h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, column_major_scales,
+            use_ue8m0,
+        )  # fmt: skip
+    y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
+    _grouped_gemm(a2q, a2_scale, a_mode, w2, w2_scale, w_mode, y, layout, w_fp4=w_fp4,
+                  h_dtype=h_dtype)  # fmt: skip
+    unpermute_reduce(
+        y, output, topk_weights, topk_ids, layout.inv_perm, expert_map, mul_routed_weight
+    )
+
+
+@_fused_experts_deep_gemm_op.register_fake
+def _(output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map,
+      workspace13, workspace2, scheme, activation, act_alpha, act_beta, act_limit, alignment,
+      m_sum, column_major_scales, use_ue8m0, mul_routed_weight):  # fmt: skip
+    return None
+
+
 def fused_experts_deep_gemm(
     output: torch.Tensor,
     a1q: torch.Tensor,
@@ -425,53 +452,23 @@ def fused_experts_deep_gemm(
     column_major_scales: bool = False,
     use_ue8m0: bool = False,
     mul_routed_weight: bool = True,
-) -> ContiguousLayout:
-    """output [M, H] = the experts' weighted top-k sum, through the contiguous layout.
+) -> None:
+    """output [M, H] = the experts' weighted top-k sum, through the contiguous layout (one
+    custom op: it traces under torch.compile and never reads the device from the host).
 
     a1q [M, K] quantized by prepare (FP8, scales [M, K/128] float32, or MXFP8 with uint8 E8M0
     scales [M, K/32]); w13 / w2 FP8 with 128 x 128 block scales, MXFP8, or MXFP4 (uint8 packed,
-    [E_l, N, K/2]) with E8M0 scales. Inputs are assumed checked by the caller (the backend).
-    Returns the layout (for tests).
+    [E_l, N, K/2]) with E8M0 scales; workspaces of DeepGemmExperts.workspace_shapes. Inputs are
+    assumed checked by the caller (the backend).
     """
     num_tokens, top_k = topk_ids.shape
-    num_local, n, _ = w13.shape
-    hidden = a1q.shape[1]
+    if num_tokens == 0:
+        return
     if m_sum is None:
-        m_sum = compute_aligned_M_and_alignment(num_tokens, top_k, num_local, alignment)[0]
-    h_dtype = _TL_DTYPE[output.dtype]
-    w_fp4 = scheme == "mxfp4_w4a8"
-    # workspace13 holds a1 permuted, then a2; workspace2 holds h, then y
-    raw13 = workspace13.view(-1).view(torch.uint8)
-    a_out = raw13[: m_sum * hidden].view(torch.uint8).view(FP8_DTYPE).view(m_sum, hidden)
-    scale_bytes = (m_sum * hidden + 15) // 16 * 16
-    groups = a1q_scale.shape[1]
-    scale_out = (
-        raw13[scale_bytes : scale_bytes + m_sum * groups * a1q_scale.element_size()]
-        .view(a1q_scale.dtype)
-        .view(m_sum, groups)
-    )
-    layout = permute_contiguous(
-        a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
-        a_out=a_out, scale_out=scale_out,
+        m_sum = compute_aligned_M_and_alignment(num_tokens, top_k, w13.shape[0], alignment)[0]
+    p = activation.params
+    _fused_experts_deep_gemm_op(
+        output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+        expert_map, workspace13, workspace2, scheme, activation.kind.value, p.alpha, p.beta,
+        p.limit, alignment, m_sum, column_major_scales, use_ue8m0, mul_routed_weight,
     )  # fmt: skip
-    h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
-    a_mode, w_mode = _A_MODE[scheme], _W_MODE[scheme]
-    _grouped_gemm(
-        layout.a, layout.a_scale, a_mode, w13, w13_scale, w_mode, h, layout, w_fp4=w_fp4,
-        h_dtype=h_dtype,
-    )  # fmt: skip
-    if scheme == "mxfp8":  # no fused MX kernel: the activation (fp32), then MXFP8
-        a2q, a2_scale = quantize_mxfp8(apply_activation(activation.kind, h, activation.params))
-    else:
-        alpha, beta, limit, has_limit = _resolve_params(activation.kind, activation.params)
-        a2q, a2_scale = _act_mul_per_token_group_quant_fp8_op(
-            h, activation.kind.value, alpha, beta, limit, has_limit, g.QUANT_GROUP,
-            column_major_scales, use_ue8m0,
-        )  # fmt: skip
-    y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
-    _grouped_gemm(a2q, a2_scale, a_mode, w2, w2_scale, w_mode, y, layout, w_fp4=w_fp4,
-                  h_dtype=h_dtype)  # fmt: skip
-    unpermute_reduce(
-        y, output, topk_weights, topk_ids, layout.inv_perm, expert_map, mul_routed_weight
-    )
-    return layout

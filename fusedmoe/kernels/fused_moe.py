@@ -350,21 +350,36 @@ def _(output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, topk
 
 
 def moe_sum(
-    y: torch.Tensor, output: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
+    y: torch.Tensor,
+    output: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    *,
+    inv_perm: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
 ) -> None:
-    """output [M, H] = sum over j of y [M * k, H] rows m * k + j routed to this rank."""
+    """output [M, H] = sum over j of y's row of slot m * k + j, for the slots routed to this
+    rank: row m * k + j of y [M * k, H], or row inv_perm[m * k + j] of a permuted y; times
+    topk_weights[m, j] when given (in fp32, rounded once)."""
     num_tokens, top_k = topk_ids.shape
     hidden = y.shape[1]
+    if num_tokens == 0:
+        return
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden))
     grid = (num_tokens, triton.cdiv(hidden, block_h))
+    w = topk_ids if topk_weights is None else topk_weights
     g._moe_sum_kernel[grid](
         y, y.stride(0), y.stride(1),
         output, output.stride(0), output.stride(1),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_ids if expert_map is None else expert_map,
+        topk_ids if inv_perm is None else inv_perm,
+        w, w.stride(0), w.stride(1),
         hidden,
         TOP_K=top_k,
         HAS_MAP=expert_map is not None,
+        HAS_INV=inv_perm is not None,
+        MUL_WEIGHT=topk_weights is not None,
         BLOCK_H=block_h,
         ROUND_IN_FP32=not y.is_cuda,
         num_warps=4,

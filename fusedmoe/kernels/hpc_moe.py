@@ -39,6 +39,7 @@ from fusedmoe.kernels.fused_moe import (
     device_name,
 )
 from fusedmoe.kernels.moe_config import moe_kernel_config
+from fusedmoe.parallel import linear_expert_map
 from fusedmoe.quant.activation import per_token_group_quant_fp8, quantize_fp8_per_tensor
 from fusedmoe.quant.formats import FP8_DTYPE
 
@@ -52,20 +53,14 @@ _QUANTIZE_INSIDE_MAX_ROWS = 16
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_map(num_experts: int, expert_start: int, num_local: int, device: torch.device):
-    expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
-    expert_map[expert_start : expert_start + num_local] = torch.arange(num_local, dtype=torch.int32)
-    return expert_map.to(device)
-
-
 def local_expert_map(
-    num_experts: int, expert_start: int, num_local: int, device: torch.device
+    num_experts: int, ep_size: int, ep_rank: int, device: torch.device
 ) -> torch.Tensor | None:
-    """The global -> local map of a contiguous block of experts (None: every expert is local).
-    Cached, so a captured CUDA graph keeps reading the same tensor."""
-    if expert_start == 0 and num_local == num_experts:
+    """The expert_map of rank ep_rank's linear block of experts (fusedmoe.parallel's placement;
+    None without EP). Cached, so a CUDA graph captured after a first call keeps reading it."""
+    if ep_size == 1:
         return None
-    return _cached_map(num_experts, expert_start, num_local, torch.device(device))
+    return linear_expert_map(num_experts, ep_size, ep_rank).to(device)
 
 
 @torch.library.custom_op("fusedmoe::fused_moe_hpc", mutates_args=("output", "accumulator"))

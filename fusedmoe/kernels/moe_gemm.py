@@ -221,14 +221,14 @@ def _e8m0_to_float(code):
 
 @triton.jit
 def _mx_a_tile(
-    a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, DOT_DTYPE: tl.constexpr,
+    a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, K, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """MXFP8 A tile [BM, BK] (e4m3) -> values in DOT_DTYPE, times its 1 x 32 E8M0 scales."""
     groups = k0 // _MX + tl.arange(0, BLOCK_K // _MX)
     codes = tl.load(
         a_scale_ptr + a_rows[:, None] * stride_asm + groups[None, :] * stride_ask,
-        mask=row_mask[:, None], other=127,
+        mask=row_mask[:, None] & (groups < K // _MX)[None, :], other=127,
     )  # fmt: skip
     x = tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // _MX, _MX))
     x = x * _e8m0_to_float(codes)[:, :, None]
@@ -446,7 +446,7 @@ def _moe_gemm_kernel(
             )
         if A_SCALE == _A_MX:
             a = _mx_a_tile(
-                a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, MX_DTYPE, BLOCK_M,
+                a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, K, MX_DTYPE, BLOCK_M,
                 BLOCK_K,
             )  # fmt: skip
         elif W_SCALE == _W_MX:  # FP8 (or bf16) activations against dequantized MX weights
@@ -585,17 +585,22 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _moe_sum_kernel(
-    y_ptr, stride_ys, stride_yh,  # [S, H] per-slot outputs (already weighted)
+    y_ptr, stride_ys, stride_yh,  # [S, H] per-slot outputs | HAS_INV: [rows, H] permuted
     out_ptr, stride_om, stride_oh,  # [M, H]
     ids_ptr, stride_im, stride_ik,  # [M, k] global expert ids
     map_ptr,  # [E] global -> local (-1: another rank)
+    inv_ptr,  # HAS_INV: int32 [S], the row of y of each slot routed here
+    w_ptr, stride_wm, stride_wk,  # MUL_WEIGHT: float32 [M, k] router weights
     H,
     TOP_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
 ):  # fmt: skip
-    """out[m] = sum_j y[m * k + j] over the slots routed to this rank, in fp32."""
+    """out[m] = sum_j (w[m, j] *) y[row(m * k + j)] over the slots routed to this rank, in fp32;
+    row(s) = s, or inv[s] for a permuted y (the DeepGEMM-style contiguous layout)."""
     m = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -607,8 +612,14 @@ def _moe_sum_kernel(
             local = tl.load(map_ptr + gid, mask=routed, other=-1)
             routed = local >= 0
         mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
-        y = tl.load(y_ptr + (m * TOP_K + j) * stride_ys + offs_h * stride_yh, mask=mask, other=0.0)
-        acc += y.to(tl.float32)
+        row = m * TOP_K + j
+        if HAS_INV:  # entries of slots not routed here are never written: not followed
+            row = tl.where(routed, tl.load(inv_ptr + row), 0).to(tl.int64)
+        y = tl.load(y_ptr + row * stride_ys + offs_h * stride_yh, mask=mask, other=0.0)
+        y = y.to(tl.float32)
+        if MUL_WEIGHT:
+            y *= tl.load(w_ptr + m * stride_wm + j * stride_wk)
+        acc += y
     acc = _round_to(acc, out_ptr.dtype.element_ty, ROUND_IN_FP32)
     out_ptrs = out_ptr + m * stride_om + offs_h * stride_oh
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
