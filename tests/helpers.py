@@ -116,3 +116,42 @@ def preset_problem(name: str, num_tokens: int, scheme: str | None, **config_kwar
     logits = torch.randn(num_tokens, num, device="cuda")
     weights, ids = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
     return spec, x, experts, weights, ids.to(torch.int32), qc
+
+
+def random_routing(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    *,
+    empty: float = 0.0,
+    hot: int | None = None,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [M, k], ids int32 [M, k]): distinct experts per token, positive weights
+    far from 1; a fraction `empty` of slots -1; `hot`: every token to that one expert (k = 1)."""
+    ids = torch.rand(num_tokens, num_experts).argsort(dim=1)[:, :top_k].to(torch.int32)
+    if hot is not None:
+        ids = torch.full((num_tokens, top_k), hot, dtype=torch.int32)
+    weights = torch.rand(num_tokens, top_k) * 2 + 0.2
+    if empty:
+        ids = ids.masked_fill(torch.rand(num_tokens, top_k) < empty, -1)
+    return weights.to(device), ids.to(device)
+
+
+def quant_tol(device: str) -> dict[str, float]:
+    """Bounds for quantized expert outputs against the float64 reference: a one-ulp difference of
+    h (summation order) can move a2 by one FP8 step, a few percent of the largest output at
+    worst. The interpreter dots in fp32; tensor cores sum in another order (seen: up to 3e-2
+    on an H200)."""
+    return dict(tol=0.04, rms_tol=5e-3) if device == "cpu" else dict(tol=0.08, rms_tol=1.5e-2)
+
+
+def quant_config_to(quant_config, device):
+    """The quant config with every scale tensor moved to `device`."""
+    from dataclasses import replace
+
+    def move(op):
+        return replace(op, scale=None if op.scale is None else op.scale.to(device))
+
+    qc = quant_config
+    return replace(qc, a1=move(qc.a1), a2=move(qc.a2), w1=move(qc.w1), w2=move(qc.w2))

@@ -10,6 +10,7 @@ local), H = K hidden, I intermediate, N = 2I, A the alignment.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -31,40 +32,32 @@ from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
 from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
 from fusedmoe.quant import quantize_experts
 from fusedmoe.quant.activation import per_token_group_quant_fp8
-from tests.helpers import assert_close, assert_equal, poison_, preset_problem
+from tests.helpers import (
+    assert_close,
+    assert_equal,
+    poison_,
+    preset_problem,
+    quant_config_to,
+    quant_tol,
+    random_routing,
+)
 from tests.reference import random_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, E, K_TOP = 256, 320, 4, 2  # N = 640 > 512; I = 320: a partial group of a2
-QUANT_TOL = dict(tol=0.04, rms_tol=5e-3) if DEVICE == "cpu" else dict(tol=0.08, rms_tol=1.5e-2)
+QUANT_TOL = quant_tol(DEVICE)
 # padding rows of the aligned layout hold whatever the workspace held: on the interpreter,
 # numpy warns when the activation of such a row overflows (the row is never read back)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def _routing(num_tokens, num_experts, top_k, *, empty=0.0, hot=None):
-    ids = torch.rand(num_tokens, num_experts).argsort(dim=1)[:, :top_k].to(torch.int32)
-    if hot is not None:
-        ids = torch.full((num_tokens, top_k), hot, dtype=torch.int32)
-    if empty:
-        ids = ids.masked_fill(torch.rand(num_tokens, top_k) < empty, -1)
-    weights = torch.rand(num_tokens, top_k) * 2 + 0.2
-    return weights.to(DEVICE), ids.to(DEVICE)
+_routing = functools.partial(random_routing, device=DEVICE)
 
 
 def _quantized(scheme, num_experts=E, activation="silu", **kwargs):
     experts = random_experts(num_experts, H, I, activation, dtype=torch.bfloat16)
     w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], scheme, **kwargs)
-    return w13.to(DEVICE), w2.to(DEVICE), _to_device(qc)
-
-
-def _to_device(qc):
-    from dataclasses import replace
-
-    def move(op):
-        return replace(op, scale=None if op.scale is None else op.scale.to(DEVICE))
-
-    return replace(qc, a1=move(qc.a1), a2=move(qc.a2), w1=move(qc.w1), w2=move(qc.w2))
+    return w13.to(DEVICE), w2.to(DEVICE), quant_config_to(qc, DEVICE)
 
 
 def _x(num_tokens):
@@ -243,7 +236,7 @@ def test_mx_activation_scales_of_a_k_tail_are_not_read_past_the_row():
     hidden = 160
     experts = random_experts(E, hidden, I, dtype=torch.bfloat16)
     w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "mxfp8")
-    w13, w2, qc = w13.to(DEVICE), w2.to(DEVICE), _to_device(qc)
+    w13, w2, qc = w13.to(DEVICE), w2.to(DEVICE), quant_config_to(qc, DEVICE)
     weights, ids = _routing(9, E, K_TOP)
     x = torch.randn(9, hidden, dtype=torch.bfloat16, device=DEVICE)
     from fusedmoe.quant.activation import quantize_activation

@@ -8,6 +8,8 @@ Legend: M tokens, k top-k, E experts (E_l local), H hidden, I intermediate.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -21,13 +23,20 @@ from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights
 from fusedmoe.quant import quantize_experts
-from tests.helpers import assert_close, assert_equal, poison_, preset_problem
+from tests.helpers import (
+    assert_close,
+    assert_equal,
+    poison_,
+    preset_problem,
+    quant_config_to,
+    quant_tol,
+    random_routing,
+)
 from tests.reference import random_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, E = 256, 192, 6  # I = 192: a partial 1 x 128 group of a2 and a masked GEMM1 tail
-# FP8 outputs: a one-ulp difference of h can move a2 by one FP8 step (see test_triton_experts)
-QUANT_TOL = dict(tol=0.04, rms_tol=5e-3) if DEVICE == "cpu" else dict(tol=0.08, rms_tol=1.5e-2)
+QUANT_TOL = quant_tol(DEVICE)
 STATIC = dict(a1_scale=torch.tensor([0.02]), a2_scale=torch.tensor([0.004]))
 # (scheme, make_quant_config keywords)
 SCHEMES = {
@@ -43,27 +52,11 @@ def _problem(scheme: str, num_experts: int = E, hidden: int = H, inter: int = I)
     w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], name, **kwargs)
     if DEVICE == "cuda":
         w13, w2 = w13.cuda(), w2.cuda()
-        qc = _to_cuda(qc)
+        qc = quant_config_to(qc, DEVICE)
     return w13, w2, qc
 
 
-def _to_cuda(qc):
-    from dataclasses import replace
-
-    def move(op):
-        return replace(op, scale=None if op.scale is None else op.scale.cuda())
-
-    return replace(qc, a1=move(qc.a1), a2=move(qc.a2), w1=move(qc.w1), w2=move(qc.w2))
-
-
-def _routing(num_tokens, num_experts, top_k, *, empty=0.0, hot=None):
-    ids = torch.rand(num_tokens, num_experts).argsort(dim=1)[:, :top_k].to(torch.int32)
-    if hot is not None:
-        ids = torch.full((num_tokens, top_k), hot, dtype=torch.int32)
-    weights = torch.rand(num_tokens, top_k) * 2 + 0.2
-    if empty:
-        ids = ids.masked_fill(torch.rand(num_tokens, top_k) < empty, -1)
-    return weights.to(DEVICE), ids.to(DEVICE)
+_routing = functools.partial(random_routing, device=DEVICE)
 
 
 def _x(num_tokens, hidden=H):

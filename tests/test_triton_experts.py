@@ -10,6 +10,7 @@ I intermediate, N = 2I (gated) or I, BM rows per aligned block.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -38,7 +39,14 @@ from fusedmoe.kernels.moe_config import (
 from fusedmoe.kernels.quant import _resolve_params
 from fusedmoe.presets import PRESETS
 from fusedmoe.quant import make_quant_config, quantize_experts
-from tests.helpers import assert_close, assert_equal, poison_, preset_problem
+from tests.helpers import (
+    assert_close,
+    assert_equal,
+    poison_,
+    preset_problem,
+    quant_tol,
+    random_routing,
+)
 from tests.reference import (
     ALL_ACTIVATIONS,
     NON_GATED,
@@ -50,33 +58,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 H, I, E = 64, 48, 8  # I = 48: GEMM1's and GEMM2's tiles have masked tails
 
-# quantized outputs: FP8 rounding of a slightly different h (summation order) turns one-ulp
-# differences into one-step differences of a2, a few percent of the largest output at worst.
-# The interpreter dots in fp32; tensor cores sum in another order (seen: up to 3e-2 on an H200).
-QUANT_TOL = dict(tol=0.04, rms_tol=5e-3) if DEVICE == "cpu" else dict(tol=0.08, rms_tol=1.5e-2)
+QUANT_TOL = quant_tol(DEVICE)
 
 
 # ---------------------------------------------------------------------------------------------
 # builders
 # ---------------------------------------------------------------------------------------------
-def _routing(
-    num_tokens: int,
-    num_experts: int,
-    top_k: int,
-    *,
-    empty: float = 0.0,
-    hot: int | None = None,
-    device: str = DEVICE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [M, k], ids int32 [M, k]): distinct experts per token, positive weights
-    far from 1; a fraction `empty` of slots -1; `hot`: every token to that one expert (k = 1)."""
-    ids = torch.rand(num_tokens, num_experts).argsort(dim=1)[:, :top_k].to(torch.int32)
-    if hot is not None:
-        ids = torch.full((num_tokens, top_k), hot, dtype=torch.int32)
-    weights = torch.rand(num_tokens, top_k) * 2 + 0.2
-    if empty:
-        ids = ids.masked_fill(torch.rand(num_tokens, top_k) < empty, -1)
-    return weights.to(device), ids.to(device)
+_routing = functools.partial(random_routing, device=DEVICE)
 
 
 def _experts(num_experts, hidden, inter, activation="silu", *, dtype, bias=False, device=DEVICE):
