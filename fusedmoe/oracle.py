@@ -10,6 +10,14 @@ but one (benchmarks/bench_cpu_backends.py: the presets at 1/16 size, bf16 and fp
 fixed ~10 us; at 1/4 size 1.2x to 15x). It routes inside, so it is only chosen where the router
 logits are at hand (FusedMoE), and only for unquantized, non-float64 inference calls (no
 autograd); elsewhere torch runs.
+
+triton precedes deep_gemm and hpc wherever it runs the scheme. On an H200
+(benchmarks/bench_fp8_backends.py, README) deep_gemm is faster only from M ~ 16384 (1.03x to
+1.08x) and 1.1x to 1.6x slower from 256 to 4096 tokens; hpc is faster only with static
+per-tensor FP8 scales at M <= 64 and trails triton with 128-block scales. The oracle picks per
+layer, not per call size, so those stay choices by name (backend="hpc" for a decode-only
+layer); deep_gemm and deep_gemm_fp4 are the automatic choice for the MX schemes, which triton
+does not run.
 """
 
 from __future__ import annotations
