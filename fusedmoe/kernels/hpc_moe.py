@@ -13,8 +13,9 @@ intermediate, the weighted top-k reduce inside GEMM2.
 Schemes: FP8 per-tensor with static activation scales (w13 / w2 scale per expert, a1 / a2
 scales [1]: GEMM1's output scale is a1_scale * w13_scale[e], the "g1 alpha", and a2 is
 quantized with 1 / a2_scale), and FP8 128 x 128 blocks with dynamic 1 x 128 activation groups
-(float32 or UE8M0 scales). SiLU only. Experts outside [expert_start, expert_start + E_l) are
-skipped (expert parallelism without an expert_map from the caller).
+(float32 or UE8M0 scales). SiLU only. Under expert parallelism the slots whose expert is not
+local (expert_map: global -> local, -1 elsewhere) are skipped; local_expert_map gives the map
+of a rank's linear block when the caller has none.
 
 Legend: M tokens, k top-k, S = M * k slots, E_l local experts, H hidden, I intermediate.
 The float32 atomics make the sum order (and so the last bit of acc) vary from run to run;
