@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from fusedmoe.modular.ep_comm import EPGroup
 
 
 @dataclass
@@ -36,62 +37,31 @@ class GatheredTokens:
 
 
 class AllGatherDispatch:
-    """Dispatch by all-gather and combine by reduce-scatter over `group` (None: the default).
+    """Dispatch by all-gather and combine by reduce-scatter over `group` (None: the default),
+    through the EP collectives (fusedmoe.modular.ep_comm.EPGroup).
 
     dp_size / dp_rank: what the ParallelConfig says; checked against the group at each call.
     """
 
     def __init__(self, dp_size: int, dp_rank: int, group: object | None = None) -> None:
-        self.dp_size, self.dp_rank, self.group = dp_size, dp_rank, group
-
-    def _check_group(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                f"parallel_config.dp_size = {self.dp_size}: the DP dispatch needs "
-                "torch.distributed initialized (init_process_group) on every rank"
-            )
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if (size, rank) != (self.dp_size, self.dp_rank):
-            raise ValueError(
-                f"parallel_config says dp_size={self.dp_size}, dp_rank={self.dp_rank}, but the "
-                f"process group has size {size} and this process is rank {rank} in it"
-            )
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.comm = EPGroup(dp_size, dp_rank, group)
 
     def dispatch(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> GatheredTokens:
-        self._check_group()
-        num_tokens = topk_ids.shape[0]
-        counts = torch.empty(self.dp_size, dtype=torch.int64, device=x.device)
-        _all_gather(counts, torch.tensor([num_tokens], device=x.device), self.group)
-        num_tokens_per_rank = tuple(int(c) for c in counts.tolist())  # one host sync
-        pad = max(num_tokens_per_rank) - num_tokens
-        x_pad = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        weights_pad = torch.nn.functional.pad(topk_weights.float(), (0, 0, 0, pad))
-        ids_pad = torch.nn.functional.pad(topk_ids.to(torch.int32), (0, 0, 0, pad), value=-1)
-        gathered = []
-        for local in (x_pad, weights_pad, ids_pad):
-            out = local.new_empty(self.dp_size * local.shape[0], *local.shape[1:])
-            if out.numel():  # every rank idle: every rank skips (they all see the same counts)
-                _all_gather(out, local.contiguous(), self.group)
-            gathered.append(out)
+        self.comm.check()
+        num_tokens_per_rank = self.comm.all_gather_counts(topk_ids.shape[0], x.device)
+        max_rows = max(num_tokens_per_rank)
+        pad = max_rows - topk_ids.shape[0]
+        # padding slots are empty (-1); all_gather_rows pads x and the weights with zeros
+        ids = torch.nn.functional.pad(topk_ids.to(torch.int32), (0, 0, 0, pad), value=-1)
+        gathered = [
+            self.comm.all_gather_rows(t.contiguous(), max_rows)
+            for t in (x, topk_weights.float(), ids)
+        ]
         return GatheredTokens(*gathered, num_tokens=num_tokens_per_rank, rank=self.dp_rank)
 
     def combine(self, partial: torch.Tensor, gathered: GatheredTokens) -> torch.Tensor:
         """partial [R * M_max, H] (this rank's experts) -> the group's sum of this rank's rows."""
-        max_tokens = gathered.max_tokens
-        own = partial.new_empty(max_tokens, *partial.shape[1:])
-        if own.numel():
-            _reduce_scatter(own, partial.contiguous(), self.group)
-        return own[: gathered.num_tokens[gathered.rank]]
-
-
-def _all_gather(out: torch.Tensor, local: torch.Tensor, group) -> None:
-    # the *_single names replace the *_tensor ones in recent torch (which warn on the old names)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, local, group=group)
-
-
-def _reduce_scatter(out: torch.Tensor, full: torch.Tensor, group) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, full, group=group)
+        return self.comm.reduce_scatter_rows(partial)[: gathered.num_tokens[gathered.rank]]
