@@ -4,7 +4,7 @@
                                             [--dtypes bfloat16 float32] [--threads N]
                                             [--json rows.json]
 
-For each preset of fusedmoe.presets (hidden and intermediate sizes divided by --scale, as the
+For each preset of fusedmoe.tools.presets (hidden and intermediate sizes divided by --scale, as the
 CPU demo does; experts, top-k and routing as the model has them), each dtype and each M: a
 FusedMoE layer with random weights, run under inference_mode on both backends with the same
 weights and inputs. Reported: the median wall time of --repeats calls after two warm-up calls
@@ -37,7 +37,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusedmoe.presets import PRESETS
+from fusedmoe.tools.presets import PRESETS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BACKENDS = ("torch", "monolithic")

@@ -1,4 +1,4 @@
-"""The MoE benchmark behind the README's performance table, now `fusedmoe bench` (fusedmoe/bench/).
+"""The MoE benchmark behind the README's performance table, now `fusedmoe bench` (fusedmoe/tools/bench/).
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py [--quick] [any fusedmoe bench flag]
 
@@ -18,7 +18,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusedmoe.cli import main
+from fusedmoe.tools.cli import main
 
 DEFAULTS = ["--quant", "bf16,fp8_block", "--routing", "uniform,skewed", "--backends", "triton"]
 DEFAULTS += ["--ref-max-slots", "8192"]

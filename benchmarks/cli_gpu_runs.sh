@@ -25,7 +25,7 @@ case "${1:?tune-bf16, tune-fp8 or bench}" in
     python3 -m fusedmoe backends > "$OUT/backends_${gpu}.txt"
     # the measured ceilings (what --ceilings auto uses), for the record; the table and plot
     # take PERFORMANCE.md's figures on the lent H200 / H100, as the README's table does
-    python3 -c "from fusedmoe.ceilings import measured_ceilings as m; print(m('cuda'))" \
+    python3 -c "from fusedmoe.tools.ceilings import measured_ceilings as m; print(m('cuda'))" \
       | tee "$OUT/ceilings_${gpu}.txt"
     ceilings=$([ "$gpu" = gpu ] && echo auto || echo "$gpu")
     python3 -m fusedmoe bench --quant bf16,fp8_block --tokens "$tokens" --backends triton \

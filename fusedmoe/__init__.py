@@ -9,7 +9,7 @@ from fusedmoe.activation import ActivationParams, MoEActivation, apply_activatio
 from fusedmoe.functional import fused_experts, fused_moe
 from fusedmoe.layer import FusedMoE
 from fusedmoe.oracle import BackendChoice, available_backends, select_backend
-from fusedmoe.parallel import ParallelConfig, get_compressed_expert_map
+from fusedmoe.parallel.config import ParallelConfig, get_compressed_expert_map
 from fusedmoe.router import Router, create_router
 
 __version__ = "0.1.0"

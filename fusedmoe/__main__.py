@@ -1,3 +1,3 @@
-from fusedmoe.cli import main
+from fusedmoe.tools.cli import main
 
 raise SystemExit(main())

@@ -16,10 +16,10 @@ handed the logits, y, w, ids = backend.apply_monolithic(x_r, logits, ...), and t
 output is computed from the w, ids it returns. routed_scaling_factor is applied to the router
 weights in float32, so identity zero experts are scaled like every other routed expert.
 
-Parallelism (parallel_config; fusedmoe.parallel says how tokens and experts are spread):
+Parallelism (parallel_config; fusedmoe.parallel.config says how tokens and experts are spread):
     ep_size > 1   the layer holds its rank's physical experts only, placed as
                   parallel_config.placement says ("linear" blocks or "round_robin";
-                  fusedmoe.placement), plus num_redundant_experts replicas (EPLB); its
+                  fusedmoe.parallel.placement), plus num_redundant_experts replicas (EPLB); its
                   expert_map buffer maps physical ids to local slots. load_weights takes global
                   checkpoints and keeps (and replicates) the local experts.
       dp_size == 1, not sequence_parallel: the ranks share their tokens and the output is this
@@ -33,8 +33,8 @@ Parallelism (parallel_config; fusedmoe.parallel says how tokens and experts are 
                   full output of its own tokens (sequence parallel: of every token).
     dp_size > 1, ep_size == 1: every rank holds every expert and its tokens stay local.
 EPLB (num_redundant_experts > 0): each token's logical ids pick one physical replica
-(fusedmoe.eplb.map_to_physical); expert_load counts the logical experts' tokens;
-fusedmoe.eplb.rebalance and apply_placement move the experts.
+(fusedmoe.parallel.eplb.map_to_physical); expert_load counts the logical experts' tokens;
+fusedmoe.parallel.eplb.rebalance and apply_placement move the experts.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from torch import nn
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
-from fusedmoe.eplb import map_to_physical, record_expert_load
+from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
@@ -59,8 +59,8 @@ from fusedmoe.modular.types import (
     needs_grad,
 )
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
-from fusedmoe.parallel import ParallelConfig
-from fusedmoe.placement import ExpertPlacement, expert_placement
+from fusedmoe.parallel.config import ParallelConfig
+from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
 from fusedmoe.quant.config import (
     FusedMoEQuantConfig,
     check_scheme,
@@ -187,7 +187,7 @@ class FusedMoE(nn.Module):
         self._dispatch = None  # the DP all-gather dispatch / combine of the monolithic backend
         pc = self.parallel_config
         if pc.dp_size > 1 and pc.use_ep:
-            from fusedmoe.modular.dp_dispatch import AllGatherDispatch  # torch.distributed
+            from fusedmoe.parallel.dp_dispatch import AllGatherDispatch  # torch.distributed
 
             self._dispatch = AllGatherDispatch(pc.dp_size, pc.dp_rank, pc.group)
         self.chunk_size = default_chunk_size()  # tokens per pass of the modular kernel
@@ -208,7 +208,7 @@ class FusedMoE(nn.Module):
         )
 
     def _set_placement(self, placement: ExpertPlacement, device=None) -> None:
-        """Take `placement` (the weights are the caller's business: fusedmoe.eplb moves them).
+        """Take `placement` (the weights are the caller's business: fusedmoe.parallel.eplb moves them).
 
         expert_start: the first global id of this rank's experts when they are one contiguous
         block of logical experts (what the monolithic backend runs), else None.
@@ -728,7 +728,7 @@ def _prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement):
         return NoEPPrepareFinalize()
     # torch.distributed is imported here, only when a dispatch is asked for
     if pc.all2all_backend == "all_to_all":
-        from fusedmoe.modular.all_to_all_ep import AllToAllEPPrepareFinalize
+        from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
 
         return AllToAllEPPrepareFinalize(
             pc.ep_size,
@@ -737,7 +737,7 @@ def _prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement):
             pc.group,
             sequence_parallel=pc.sequence_parallel,
         )
-    from fusedmoe.modular.ep_prepare_finalize import NaiveEPPrepareFinalize
+    from fusedmoe.parallel.naive_ep import NaiveEPPrepareFinalize
 
     return NaiveEPPrepareFinalize(
         pc.ep_size, pc.ep_rank, pc.group, sequence_parallel=pc.sequence_parallel

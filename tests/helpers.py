@@ -94,7 +94,7 @@ def quantize_in_chunks(experts: dict, scheme: str, **config_kwargs) -> tuple[dic
 def preset_problem(name: str, num_tokens: int, scheme: str | None, **config_kwargs):
     """A preset's experts at full size, made on the GPU, and a softmax top-k routing."""
     from fusedmoe.activation import MoEActivation
-    from fusedmoe.presets import PRESETS
+    from fusedmoe.tools.presets import PRESETS
 
     spec = PRESETS[name]
     num, hidden, inter = spec.num_experts, spec.hidden_size, spec.intermediate_size

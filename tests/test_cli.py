@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from fusedmoe.cli import main
+from fusedmoe.tools.cli import main
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import torch
 
 from fusedmoe import fused_experts
 from fusedmoe._triton import interpreting
-from fusedmoe.baselines import eager_experts, grouped_mm_experts, grouped_mm_unavailable
-from fusedmoe.cli import main
+from fusedmoe.tools.baselines import eager_experts, grouped_mm_experts, grouped_mm_unavailable
+from fusedmoe.tools.cli import main
 from tests.helpers import assert_close
 
 ROW_KEYS = {"preset", "quant", "backend", "tokens", "time_ms", "tflops", "gbps", "roofline_pct"}

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-import fusedmoe.capabilities as caps
-import fusedmoe.ceilings as ceil
+import fusedmoe.tools.capabilities as caps
+import fusedmoe.tools.ceilings as ceil
 from fusedmoe._triton import interpreting
-from fusedmoe.cli import main
+from fusedmoe.tools.cli import main
 from fusedmoe.experts.torch_ref import TorchExperts
 from fusedmoe.oracle import backend_names
 from fusedmoe.quant.config import SCHEMES
-from fusedmoe.roofline import H200, Ceilings, moe_floor, scale_bytes
+from fusedmoe.tools.roofline import H200, Ceilings, moe_floor, scale_bytes
 
 # ---------------------------------------------------------------------------------------------
 # fusedmoe backends
@@ -100,7 +100,7 @@ def test_tune_refuses_bad_arguments(argv, message, capsys):
 def test_tune_candidates_are_valid_configs():
     pytest.importorskip("triton")
     from fusedmoe.kernels.moe_config import heuristic_config
-    from fusedmoe.tune import candidates_around
+    from fusedmoe.tools.tune import candidates_around
 
     for dtype in ("bfloat16", "fp8_block"):
         for m in (1, 64, 4096):
@@ -119,7 +119,7 @@ def test_tune_candidates_are_valid_configs():
 def test_tune_table_is_what_the_backend_loads(tmp_path):
     pytest.importorskip("triton")
     from fusedmoe.kernels import moe_config as mc
-    from fusedmoe.tune import TuneResult, TuneShape, write_table
+    from fusedmoe.tools.tune import TuneResult, TuneShape, write_table
 
     shape = TuneShape("t", 8, 2, 256, 96)
     configs = {m: mc.heuristic_config(m, 2, 8, 256, 96, "bfloat16") for m in (1, 512)}

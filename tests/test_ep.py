@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fusedmoe import FusedMoE, ParallelConfig, get_compressed_expert_map, select_backend
-from fusedmoe.modular.ep_prepare_finalize import even_split, quantizes_before_dispatch
-from fusedmoe.parallel import linear_expert_map, round_robin_expert_map
-from fusedmoe.placement import ExpertPlacement, expert_placement
+from fusedmoe.parallel.naive_ep import even_split, quantizes_before_dispatch
+from fusedmoe.parallel.config import linear_expert_map, round_robin_expert_map
+from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
 from fusedmoe.quant.config import quantize_experts
 from tests.helpers import assert_close, assert_equal
 
@@ -363,7 +363,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
                         logits = data["logits"][rows, : routing_columns(case)]
                         outputs.append(layer(data["x"][rows], logits))
                 if case.rebalance and len(placements) == 0:
-                    from fusedmoe.eplb import rebalance_layer
+                    from fusedmoe.parallel.eplb import rebalance_layer
 
                     moved = rebalance_layer(layer)
                     placements.append((moved.physical_to_logical, moved.physical_rank))

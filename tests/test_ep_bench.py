@@ -1,4 +1,4 @@
-"""fusedmoe.ep_bench on 2 gloo processes, shrunken: the table's rows, traffic and the check."""
+"""fusedmoe.tools.ep_bench on 2 gloo processes, shrunken: the table's rows, traffic and the check."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fusedmoe.ep_bench import main, parse_args
+from fusedmoe.tools.ep_bench import main, parse_args
 
 
 def _bench_worker(rank: int, port: int, argv: list[str], path: str) -> None:
@@ -82,7 +82,7 @@ def test_ep_bench_arguments(argv, match, capsys):
 
 
 def test_bench_ep_needs_torchrun(monkeypatch, capsys):
-    from fusedmoe.cli import main as cli_main
+    from fusedmoe.tools.cli import main as cli_main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli_main(["bench", "--ep", "2"]) == 2
@@ -90,8 +90,8 @@ def test_bench_ep_needs_torchrun(monkeypatch, capsys):
 
 
 def test_bench_ep_hands_its_flags_to_ep_bench(monkeypatch):
-    from fusedmoe import ep_bench
-    from fusedmoe.cli import main as cli_main
+    from fusedmoe.tools import ep_bench
+    from fusedmoe.tools.cli import main as cli_main
 
     seen = []
     monkeypatch.setattr(ep_bench, "main", lambda argv: seen.append(argv) or 0)

@@ -102,7 +102,7 @@ def _worker(rank: int, port: int, path: str) -> None:
                     with torch.no_grad():
                         outputs.append(layer(x, logits).cpu())
                 if redundant and round_ == 0:
-                    from fusedmoe.eplb import rebalance_layer
+                    from fusedmoe.parallel.eplb import rebalance_layer
 
                     rebalance_layer(layer)
             results[name] = outputs

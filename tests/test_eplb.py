@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusedmoe import FusedMoE, ParallelConfig
-from fusedmoe.eplb import (
+from fusedmoe.parallel.eplb import (
     apply_placement,
     imbalance,
     map_to_physical,
@@ -20,7 +20,7 @@ from fusedmoe.eplb import (
     rebalance_layer,
     record_expert_load,
 )
-from fusedmoe.placement import expert_placement
+from fusedmoe.parallel.placement import expert_placement
 from tests.helpers import assert_close, assert_equal
 
 E, H, I, TOP_K = 8, 128, 128, 3

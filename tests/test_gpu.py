@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from fusedmoe.cli import main
-from fusedmoe.presets import PRESETS
+from fusedmoe.tools.cli import main
+from fusedmoe.tools.presets import PRESETS
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.gpu

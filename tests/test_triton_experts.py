@@ -37,7 +37,7 @@ from fusedmoe.kernels.moe_config import (
     use_moe_kernel_config,
 )
 from fusedmoe.kernels.quant import _resolve_params
-from fusedmoe.presets import PRESETS
+from fusedmoe.tools.presets import PRESETS
 from fusedmoe.quant import make_quant_config, quantize_experts
 from tests.helpers import (
     assert_close,

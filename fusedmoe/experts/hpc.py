@@ -14,7 +14,7 @@ latency: three launches at M = 1, four above (the alignment), no host synchronis
     activation  SiLU (no clamp)
     hidden      a multiple of 128
     EP          no expert_map needed: HPCExperts(ep_rank=r, ep_size=n) runs rank r's linear block
-                of experts (fusedmoe.parallel.linear_expert_map) and skips the others itself;
+                of experts (fusedmoe.parallel.config.linear_expert_map) and skips the others itself;
                 an expert_map the caller passes (the layer under EP) is followed instead
     workspaces  (M, H) float32 accumulator, (0,), output (M, H): finalize's reduce is NoOp
 """

@@ -5,7 +5,7 @@ device-agnostic torch (CPU, CUDA, any device torch runs matmuls on).
 Legend: M tokens, E global experts, E_l experts on this rank, k top-k, H hidden, N = 2I or I.
 
     topk_weights, topk_ids = route(router_logits)                 # see `route`
-    (DP: all-gather x, topk_weights, topk_ids over the group)     # fusedmoe.modular.dp_dispatch
+    (DP: all-gather x, topk_weights, topk_ids over the group)     # fusedmoe.parallel.dp_dispatch
     for each local expert e (global id expert_start + e), its routed slots r = (m, j):
         h[r] = x[m] @ w13[e].T + w13_bias[e]        # [c, N]  GEMM1, stored in x.dtype
         a[r] = act(h[r])                            # float32, stored in x.dtype
@@ -19,7 +19,7 @@ GEMMs run in x.dtype (float32 accumulation inside the matmul) instead of float64
 within the dtype's tolerance of the reference.
 
 EP shift: this rank holds the experts expert_start .. expert_start + E_l - 1 (experts_min ..
-experts_max, a contiguous block as fusedmoe.parallel.linear_expert_map places them); a slot
+experts_max, a contiguous block as fusedmoe.parallel.config.linear_expert_map places them); a slot
 routed to any other id (another rank's expert, a zero expert >= E) contributes zero here, so
 the sum of every rank's output is the unsharded result.
 

@@ -40,7 +40,7 @@ from fusedmoe.kernels.fused_moe import (
     device_name,
 )
 from fusedmoe.kernels.moe_config import moe_kernel_config
-from fusedmoe.parallel import linear_expert_map
+from fusedmoe.parallel.config import linear_expert_map
 from fusedmoe.quant.activation import per_token_group_quant_fp8, quantize_fp8_per_tensor
 from fusedmoe.quant.formats import FP8_DTYPE
 
@@ -57,7 +57,7 @@ _QUANTIZE_INSIDE_MAX_ROWS = 16
 def local_expert_map(
     num_experts: int, ep_size: int, ep_rank: int, device: torch.device
 ) -> torch.Tensor | None:
-    """The expert_map of rank ep_rank's linear block of experts (fusedmoe.parallel's placement;
+    """The expert_map of rank ep_rank's linear block of experts (fusedmoe.parallel.config's placement;
     None without EP). Cached, so a CUDA graph captured after a first call keeps reading it."""
     if ep_size == 1:
         return None

@@ -38,7 +38,7 @@ from fusedmoe.modular.types import (
 from fusedmoe.quant.config import FusedMoEQuantConfig
 
 if TYPE_CHECKING:
-    from fusedmoe.modular.dp_dispatch import AllGatherDispatch
+    from fusedmoe.parallel.dp_dispatch import AllGatherDispatch
 
 
 class Experts(abc.ABC):
@@ -106,7 +106,7 @@ class Experts(abc.ABC):
     def supports_token_dispatch(cls, all2all_backend: str | None, sequence_parallel: bool) -> bool:
         """Whether the backend runs where tokens travel between ranks that way. A modular
         backend runs under any EP prepare/finalize; one that routes inside dispatches by
-        itself, by all-gather only (fusedmoe.modular.dp_dispatch)."""
+        itself, by all-gather only (fusedmoe.parallel.dp_dispatch)."""
         if not cls.routes_inside:
             return True
         return all2all_backend in (None, "naive") and not sequence_parallel

@@ -4,8 +4,8 @@
     finalize: expert output -> weighted top-k reduce (if the experts left it) -> EP combine
 
 Only PrepareFinalize objects talk to a process group; the no-EP one here only quantizes. The EP
-ones: NaiveEPPrepareFinalize (fusedmoe.modular.ep_prepare_finalize, all-gather / reduce-scatter)
-and AllToAllEPPrepareFinalize (fusedmoe.modular.all_to_all_ep, tokens to their experts' ranks).
+ones: NaiveEPPrepareFinalize (fusedmoe.parallel.naive_ep, all-gather / reduce-scatter)
+and AllToAllEPPrepareFinalize (fusedmoe.parallel.all_to_all_ep, tokens to their experts' ranks).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class MoEProblem:
     has_expert_map: bool = False
     ep_size: int = 1
     #: how tokens travel to the experts' ranks: None (they stay), "naive", "all_to_all"
-    #: (fusedmoe.parallel.ParallelConfig.moves_tokens), and whether in sequence-parallel mode
+    #: (fusedmoe.parallel.config.ParallelConfig.moves_tokens), and whether in sequence-parallel mode
     all2all_backend: str | None = None
     sequence_parallel: bool = False
     requires_grad: bool = False  # autograd will differentiate through the experts

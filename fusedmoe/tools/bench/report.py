@@ -1,6 +1,6 @@
 """The outputs of `fusedmoe bench`: a terminal table, JSON, CSV, a PNG plot, a progress bar.
 
-JSON is a list of objects, one per row, with the keys of fusedmoe.bench.sweep.Row (preset,
+JSON is a list of objects, one per row, with the keys of fusedmoe.tools.bench.sweep.Row (preset,
 quant, routing, backend, weights, tokens, distinct, time_ms, tflops, gbps, floor_ms,
 roofline_pct, rel_err, err_ref, timing) plus the run's device and ceilings; CSV has the same
 columns. The plot needs matplotlib (pip install 'fusedmoe[plot]'): one panel per (shape,
@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
-from fusedmoe.bench.sweep import Row
+from fusedmoe.tools.bench.sweep import Row
 
 __all__ = ["Progress", "format_table", "plot_available", "write_csv", "write_json", "write_plot"]
 

@@ -10,9 +10,9 @@ contenders   which backends run (oracle.BACKENDS and their predicates) and the b
 timing       CUDA-graph replay on a GPU, perf_counter on the CPU; rel_err
 sweep        the loops, the floor of each row
 report       table, JSON, CSV, plot, progress
-command      the command line's driver (fusedmoe.cli parses)
+command      the command line's driver (fusedmoe.tools.cli parses)
 """
 
-from fusedmoe.bench.sweep import QUANTS, BenchSpec, Row, run_bench
+from fusedmoe.tools.bench.sweep import QUANTS, BenchSpec, Row, run_bench
 
 __all__ = ["QUANTS", "BenchSpec", "Row", "run_bench"]

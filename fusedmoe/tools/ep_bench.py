@@ -1,7 +1,7 @@
 """Expert-parallel benchmark: dispatch, experts, combine and the whole forward per rank.
 
-    torchrun --nproc-per-node 2 -m fusedmoe.ep_bench                      # 2 GPUs, NCCL
-    torchrun --nproc-per-node 2 -m fusedmoe.ep_bench --device cpu --scale 16 --tokens 16,64
+    torchrun --nproc-per-node 2 -m fusedmoe.tools.ep_bench                      # 2 GPUs, NCCL
+    torchrun --nproc-per-node 2 -m fusedmoe.tools.ep_bench --device cpu --scale 16 --tokens 16,64
 
 A deepseek-v3-sized layer (E = 256, k = 8, H = 7168, I = 2048, its grouped sigmoid routing;
 --scale divides H and I) sharded over the ranks as EP over the DP group: each rank has its own
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fusedmoe.layer import FusedMoE
-from fusedmoe.parallel import ParallelConfig
-from fusedmoe.presets import get_preset
+from fusedmoe.parallel.config import ParallelConfig
+from fusedmoe.tools.presets import get_preset
 
 #: required on the lent multi-GPU machines (no NVLink multicast / NVLS)
 _ENV_DEFAULTS = {
@@ -73,7 +73,7 @@ class Row:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="fusedmoe.ep_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fusedmoe.tools.ep_bench", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -128,8 +128,8 @@ def _init_distributed(device: str):
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SystemExit(
-            "fusedmoe.ep_bench runs under torchrun: "
-            "torchrun --nproc-per-node 2 -m fusedmoe.ep_bench [options]"
+            "fusedmoe.tools.ep_bench runs under torchrun: "
+            "torchrun --nproc-per-node 2 -m fusedmoe.tools.ep_bench [options]"
         )
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

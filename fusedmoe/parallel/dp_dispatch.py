@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedmoe.modular.ep_comm import EPGroup
+from fusedmoe.parallel.comm import EPGroup
 
 
 @dataclass
@@ -38,7 +38,7 @@ class GatheredTokens:
 
 class AllGatherDispatch:
     """Dispatch by all-gather and combine by reduce-scatter over `group` (None: the default),
-    through the EP collectives (fusedmoe.modular.ep_comm.EPGroup).
+    through the EP collectives (fusedmoe.parallel.comm.EPGroup).
 
     dp_size / dp_rank: what the ParallelConfig says; checked against the group at each call.
     """

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedmoe.modular.ep_comm import EPCommStats, EPGroup, row_bytes
+from fusedmoe.parallel.comm import EPCommStats, EPGroup, row_bytes
 from fusedmoe.modular.prepare_finalize import PrepareFinalize, apply_weight_on_input
 from fusedmoe.modular.types import PrepareResult
 from fusedmoe.quant import keys

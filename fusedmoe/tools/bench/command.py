@@ -1,4 +1,4 @@
-"""`fusedmoe bench`: from parsed arguments to the table, JSON, CSV and plot (fusedmoe.cli parses).
+"""`fusedmoe bench`: from parsed arguments to the table, JSON, CSV and plot (fusedmoe.tools.cli parses).
 
 Shapes: presets (real sizes on a GPU; on the CPU divided by --scale, default 16, and labelled
 "(scaled 1/16)") or one custom --experts --top-k --hidden --intermediate shape, as given.
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from fusedmoe._triton import has_triton
-from fusedmoe.bench.contenders import BASELINES
-from fusedmoe.bench.report import (
+from fusedmoe.tools.bench.contenders import BASELINES
+from fusedmoe.tools.bench.report import (
     Progress,
     format_table,
     plot_available,
@@ -22,10 +22,10 @@ from fusedmoe.bench.report import (
     write_json,
     write_plot,
 )
-from fusedmoe.bench.sweep import BenchSpec, run_bench
-from fusedmoe.ceilings import device_label, resolve_ceilings
+from fusedmoe.tools.bench.sweep import BenchSpec, run_bench
+from fusedmoe.tools.ceilings import device_label, resolve_ceilings
 from fusedmoe.oracle import backend_names
-from fusedmoe.presets import PRESETS, MoEPreset, get_preset
+from fusedmoe.tools.presets import PRESETS, MoEPreset, get_preset
 
 __all__ = ["CPU_SCALE", "CPU_TOKENS", "GPU_TOKENS", "run_bench_command"]
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fusedmoe.placement import ExpertPlacement
+from fusedmoe.parallel.placement import ExpertPlacement
 
 #: the FusedMoE tensors with one row per local physical expert (moved by apply_placement)
 EXPERT_TENSORS = (
@@ -272,7 +272,7 @@ def _move_rows(old_rows: torch.Tensor, plan, me: int, pc) -> torch.Tensor:
     if ops:  # only under EP: torch.distributed is imported when something travels
         import torch.distributed as dist
 
-        from fusedmoe.modular.ep_comm import to_wire
+        from fusedmoe.parallel.comm import to_wire
 
         p2p = [
             dist.P2POp(

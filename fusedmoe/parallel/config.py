@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe._checks import INDEX_DTYPES, check_tensor
-from fusedmoe.placement import PLACEMENTS
+from fusedmoe.parallel.placement import PLACEMENTS
 
 ALL2ALL_BACKENDS = ("naive", "all_to_all")
 
@@ -39,7 +39,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     all2all_backend: str = "naive"
     group: object | None = None  # a torch.distributed ProcessGroup, or None for the default
-    placement: str = "linear"  # "linear" or "round_robin" (fusedmoe.placement)
+    placement: str = "linear"  # "linear" or "round_robin" (fusedmoe.parallel.placement)
     num_redundant_experts: int = 0  # EPLB replicas beyond the E logical experts
 
     def __post_init__(self) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fusedmoe._paths import CACHE_ENV, cache_dir
-from fusedmoe.roofline import H100, H200, Ceilings
+from fusedmoe.tools.roofline import H100, H200, Ceilings
 
 __all__ = [
     "CACHE_ENV",
@@ -45,7 +45,7 @@ __all__ = [
     "resolve_ceilings",
 ]
 
-#: --ceilings h200 / h100: the figures of ../shared/PERFORMANCE.md (fusedmoe.roofline)
+#: --ceilings h200 / h100: the figures of ../shared/PERFORMANCE.md (fusedmoe.tools.roofline)
 NAMED_CEILINGS = {"h200": H200, "h100": H100}
 
 

@@ -3,10 +3,10 @@
 fusedmoe demo      [--preset qwen3-30b-a3b] [--tokens N] [--device cpu|cuda] [--dtype bfloat16]
 fusedmoe bench     [--preset a,b | --experts E --top-k k --hidden H --intermediate I]
                    [--quant bf16,fp8_block] [--tokens 1,8,64] [--routing uniform,skewed]
-                   [--backends triton,...] [--json F] [--csv F] [--plot F.png]   (fusedmoe.bench)
+                   [--backends triton,...] [--json F] [--csv F] [--plot F.png]   (fusedmoe.tools.bench)
 fusedmoe tune      [--preset a,b | custom shape] [--dtype bf16,fp8_block] [--tokens ...]
-                   [--out DIR | --ship] [--budget-s S]                           (fusedmoe.tune)
-fusedmoe backends  [--json]                                              (fusedmoe.capabilities)
+                   [--out DIR | --ship] [--budget-s S]                           (fusedmoe.tools.tune)
+fusedmoe backends  [--json]                                              (fusedmoe.tools.capabilities)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from fusedmoe.activation import MoEActivation
-from fusedmoe.presets import PRESETS, get_preset
+from fusedmoe.tools.presets import PRESETS, get_preset
 from fusedmoe.quant.config import SCHEMES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -227,13 +227,13 @@ def _add_shape_arguments(p: argparse.ArgumentParser, preset_help: str) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     if args.ep > 1:
         return run_ep_bench(args)
-    from fusedmoe.bench.command import run_bench_command
+    from fusedmoe.tools.bench.command import run_bench_command
 
     return run_bench_command(args)
 
 
 def run_ep_bench(args: argparse.Namespace) -> int:
-    """`fusedmoe bench --ep N` under torchrun: the expert-parallel layer (fusedmoe.ep_bench)."""
+    """`fusedmoe bench --ep N` under torchrun: the expert-parallel layer (fusedmoe.tools.ep_bench)."""
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -248,7 +248,7 @@ def run_ep_bench(args: argparse.Namespace) -> int:
     if args.experts is not None or (args.preset and len(args.preset) != 1):
         print("fusedmoe bench --ep takes one --preset (no custom shape)", file=sys.stderr)
         return 2
-    from fusedmoe import ep_bench
+    from fusedmoe.tools import ep_bench
 
     argv = ["--preset", args.preset[0] if args.preset else "deepseek-v3"]
     argv += ["--dtypes", ",".join(args.quant), "--kinds", ",".join(args.ep_kinds)]
@@ -268,7 +268,7 @@ def run_ep_bench(args: argparse.Namespace) -> int:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from fusedmoe.tune import run_tune_command
+    from fusedmoe.tools.tune import run_tune_command
 
     return run_tune_command(args)
 
@@ -276,7 +276,7 @@ def run_tune(args: argparse.Namespace) -> int:
 def run_backends(args: argparse.Namespace) -> int:
     import json
 
-    from fusedmoe.capabilities import as_json, capability_matrix, format_matrix
+    from fusedmoe.tools.capabilities import as_json, capability_matrix, format_matrix
 
     matrix = capability_matrix()
     if args.json:
@@ -287,9 +287,9 @@ def run_backends(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from fusedmoe.bench.command import CPU_SCALE, CPU_TOKENS, GPU_TOKENS
-    from fusedmoe.bench.sweep import QUANTS
-    from fusedmoe.ceilings import NAMED_CEILINGS
+    from fusedmoe.tools.bench.command import CPU_SCALE, CPU_TOKENS, GPU_TOKENS
+    from fusedmoe.tools.bench.sweep import QUANTS
+    from fusedmoe.tools.ceilings import NAMED_CEILINGS
 
     p = sub.add_parser(
         "bench",
@@ -360,8 +360,8 @@ def _add_bench(sub) -> None:
 
 
 def _add_tune(sub) -> None:
-    from fusedmoe.bench.command import GPU_TOKENS
-    from fusedmoe.tune import TUNE_DTYPES
+    from fusedmoe.tools.bench.command import GPU_TOKENS
+    from fusedmoe.tools.tune import TUNE_DTYPES
 
     p = sub.add_parser(
         "tune",

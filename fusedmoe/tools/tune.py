@@ -14,7 +14,7 @@ For each token bucket M (the shape's real sizes):
                 bucket's share of --budget-s is spent, or --max-configs were timed
     timing      the whole fused_experts call under use_moe_kernel_config(candidate), median of
                 CUDA-graph replays (triton.testing.do_bench_cudagraph), summed over a uniform
-                and a Zipf-skewed routing (fusedmoe.bench.inputs): a config that wins on uniform
+                and a Zipf-skewed routing (fusedmoe.tools.bench.inputs): a config that wins on uniform
                 routing alone can lose 30-50% when a popular expert's rows make many thin
                 tiles; a candidate that does not compile or launch (shared memory, registers)
                 is dropped
@@ -44,13 +44,13 @@ from pathlib import Path
 import torch
 
 from fusedmoe.activation import MoEActivation
-from fusedmoe.bench.inputs import (
+from fusedmoe.tools.bench.inputs import (
     ROUTINGS,
     make_expert_weights,
     make_routing,
     quantize_expert_set,
 )
-from fusedmoe.bench.timing import rel_err
+from fusedmoe.tools.bench.timing import rel_err
 from fusedmoe.functional import fused_experts
 
 __all__ = ["TUNE_DTYPES", "TuneResult", "TuneShape", "candidates_around", "tune_shape"]
@@ -340,7 +340,7 @@ def _fail(message: str) -> int:
 
 
 def tune_shapes(args) -> list[TuneShape]:
-    from fusedmoe.presets import PRESETS, get_preset
+    from fusedmoe.tools.presets import PRESETS, get_preset
 
     sizes = [args.experts, args.top_k, args.hidden, args.intermediate]
     if any(v is not None for v in sizes):

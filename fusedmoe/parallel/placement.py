@@ -10,7 +10,7 @@ replicas), R_ep ranks of the EP group, E_l physical experts on one rank.
 Strategies for the initial placement (expert_placement):
     linear       contiguous blocks: the first P % R_ep ranks take one extra expert
     round_robin  physical expert p on rank p % R_ep (neighbouring experts on different ranks)
-Redundant replica p >= E computes logical expert p % E at first; fusedmoe.eplb.rebalance
+Redundant replica p >= E computes logical expert p % E at first; fusedmoe.parallel.eplb.rebalance
 proposes a placement from measured loads.
 """
 

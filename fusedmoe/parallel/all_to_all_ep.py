@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe._checks import INDEX_DTYPES, check_tensor
-from fusedmoe.modular.ep_comm import row_bytes
-from fusedmoe.modular.ep_prepare_finalize import EPPrepareFinalize
+from fusedmoe.parallel.comm import row_bytes
+from fusedmoe.parallel.naive_ep import EPPrepareFinalize
 
 
 @dataclass

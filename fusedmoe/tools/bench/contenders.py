@@ -10,7 +10,7 @@ named with --backends, a backend runs wherever it supports the problem.
     routes inside          Experts.apply_monolithic(x, router_logits, ...) with a plain softmax
     (monolithic)           top-k router over the row's logits: the same ids as the others get,
                            and the top-k selection is inside its time
-    grouped_mm, eager      fusedmoe.baselines on the weights' values in the activation dtype
+    grouped_mm, eager      fusedmoe.tools.baselines on the weights' values in the activation dtype
 
 The reference for rel_err is fused_experts(..., backend="torch") on the same inputs (float64
 inside, on the scheme's quantized weights).
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusedmoe.baselines import eager_experts, grouped_mm_experts, grouped_mm_unavailable
-from fusedmoe.bench.inputs import ExpertSet, RoutingInputs
+from fusedmoe.tools.baselines import eager_experts, grouped_mm_experts, grouped_mm_unavailable
+from fusedmoe.tools.bench.inputs import ExpertSet, RoutingInputs
 from fusedmoe.functional import check_expert_weights, fused_experts
 from fusedmoe.modular.types import ActivationSpec, InsideRouting, MoEProblem
 from fusedmoe.oracle import BACKENDS, BackendChoice, get_backend, select_backend
