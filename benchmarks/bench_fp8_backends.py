@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fusedmoe import fused_experts
+from fusedmoe.quant import make_quant_config
 from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
 from fusedmoe.tools.bench.timing import rel_err, time_ms
 from fusedmoe.tools.presets import PRESETS
-from fusedmoe.quant import make_quant_config
 from fusedmoe.tools.roofline import (
     ceilings_for,
     distinct_experts,

@@ -24,8 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fp8_backends import csv_list
 
 from fusedmoe import fused_experts
-from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
-from fusedmoe.tools.bench.timing import time_ms
 from fusedmoe.kernels.deep_gemm_moe import use_deep_gemm_config
 from fusedmoe.kernels.moe_config import (
     GemmConfig,
@@ -33,6 +31,8 @@ from fusedmoe.kernels.moe_config import (
     heuristic_config,
     use_moe_kernel_config,
 )
+from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.tools.bench.timing import time_ms
 from fusedmoe.tools.presets import PRESETS
 from fusedmoe.tools.roofline import (
     ceilings_for,

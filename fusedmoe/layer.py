@@ -47,7 +47,6 @@ from torch import nn
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
-from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
@@ -60,6 +59,7 @@ from fusedmoe.modular.types import (
 )
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
 from fusedmoe.parallel.config import ParallelConfig
+from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
 from fusedmoe.quant.config import (
     FusedMoEQuantConfig,
@@ -208,7 +208,8 @@ class FusedMoE(nn.Module):
         )
 
     def _set_placement(self, placement: ExpertPlacement, device=None) -> None:
-        """Take `placement` (the weights are the caller's business: fusedmoe.parallel.eplb moves them).
+        """Take `placement` (the weights are the caller's business: fusedmoe.parallel.eplb moves
+        them).
 
         expert_start: the first global id of this rank's experts when they are one contiguous
         block of logical experts (what the monolithic backend runs), else None.

@@ -69,7 +69,7 @@ def decode_fp4_bytes(packed: torch.Tensor) -> torch.Tensor:
     return table[nibbles.long()]
 
 
-def _rows(x: torch.Tensor) -> list[list[float]]:
+def gemm_rows(x: torch.Tensor) -> list[list[float]]:
     return x.float().tolist()
 
 
@@ -79,7 +79,7 @@ def group_quant_fp8_loops(
 ) -> tuple[list[list[float]], list[list[float]]]:
     """x [M, K] -> (q values [M][K], float32 scales [M][ceil(K/group)])."""
     q_rows, s_rows = [], []
-    for row in _rows(x):
+    for row in gemm_rows(x):
         q_row, s_row = [], []
         for start in range(0, len(row), group):
             chunk = row[start : start + group]
@@ -130,7 +130,7 @@ def fake_quant_fp8_group(x: torch.Tensor, group: int = 128, ue8m0: bool = False)
 def fake_quant_fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """Per row (token): s = amax / 448."""
     out = []
-    for row in _rows(x):
+    for row in gemm_rows(x):
         s = f32(max(max(abs(v) for v in row), AMAX_EPS) / 448.0)
         out.append([f32(fp8_round(f32(v / s)) * s) for v in row])
     return torch.tensor(out)
@@ -138,7 +138,7 @@ def fake_quant_fp8_rows(x: torch.Tensor) -> torch.Tensor:
 
 def fake_quant_fp8_tensor(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """One scale for the whole tensor: the given (static) one, or amax / 448."""
-    rows = _rows(x)
+    rows = gemm_rows(x)
     if scale is None:
         scale = f32(max(max(abs(v) for row in rows for v in row), AMAX_EPS) / 448.0)
     return torch.tensor([[f32(fp8_round(f32(v / scale)) * scale) for v in row] for row in rows])
@@ -146,7 +146,7 @@ def fake_quant_fp8_tensor(x: torch.Tensor, scale: float | None = None) -> torch.
 
 def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
     out = []
-    for row in _rows(x):
+    for row in gemm_rows(x):
         s = f32(max(max(abs(v) for v in row), AMAX_EPS) / 127.0)
         out.append([f32(max(-127, min(127, round(f32(v / s)))) * s) for v in row])
     return torch.tensor(out)
@@ -155,7 +155,7 @@ def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
 def fake_quant_mxfp8(x: torch.Tensor) -> torch.Tensor:
     """1 x 32 groups, shared exponent floor(log2(amax)) - 8, e4m3 elements (saturating)."""
     out = []
-    for row in _rows(x):
+    for row in gemm_rows(x):
         out_row = []
         for start in range(0, len(row), 32):
             chunk = row[start : start + 32]
@@ -170,7 +170,7 @@ def fake_quant_mxfp8(x: torch.Tensor) -> torch.Tensor:
 def fake_quant_nvfp4(x: torch.Tensor) -> torch.Tensor:
     """1 x 16 groups: g = amax(tensor) / (448 * 6); block scale e4m3(amax / 6 / g), at least
     the smallest e4m3 subnormal; E2M1 elements of x / (block scale * g)."""
-    rows = _rows(x)
+    rows = gemm_rows(x)
     g = f32(max(max(abs(v) for row in rows for v in row), AMAX_EPS) / (448.0 * 6.0))
     out = []
     for row in rows:

@@ -10,10 +10,10 @@ import torch
 import fusedmoe.tools.capabilities as caps
 import fusedmoe.tools.ceilings as ceil
 from fusedmoe._triton import interpreting
-from fusedmoe.tools.cli import main
 from fusedmoe.experts.torch_ref import TorchExperts
 from fusedmoe.oracle import backend_names
 from fusedmoe.quant.config import SCHEMES
+from fusedmoe.tools.cli import main
 from fusedmoe.tools.roofline import H200, Ceilings, moe_floor, scale_bytes
 
 # ---------------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_permute_matches_twin(num_tokens, top_k, num_local, use_map, alignment):
 
     y = torch.randn(m_sum, 96, device=DEVICE).to(torch.bfloat16)
     out = poison_(torch.empty(num_tokens, 96, dtype=torch.bfloat16, device=DEVICE))
-    unpermute_reduce(y, out, weights, ids, layout.inv_perm, expert_map)
+    unpermute_reduce(y, out, weights, ids, layout.inv_perm, num_local, expert_map)
     assert_close(out, unpermute_reduce_torch(y, weights, ids, where), torch.bfloat16)
 
 

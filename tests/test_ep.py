@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fusedmoe import FusedMoE, ParallelConfig, get_compressed_expert_map, select_backend
-from fusedmoe.parallel.naive_ep import even_split, quantizes_before_dispatch
 from fusedmoe.parallel.config import linear_expert_map, round_robin_expert_map
+from fusedmoe.parallel.naive_ep import even_split, quantizes_before_dispatch
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
 from fusedmoe.quant.config import quantize_experts
 from tests.helpers import assert_close, assert_equal

@@ -1,4 +1,4 @@
-"""fusedmoe.tools.ep_bench on 2 gloo processes, shrunken: the table's rows, traffic and the check."""
+"""tools.ep_bench on 2 gloo processes, shrunken: the table's rows, traffic and the check."""
 
 from __future__ import annotations
 

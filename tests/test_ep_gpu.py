@@ -63,7 +63,7 @@ def _finish(layer: FusedMoE, checkpoint, backend, scheme) -> FusedMoE:
     return layer
 
 
-def _rows(sequence_parallel: bool, rank: int):
+def gemm_rows(sequence_parallel: bool, rank: int):
     """Per call: (slice of the whole call's rows, slice of this rank's)."""
     start, out = 0, []
     for counts in SP_CALLS if sequence_parallel else CALLS:
@@ -97,7 +97,7 @@ def _worker(rank: int, port: int, path: str) -> None:
             layer = _finish(_layer(device, pc), data["checkpoint"], backend, scheme)
             outputs = []
             for round_ in range(2 if redundant else 1):
-                for _, mine in _rows(sp, rank):
+                for _, mine in gemm_rows(sp, rank):
                     x, logits = data["x"][mine].to(device), data["logits"][mine].to(device)
                     with torch.no_grad():
                         outputs.append(layer(x, logits).cpu())
@@ -152,12 +152,12 @@ def test_nccl_sharded_equals_unsharded(case, spawned):
     layer = _finish(_layer("cuda"), checkpoint, backend, scheme)
     rounds = 2 if redundant else 1
     for round_ in range(rounds):
-        for c, (whole, _) in enumerate(_rows(sp, 0)):
+        for c, (whole, _) in enumerate(gemm_rows(sp, 0)):
             with torch.no_grad():
                 expected = layer(x[whole].cuda(), logits[whole].cuda()).cpu()
             for rank in (0, 1):
-                mine = _rows(sp, rank)[c][1]
-                got = results[rank][name][round_ * len(_rows(sp, 0)) + c]
+                mine = gemm_rows(sp, rank)[c][1]
+                got = results[rank][name][round_ * len(gemm_rows(sp, 0)) + c]
                 exp = expected[mine.start - whole.start : mine.stop - whole.start]
                 assert got.dtype == torch.bfloat16
                 assert_close(got, exp, torch.bfloat16, what=f"{name} call {c} rank {rank}",

@@ -5,6 +5,7 @@ Legend: M tokens, H hidden, I intermediate, E experts, k top-k.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import pytest
@@ -44,9 +45,9 @@ class RecordingExperts(TorchExperts):
     name = "torch_recording"
     calls: ClassVar[list[tuple[int, ...]]] = []
 
-    def apply(self, output, hidden_states, weights, topk_weights, topk_ids, **kwargs):
-        type(self).calls.append(tuple(hidden_states.shape))
-        super().apply(output, hidden_states, weights, topk_weights, topk_ids, **kwargs)
+    def apply(self, call):
+        type(self).calls.append(tuple(call.hidden_states.shape))
+        super().apply(call)
 
 
 @pytest.fixture
@@ -235,11 +236,12 @@ class ReducingExperts(TorchExperts):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(self, output, hidden_states, weights, topk_weights, topk_ids, **kwargs):
-        num_tokens, top_k = topk_ids.shape
+    def apply(self, call):
+        num_tokens, top_k = call.topk_ids.shape
+        output = call.output
         slots = torch.empty(num_tokens, top_k, output.shape[1], dtype=output.dtype)
-        super().apply(slots, hidden_states, weights, topk_weights, topk_ids, **kwargs)
-        output.copy_(torch.einsum("mk,mkh->mh", topk_weights.float(), slots.float()))
+        super().apply(dataclasses.replace(call, output=slots))
+        output.copy_(torch.einsum("mk,mkh->mh", call.topk_weights.float(), slots.float()))
 
 
 class DelegatingExperts(TorchExperts):

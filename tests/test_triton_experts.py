@@ -36,9 +36,9 @@ from fusedmoe.kernels.moe_config import (
     table_path,
     use_moe_kernel_config,
 )
-from fusedmoe.kernels.quant import _resolve_params
-from fusedmoe.tools.presets import PRESETS
+from fusedmoe.kernels.quant import resolve_params
 from fusedmoe.quant import make_quant_config, quantize_experts
+from fusedmoe.tools.presets import PRESETS
 from tests.helpers import (
     assert_close,
     assert_equal,
@@ -340,7 +340,7 @@ def test_op_with_no_tokens():
     fused_experts_triton(
         output, torch.empty(0, H, device=DEVICE), experts["w13"], experts["w2"],
         torch.empty(0, 2, device=DEVICE), ids, activation=MoEActivation.SILU,
-        params=_resolve_params(MoEActivation.SILU, None), workspace13=torch.empty(1, device=DEVICE),
+        params=resolve_params(MoEActivation.SILU, None), workspace13=torch.empty(1, device=DEVICE),
         workspace2=torch.empty(1, device=DEVICE), dtype_key="float32",
     )  # fmt: skip
 
@@ -366,10 +366,10 @@ def test_poisoned_buffers(monkeypatch, scheme):
     real_apply = TritonExperts.apply
     poisoned = []
 
-    def poisoned_apply(self, output, *args, workspace13, workspace2, **kwargs):
-        for buf in (output, workspace13, workspace2):
+    def poisoned_apply(self, call):
+        for buf in (call.output, call.workspace13, call.workspace2):
             poisoned.append(poison_(buf))
-        real_apply(self, output, *args, workspace13=workspace13, workspace2=workspace2, **kwargs)
+        real_apply(self, call)
 
     monkeypatch.setattr(TritonExperts, "apply", poisoned_apply)
     hidden, inter, num_global = (256, 128, 8) if scheme == "fp8_block" else (H, I, 8)
@@ -531,7 +531,7 @@ def test_custom_op_schema_and_fake(dtype):
     experts = _experts(4, H, I, dtype=dtype, bias=True)
     x = torch.randn(5, H, dtype=dtype, device=DEVICE)
     weights, ids = _routing(5, 4, 2, empty=0.2)
-    alpha, beta, limit, has_limit = _resolve_params(MoEActivation.SILU, None)
+    alpha, beta, limit, has_limit = resolve_params(MoEActivation.SILU, None)
     args = (
         torch.empty(5, H, dtype=dtype, device=DEVICE), x, None, experts["w13"], experts["w2"],
         None, None, experts["w13_bias"], experts["w2_bias"], weights, ids, None, None,
@@ -550,7 +550,7 @@ def _call_op(x, experts, weights, ids, activation=MoEActivation.SILU):
     output = torch.empty_like(x)
     fused_experts_triton(
         output, x, experts["w13"], experts["w2"], weights, ids, activation=activation,
-        params=_resolve_params(activation, None),
+        params=resolve_params(activation, None),
         workspace13=torch.empty(num_slots, x.shape[1], dtype=x.dtype, device=x.device),
         workspace2=torch.empty(num_slots, experts["w2"].shape[2], dtype=x.dtype, device=x.device),
         w13_bias=experts["w13_bias"], w2_bias=experts["w2_bias"], dtype_key=str(x.dtype)[6:],

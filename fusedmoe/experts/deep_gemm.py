@@ -139,76 +139,50 @@ class DeepGemmExperts(Experts):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        weights,
-        topk_weights,
-        topk_ids,
-        *,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a1q_global_scale,
-        quant_config,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
+    def apply(self, call):
         from fusedmoe.kernels.deep_gemm_moe import (
             compute_aligned_M_and_alignment,
             fused_experts_deep_gemm,
         )
 
-        qc = quant_config
+        qc, weights = call.quant_config, call.weights
         if not self.supports_quant_config(qc):
             raise ValueError(f"the {self.name} backend does not support {qc!r}")
-        if a1q_scale is None:
+        if call.a1q_scale is None:
             raise ValueError(f"the {self.name} backend needs a1 quantized by prepare")
-        num_tokens, top_k = topk_ids.shape
-        why = self.valid_call_reason(num_tokens, weights, hidden_states)
+        num_tokens, top_k = call.topk_ids.shape
+        why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
         if why is not None:
             if self.strict:
                 raise ValueError(f"backend {self.name!r} cannot run this call: {why}")
             if TritonExperts.supports_quant_config(qc):
                 self._log_once(f"{self.name}: {why}; this call runs on the triton backend")
-                TritonExperts().apply(
-                    output, hidden_states, weights, topk_weights, topk_ids,
-                    activation=activation, global_num_experts=global_num_experts,
-                    expert_map=expert_map, a1q_scale=a1q_scale,
-                    a1q_global_scale=a1q_global_scale, quant_config=qc,
-                    workspace13=workspace13, workspace2=workspace2,
-                    expert_tokens_meta=expert_tokens_meta,
-                    apply_router_weight_on_input=apply_router_weight_on_input,
-                )  # fmt: skip
+                TritonExperts().apply(call)
                 return
             self._log_once(f"{self.name}: {why}; the contiguous path runs it all the same")
         m_sum, alignment = compute_aligned_M_and_alignment(
-            num_tokens, top_k, weights.num_local_experts, self.alignment, expert_tokens_meta
+            num_tokens, top_k, weights.num_local_experts, self.alignment, call.expert_tokens_meta
         )
         fused_experts_deep_gemm(
-            output,
-            hidden_states,
-            a1q_scale,
+            call.output,
+            call.hidden_states,
+            call.a1q_scale,
             weights.w13,
             weights.w2,
             qc.w1.scale,
             qc.w2.scale,
-            topk_weights.float(),
-            topk_ids,
+            call.topk_weights.float(),
+            call.topk_ids,
             scheme=qc.scheme,
-            activation=activation,
-            workspace13=workspace13,
-            workspace2=workspace2,
-            expert_map=expert_map,
+            activation=call.activation,
+            workspace13=call.workspace13,
+            workspace2=call.workspace2,
+            expert_map=call.expert_map,
             alignment=alignment,
             m_sum=m_sum,
             column_major_scales=qc.a2.column_major_scales,
             use_ue8m0=qc.a2.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
-            mul_routed_weight=not apply_router_weight_on_input,
+            mul_routed_weight=not call.apply_router_weight_on_input,
         )
 
     def __repr__(self) -> str:

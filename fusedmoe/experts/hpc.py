@@ -115,31 +115,15 @@ class HPCExperts(Experts):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        weights,
-        topk_weights,
-        topk_ids,
-        *,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a1q_global_scale,
-        quant_config,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
+    def apply(self, call):
         from fusedmoe.kernels.hpc_moe import fused_moe_hpc, local_expert_map
 
-        scheme = _hpc_scheme(quant_config)
+        qc, weights, expert_map = call.quant_config, call.weights, call.expert_map
+        global_num_experts = call.global_num_experts
+        scheme = _hpc_scheme(qc)
         if scheme is None:  # the oracle refuses these; a direct call gets the reason
-            raise ValueError(f"the hpc backend does not support {quant_config!r}")
-        if apply_router_weight_on_input:
+            raise ValueError(f"the hpc backend does not support {qc!r}")
+        if call.apply_router_weight_on_input:
             raise ValueError("the hpc backend applies the router weight in GEMM2, not on x")
         if expert_map is None:  # rank ep_rank's linear block: E / ep_size, the first E % ep_size
             base, extra = divmod(global_num_experts, self.ep_size)  # ranks one more
@@ -152,19 +136,18 @@ class HPCExperts(Experts):
                     "expert_map"
                 )
             expert_map = local_expert_map(
-                global_num_experts, self.ep_size, self.ep_rank, hidden_states.device
+                global_num_experts, self.ep_size, self.ep_rank, call.hidden_states.device
             )
-        qc = quant_config
         fused_moe_hpc(
-            output,
-            hidden_states,
+            call.output,
+            call.hidden_states,
             weights.w13,
             weights.w2,
-            topk_weights,
-            topk_ids,
+            call.topk_weights,
+            call.topk_ids,
             w13_scale=qc.w1.scale,
             w2_scale=qc.w2.scale,
-            accumulator=workspace13,
+            accumulator=call.workspace13,
             a1_scale=qc.a1.scale,
             a2_scale=qc.a2.scale,
             expert_map=expert_map,

@@ -275,7 +275,7 @@ class MonolithicExperts(Experts):
     def finalize_weight_and_reduce_impl(self):
         self._not_modular()
 
-    def apply(self, output, hidden_states, weights, topk_weights, topk_ids, **kwargs):
+    def apply(self, call):
         self._not_modular()
 
 

@@ -81,35 +81,22 @@ class TorchExperts(Experts):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceContiguous()
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        weights,
-        topk_weights,
-        topk_ids,
-        *,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a1q_global_scale,
-        quant_config,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        qc = quant_config
-        num_tokens, top_k = topk_ids.shape
+    def apply(self, call):
+        qc, weights, activation, output = (
+            call.quant_config,
+            call.weights,
+            call.activation,
+            call.output,
+        )
+        num_tokens, top_k = call.topk_ids.shape
         store = output.dtype  # where a fused pipeline writes h and act(h) to memory
         y_slots = output.view(num_tokens * top_k, weights.hidden_size)
         y_slots.zero_()
-        x_all = hidden_states
-        if a1q_scale is not None:  # quantized by prepare: what GEMM1 sees is q * scale
-            x_all = dequantize(hidden_states, a1q_scale, qc.a1.key, a1q_global_scale)
+        x_all = call.hidden_states
+        if call.a1q_scale is not None:  # quantized by prepare: what GEMM1 sees is q * scale
+            x_all = dequantize(x_all, call.a1q_scale, qc.a1.key, call.a1q_global_scale)
 
-        local_ids = local_expert_ids(topk_ids, expert_map).flatten()  # [M*k]
+        local_ids = local_expert_ids(call.topk_ids, call.expert_map).flatten()  # [M*k]
         order = torch.argsort(local_ids, stable=True)
         counts = torch.bincount(local_ids + 1, minlength=weights.num_local_experts + 1).tolist()
         skipped = counts[0]  # rows with id -1 sort first

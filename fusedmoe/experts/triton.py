@@ -104,57 +104,39 @@ class TritonExperts(Experts):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        weights,
-        topk_weights,
-        topk_ids,
-        *,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a1q_global_scale,
-        quant_config,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
+    def apply(self, call):
         from fusedmoe.kernels.fused_moe import fused_experts_triton
-        from fusedmoe.kernels.quant import _resolve_params
+        from fusedmoe.kernels.quant import resolve_params
 
-        modes = _modes(quant_config)
+        qc = call.quant_config
+        modes = _modes(qc)
         if modes is None:  # the oracle refuses these; a direct call gets the reason
-            raise ValueError(f"the triton backend does not support {quant_config!r}")
+            raise ValueError(f"the triton backend does not support {qc!r}")
         a_mode, w_mode, a2_mode, dtype_key = modes
-        qc = quant_config
-        params = _resolve_params(activation.kind, activation.params)
+        weights, activation = call.weights, call.activation
         fused_experts_triton(
-            output,
-            hidden_states,
+            call.output,
+            call.hidden_states,
             weights.w13,
             weights.w2,
-            topk_weights.float().contiguous(),
-            topk_ids,
+            call.topk_weights.float().contiguous(),
+            call.topk_ids,
             activation=activation.kind,
-            params=params,
-            workspace13=workspace13,
-            workspace2=workspace2,
-            a1_scale=a1q_scale,
+            params=resolve_params(activation.kind, activation.params),
+            workspace13=call.workspace13,
+            workspace2=call.workspace2,
+            a1_scale=call.a1q_scale,
             w13_scale=None if qc is None else qc.w1.scale,
             w2_scale=None if qc is None else qc.w2.scale,
             w13_bias=weights.w13_bias,
             w2_bias=weights.w2_bias,
-            expert_map=expert_map,
+            expert_map=call.expert_map,
             a2_static_scale=None if qc is None else qc.a2.scale,
             a_mode=a_mode,
             w_mode=w_mode,
             a2_mode=a2_mode,
-            mul_routed_weight=not apply_router_weight_on_input,
-            dtype_key=dtype_key or _DTYPE_KEY[output.dtype],
+            mul_routed_weight=not call.apply_router_weight_on_input,
+            dtype_key=dtype_key or _DTYPE_KEY[call.output.dtype],
         )
 
 

@@ -33,10 +33,10 @@ import triton.language as tl
 
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.kernels import moe_gemm as g
-from fusedmoe.kernels.fused_moe import _TL_DTYPE, GemmVariant, _launch_gemm, _Rows, moe_sum
+from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
 from fusedmoe.kernels.moe_align import aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
-from fusedmoe.kernels.quant import _act_mul_per_token_group_quant_fp8_op, _resolve_params
+from fusedmoe.kernels.quant import act_mul_group_quant_fp8_op, resolve_params
 from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
 from fusedmoe.quant.activation import quantize_mxfp8
 from fusedmoe.quant.formats import FP8_DTYPE
@@ -250,6 +250,7 @@ def unpermute_reduce(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     inv_perm: torch.Tensor,
+    num_local_experts: int,
     expert_map: torch.Tensor | None = None,
     mul_weight: bool = True,
 ) -> None:
@@ -257,7 +258,7 @@ def unpermute_reduce(
     guard = torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext()
     with guard:
         moe_sum(
-            y, output, topk_ids, expert_map, inv_perm=inv_perm,
+            y, output, topk_ids, expert_map, num_local_experts, inv_perm=inv_perm,
             topk_weights=topk_weights if mul_weight else None,
         )  # fmt: skip
 
@@ -321,8 +322,10 @@ def _grouped_gemm(a, a_scale, a_mode, w, w_scale, w_mode, out, layout, *, w_fp4,
     block_m, config = deep_gemm_config(m_sum, out.shape[1], a.shape[1], layout.alignment)
     if layout.alignment % block_m:
         raise ValueError(f"{block_m}-row GEMM blocks would span the {layout.alignment}-row runs")
-    rows = _Rows(block_m, m_sum // block_m, _AlignedRuns(layout), layout.m_indices, None)
-    _launch_gemm(
+    rows = GemmRows(
+        block_m, m_sum // block_m, _AlignedRuns(layout), layout.m_indices, None, w.shape[0]
+    )
+    launch_gemm(
         a, a_scale, a_mode, 1, w, w_scale, w_mode, None, out, None, layout.m_indices, rows,
         m_sum, config, activation=None, params=(0.0, 0.0, 0.0, False), out_mode=g.OUT_PLAIN,
         mul_routed_weight=False, h_dtype=h_dtype,
@@ -385,7 +388,7 @@ def _fused_experts_deep_gemm_op(
     hidden = a1q.shape[1]
     act = MoEActivation(activation)
     params = ActivationParams(act_alpha, act_beta, act_limit)
-    h_dtype = _TL_DTYPE[output.dtype]
+    h_dtype = TL_DTYPE[output.dtype]
     w_fp4 = scheme == "mxfp4_w4a8"
     # workspace13 holds a1 permuted and its scales; workspace2 holds h, then y (a2 and its
     # scales come from the act + quantization op, which allocates them)
@@ -411,8 +414,8 @@ def _fused_experts_deep_gemm_op(
     if scheme == "mxfp8":  # no fused MX kernel: the activation (fp32), then MXFP8
         a2q, a2_scale = quantize_mxfp8(apply_activation(act, h, params))
     else:
-        alpha, beta, limit, has_limit = _resolve_params(act, params)
-        a2q, a2_scale = _act_mul_per_token_group_quant_fp8_op(
+        alpha, beta, limit, has_limit = resolve_params(act, params)
+        a2q, a2_scale = act_mul_group_quant_fp8_op(
             h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, column_major_scales,
             use_ue8m0,
         )  # fmt: skip
@@ -420,8 +423,9 @@ def _fused_experts_deep_gemm_op(
     _grouped_gemm(a2q, a2_scale, a_mode, w2, w2_scale, w_mode, y, layout, w_fp4=w_fp4,
                   h_dtype=h_dtype)  # fmt: skip
     unpermute_reduce(
-        y, output, topk_weights, topk_ids, layout.inv_perm, expert_map, mul_routed_weight
-    )
+        y, output, topk_weights, topk_ids, layout.inv_perm, w2.shape[0], expert_map,
+        mul_routed_weight,
+    )  # fmt: skip
 
 
 @_fused_experts_deep_gemm_op.register_fake

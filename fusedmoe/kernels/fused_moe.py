@@ -27,9 +27,10 @@ import triton.language as tl
 
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
+from fusedmoe.kernels.launch import launch
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
-from fusedmoe.kernels.quant import _ACTIVATION_CODE, _act_mul_per_token_group_quant_fp8_op
+from fusedmoe.kernels.quant import ACTIVATION_CODE, act_mul_group_quant_fp8_op
 from fusedmoe.quant import keys
 from fusedmoe.quant.activation import quantize_activation
 from fusedmoe.quant.config import OperandQuant
@@ -64,13 +65,13 @@ _A2_SCALE = {  # the scale layout GEMM2 reads a2 with
     "int8_dynamic_token": g.A_ROW,
 }
 _ACT_CODES = {
-    **_ACTIVATION_CODE,
+    **ACTIVATION_CODE,
     MoEActivation.GELU_TANH: g.ACT_GELU_TANH,
     MoEActivation.SILU_NO_MUL: g.ACT_SILU_NO_MUL,
     MoEActivation.GELU_NO_MUL: g.ACT_GELU_NO_MUL,
     MoEActivation.RELU2_NO_MUL: g.ACT_RELU2_NO_MUL,
 }
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _SUM_BLOCK_H = 1024
 
 
@@ -121,7 +122,7 @@ def _scale_args(scale: torch.Tensor | None, dummy: torch.Tensor, ndim: int):
 
 
 @dataclass
-class _Rows:
+class GemmRows:
     """Where each GEMM program finds its rows: the aligned layout, or (direct) one slot per
     block with its expert read from the ids (M = 1: the k slots hit k distinct experts, so
     nothing is gained by sorting, and the alignment launch is saved)."""
@@ -131,13 +132,19 @@ class _Rows:
     routing: AlignedRouting | None  # None: direct
     ids: torch.Tensor  # int [S] topk_ids, read when direct
     expert_map: torch.Tensor | None
+    num_local: int  # E_l
 
     def kernel_args(self) -> tuple:
+        """(sorted ids, expert ids, num post padded, ids, map, num_ids, num_local)."""
         r = self.routing
+        num_ids = self.num_local if self.expert_map is None else self.expert_map.shape[0]
         if r is None:
             emap = self.ids if self.expert_map is None else self.expert_map
-            return (self.ids, self.ids, self.ids, self.ids, emap)
-        return (r.sorted_token_ids, r.expert_ids, r.num_tokens_post_padded, self.ids, self.ids)
+            return (self.ids, self.ids, self.ids, self.ids, emap, num_ids, self.num_local)
+        return (
+            r.sorted_token_ids, r.expert_ids, r.num_tokens_post_padded, self.ids, self.ids,
+            num_ids, self.num_local,
+        )  # fmt: skip
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -168,9 +175,9 @@ class GemmVariant:
 _GATHER = GemmVariant()
 
 
-def _launch_gemm(
+def launch_gemm(
     a, a_scale, a_mode, a_row_div, w, w_scale, w_mode, bias, out, out_scale, topk_weights,
-    rows: _Rows, num_slots, config, *, activation, params, out_mode, mul_routed_weight, h_dtype,
+    rows: GemmRows, num_slots, config, *, activation, params, out_mode, mul_routed_weight, h_dtype,
     variant: GemmVariant = _GATHER,
 ):  # fmt: skip
     n_out = out.shape[1]
@@ -189,7 +196,7 @@ def _launch_gemm(
     use_tma_a = contiguous and rows.block_m >= 64 and variant.a_quant == g.AQ_NONE and _tma_ok(a)
     a_desc = _tma_descriptor(a, rows.block_m, config.block_k) if use_tma_a else a
     zero = variant.zero
-    g._moe_gemm_kernel[grid](
+    args = (
         a, a.stride(0), a.stride(1),
         a_desc,
         *_scale_args(a_scale, dummy, 2),
@@ -204,6 +211,8 @@ def _launch_gemm(
         dummy if zero is None else zero, 0 if zero is None else zero.numel(),
         n_out, k, num_slots, rows.num_blocks,
         alpha, beta, limit,
+    )  # fmt: skip
+    constexprs = dict(
         A_ROW_DIV=a_row_div,
         A_SCALE=a_mode,
         A_QUANT=variant.a_quant,
@@ -242,19 +251,20 @@ def _launch_gemm(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+    launch(g._moe_gemm_kernel, grid, args, constexprs, a.is_cuda)
 
 
 def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
     """Whether GEMM1 may leave the activation to the separate act + group quant kernel."""
-    return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in _ACTIVATION_CODE
+    return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in ACTIVATION_CODE
 
 
-def _rows(topk_ids, expert_map, block_m, num_local) -> _Rows:
+def gemm_rows(topk_ids, expert_map, block_m, num_local) -> GemmRows:
     ids = topk_ids.reshape(-1)
     if topk_ids.shape[0] == 1:
-        return _Rows(block_m, ids.numel(), None, ids, expert_map)
+        return GemmRows(block_m, ids.numel(), None, ids, expert_map, num_local)
     routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
-    return _Rows(block_m, routing.expert_ids.shape[0], routing, ids, expert_map)
+    return GemmRows(block_m, routing.expert_ids.shape[0], routing, ids, expert_map, num_local)
 
 
 @torch.library.custom_op(
@@ -299,19 +309,19 @@ def _fused_experts_triton_op(
     )
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
-        rows = _rows(topk_ids, expert_map, config.block_m, num_local)
+        rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)
         if out_mode == g.OUT_FP8_STATIC:
             a2_scale = a2_static_scale
         params = (alpha, beta, limit, has_limit)
-        h_dtype = _TL_DTYPE[output.dtype]
+        h_dtype = TL_DTYPE[output.dtype]
         if config.fuse_activation or not _unfused_ok(a2_mode, act):
             gemm1 = config.gemm1
             if out_mode in (g.OUT_FP8_GROUP, g.OUT_FP8_GROUP_UE8M0) and gemm1.block_n % 128:
                 # the group quantization in the epilogue needs whole 128-wide groups per tile
                 gemm1 = dataclasses.replace(gemm1, block_n=g.QUANT_GROUP)
-            _launch_gemm(
+            launch_gemm(
                 x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
                 a2, a2_scale, topk_weights, rows, num_slots, gemm1,
                 activation=act, params=params, out_mode=out_mode, mul_routed_weight=False,
@@ -319,13 +329,13 @@ def _fused_experts_triton_op(
             )  # fmt: skip
         else:  # GEMM1 stores h; the fused act + group quant kernel makes a2 from it
             h = torch.empty((num_slots, gemm1_rows), dtype=output.dtype, device=x.device)
-            _launch_gemm(
+            launch_gemm(
                 x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
                 h, None, topk_weights, rows, num_slots, config.gemm1,
                 activation=None, params=params, out_mode=g.OUT_PLAIN, mul_routed_weight=False,
                 h_dtype=h_dtype,
             )  # fmt: skip
-            a2, a2_scale = _act_mul_per_token_group_quant_fp8_op(
+            a2, a2_scale = act_mul_group_quant_fp8_op(
                 h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, False,
                 a2_mode == "fp8_group_ue8m0",
             )  # fmt: skip
@@ -333,13 +343,13 @@ def _fused_experts_triton_op(
             qa = quantize_activation(a2, OperandQuant(post_key))
             a2, a2_scale = qa.q, qa.scale
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
-        _launch_gemm(
+        launch_gemm(
             a2, a2_scale, _A2_SCALE[a2_mode], 1, w2, w2_scale, W_MODES[w_mode], w2_bias,
             y, None, topk_weights.reshape(-1), rows, num_slots, config.gemm2,
             activation=None, params=params, out_mode=g.OUT_PLAIN,
             mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
         )  # fmt: skip
-        moe_sum(y, output, topk_ids, expert_map)
+        moe_sum(y, output, topk_ids, expert_map, num_local)
 
 
 @_fused_experts_triton_op.register_fake
@@ -354,28 +364,33 @@ def moe_sum(
     output: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
+    num_local_experts: int,
     *,
     inv_perm: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
 ) -> None:
     """output [M, H] = sum over j of y's row of slot m * k + j, for the slots routed to this
     rank: row m * k + j of y [M * k, H], or row inv_perm[m * k + j] of a permuted y; times
-    topk_weights[m, j] when given (in fp32, rounded once)."""
+    topk_weights[m, j] when given (in fp32, rounded once). A slot whose id lies outside the
+    expert range (or maps outside [0, E_l)) is not routed here, as in the GEMMs."""
     num_tokens, top_k = topk_ids.shape
     hidden = y.shape[1]
     if num_tokens == 0:
         return
+    num_ids = num_local_experts if expert_map is None else expert_map.shape[0]
     block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden))
     grid = (num_tokens, triton.cdiv(hidden, block_h))
     w = topk_ids if topk_weights is None else topk_weights
-    g._moe_sum_kernel[grid](
+    args = (
         y, y.stride(0), y.stride(1),
         output, output.stride(0), output.stride(1),
         topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_ids if expert_map is None else expert_map,
         topk_ids if inv_perm is None else inv_perm,
         w, w.stride(0), w.stride(1),
-        hidden,
+        hidden, num_ids, num_local_experts,
+    )  # fmt: skip
+    constexprs = dict(
         TOP_K=top_k,
         HAS_MAP=expert_map is not None,
         HAS_INV=inv_perm is not None,
@@ -383,7 +398,8 @@ def moe_sum(
         BLOCK_H=block_h,
         ROUND_IN_FP32=not y.is_cuda,
         num_warps=4,
-    )  # fmt: skip
+    )
+    launch(g._moe_sum_kernel, grid, args, constexprs, y.is_cuda)
 
 
 def fused_experts_triton(
@@ -413,7 +429,7 @@ def fused_experts_triton(
 ) -> None:
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts); params are (alpha, beta, limit, has_limit) with defaults
-    resolved (fusedmoe.kernels.quant._resolve_params)."""
+    resolved (fusedmoe.kernels.quant.resolve_params)."""
     alpha, beta, limit, has_limit = params
     _fused_experts_triton_op(
         output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,

@@ -33,11 +33,11 @@ import torch
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import (
-    _TL_DTYPE,
+    TL_DTYPE,
     GemmVariant,
-    _launch_gemm,
-    _rows,
     device_name,
+    gemm_rows,
+    launch_gemm,
 )
 from fusedmoe.kernels.moe_config import moe_kernel_config
 from fusedmoe.parallel.config import linear_expert_map
@@ -57,8 +57,9 @@ _QUANTIZE_INSIDE_MAX_ROWS = 16
 def local_expert_map(
     num_experts: int, ep_size: int, ep_rank: int, device: torch.device
 ) -> torch.Tensor | None:
-    """The expert_map of rank ep_rank's linear block of experts (fusedmoe.parallel.config's placement;
-    None without EP). Cached, so a CUDA graph captured after a first call keeps reading it."""
+    """The expert_map of rank ep_rank's linear block of experts (fusedmoe.parallel.config's
+    placement; None without EP). Cached, so a CUDA graph captured after a first call keeps
+    reading it."""
     if ep_size == 1:
         return None
     return linear_expert_map(num_experts, ep_size, ep_rank).to(device)
@@ -122,20 +123,20 @@ def _fused_moe_hpc_op(
     acc = accumulator.view(-1)[: num_tokens * hidden].view(num_tokens, hidden)
     guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
     with guard:
-        rows = _rows(topk_ids, expert_map, config.block_m, num_local)
+        rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         a2 = torch.empty((num_slots, inter), dtype=FP8_DTYPE, device=x.device)
         if block_quant:
             groups = -(-inter // g.QUANT_GROUP)
             a2_scale = torch.empty((num_slots, groups), dtype=torch.float32, device=x.device)
-        h_dtype = _TL_DTYPE[output.dtype]
-        _launch_gemm(
+        h_dtype = TL_DTYPE[output.dtype]
+        launch_gemm(
             a, a_scale, a_mode, top_k, w13, w13_scale, w_mode, None, a2, a2_scale,
             topk_weights, rows, num_slots, gemm1,
             activation=MoEActivation.SILU, params=_SILU_PARAMS, out_mode=out_mode,
             mul_routed_weight=False, h_dtype=h_dtype,
             variant=GemmVariant(a_quant=a_quant, zero=acc),
         )  # fmt: skip
-        _launch_gemm(
+        launch_gemm(
             a2, a2_scale, a2_mode, 1, w2, w2_scale, w_mode, None, acc, None,
             topk_weights.reshape(-1), rows, num_slots, config.gemm2,
             activation=None, params=_SILU_PARAMS, out_mode=g.OUT_ATOMIC,

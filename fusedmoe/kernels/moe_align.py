@@ -62,26 +62,30 @@ def aligned_sizes(num_slots: int, num_local_experts: int, block_m: int) -> tuple
 # kernels
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _local_ids(ids_ptr, map_ptr, offs, num_slots, num_local, HAS_MAP: tl.constexpr):
+def _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP: tl.constexpr):
     """Local expert of each slot in `offs`; num_local for slots that are not routed here (and
-    for lanes past the end), so that they count and sort into a bin of their own."""
+    for lanes past the end), so that they count and sort into a bin of their own. An id
+    outside [0, num_ids) or a map entry outside [0, num_local) is not routed here: nothing
+    is read or written out of bounds whatever the ids hold (their range is checked on the host
+    only in debug mode, fusedmoe.debug_checks)."""
     valid = offs < num_slots
     ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    ids = tl.where(ids < num_ids, ids, -1)
     if HAS_MAP:
         ids = tl.load(map_ptr + ids, mask=valid & (ids >= 0), other=-1).to(tl.int32)
-    return tl.where(ids < 0, num_local, ids)
+    return tl.where((ids < 0) | (ids >= num_local), num_local, ids)
 
 
 @triton.jit
 def _count_chunk(
-    ids_ptr, map_ptr, counts_ptr, sorted_ptr, pid, num_slots, num_local, max_padded,
+    ids_ptr, map_ptr, num_ids, counts_ptr, sorted_ptr, pid, num_slots, num_local, max_padded,
     fill_per_program,
     HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
     """Phase 1 of program `pid`: counts[pid, e] over its chunk; fills its share of the
     sorted ids with the sentinel (the scatter of phase 3 overwrites the routed rows)."""
     offs = pid * CHUNK + tl.arange(0, CHUNK)
-    local = _local_ids(ids_ptr, map_ptr, offs, num_slots, num_local, HAS_MAP)
+    local = _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
     counts = tl.histogram(local, E_PAD)
     tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
     start = pid * fill_per_program
@@ -125,14 +129,14 @@ def _scan_counts(
 
 @triton.jit
 def _scatter_chunk(
-    ids_ptr, map_ptr, counts_ptr, base_ptr, shift_ptr, sorted_ptr, pid, num_slots, num_local,
-    HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+    ids_ptr, map_ptr, num_ids, counts_ptr, base_ptr, shift_ptr, sorted_ptr, pid, num_slots,
+    num_local, HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
     """Phase 3 of program `pid`: the r-th slot of expert e in this chunk goes to row
     base[pid, e] + r. Sorting by (expert, slot) keeps slot order within each expert."""
     lanes = tl.arange(0, CHUNK)
     offs = pid * CHUNK + lanes
-    local = _local_ids(ids_ptr, map_ptr, offs, num_slots, num_local, HAS_MAP)
+    local = _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
     keys = tl.sort(local * CHUNK + lanes)
     expert = keys // CHUNK
     slot = pid * CHUNK + keys % CHUNK
@@ -149,14 +153,14 @@ def _scatter_chunk(
 
 @triton.jit
 def _align_single_kernel(
-    ids_ptr, map_ptr, counts_ptr, base_ptr, shift_ptr,
+    ids_ptr, map_ptr, num_ids, counts_ptr, base_ptr, shift_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr,
     num_slots, num_local, max_padded, max_blocks,
     HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
     BLOCKS_PER_STEP: tl.constexpr,
 ):  # fmt: skip
     _count_chunk(
-        ids_ptr, map_ptr, counts_ptr, sorted_ptr, 0, num_slots, num_local, max_padded,
+        ids_ptr, map_ptr, num_ids, counts_ptr, sorted_ptr, 0, num_slots, num_local, max_padded,
         max_padded, HAS_MAP, CHUNK, E_PAD,
     )  # fmt: skip
     tl.debug_barrier()
@@ -166,18 +170,19 @@ def _align_single_kernel(
     )  # fmt: skip
     tl.debug_barrier()
     _scatter_chunk(
-        ids_ptr, map_ptr, counts_ptr, base_ptr, shift_ptr, sorted_ptr, 0, num_slots, num_local,
-        HAS_MAP, CHUNK, E_PAD,
+        ids_ptr, map_ptr, num_ids, counts_ptr, base_ptr, shift_ptr, sorted_ptr, 0, num_slots,
+        num_local, HAS_MAP, CHUNK, E_PAD,
     )  # fmt: skip
 
 
 @triton.jit
 def _count_kernel(
-    ids_ptr, map_ptr, counts_ptr, sorted_ptr, num_slots, num_local, max_padded, fill_per_program,
+    ids_ptr, map_ptr, num_ids, counts_ptr, sorted_ptr, num_slots, num_local, max_padded,
+    fill_per_program,
     HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
     _count_chunk(
-        ids_ptr, map_ptr, counts_ptr, sorted_ptr, tl.program_id(0), num_slots, num_local,
+        ids_ptr, map_ptr, num_ids, counts_ptr, sorted_ptr, tl.program_id(0), num_slots, num_local,
         max_padded, fill_per_program, HAS_MAP, CHUNK, E_PAD,
     )  # fmt: skip
 
@@ -195,11 +200,11 @@ def _scan_kernel(
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, map_ptr, counts_ptr, base_ptr, shift_ptr, sorted_ptr, num_slots, num_local,
+    ids_ptr, map_ptr, num_ids, counts_ptr, base_ptr, shift_ptr, sorted_ptr, num_slots, num_local,
     HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
     _scatter_chunk(
-        ids_ptr, map_ptr, counts_ptr, base_ptr, shift_ptr, sorted_ptr, tl.program_id(0),
+        ids_ptr, map_ptr, num_ids, counts_ptr, base_ptr, shift_ptr, sorted_ptr, tl.program_id(0),
         num_slots, num_local, HAS_MAP, CHUNK, E_PAD,
     )  # fmt: skip
 
@@ -238,6 +243,7 @@ def moe_align_block_size(
     base = torch.empty_like(counts)
     shift = torch.empty_like(counts)
     expert_map_arg = ids if expert_map is None else expert_map  # unread without a map
+    num_ids = num_local_experts if expert_map is None else expert_map.shape[0]
     blocks_per_step = max(1, min(64, 8192 // e_pad))
     warps = max(1, min(16, chunk // 256))
     common = dict(HAS_MAP=expert_map is not None, CHUNK=chunk, E_PAD=e_pad)
@@ -245,23 +251,23 @@ def moe_align_block_size(
     with guard:
         if num_programs == 1:
             _align_single_kernel[(1,)](
-                ids, expert_map_arg, counts, base, shift, sorted_ids, expert_ids, num_post,
+                ids, expert_map_arg, num_ids, counts, base, shift, sorted_ids, expert_ids, num_post,
                 num_slots, num_local_experts, max_padded, max_blocks,
                 BLOCK_M=block_m, BLOCKS_PER_STEP=blocks_per_step, num_warps=warps, **common,
             )  # fmt: skip
             return routing
         fill = triton.cdiv(max_padded, num_programs)
         _count_kernel[(num_programs,)](
-            ids, expert_map_arg, counts, sorted_ids, num_slots, num_local_experts, max_padded,
-            fill, num_warps=warps, **common,
+            ids, expert_map_arg, num_ids, counts, sorted_ids, num_slots, num_local_experts,
+            max_padded, fill, num_warps=warps, **common,
         )  # fmt: skip
         _scan_kernel[(1,)](
             counts, base, expert_ids, num_post, num_programs, num_local_experts, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, BLOCKS_PER_STEP=blocks_per_step, num_warps=4,
         )  # fmt: skip
         _scatter_kernel[(num_programs,)](
-            ids, expert_map_arg, counts, base, shift, sorted_ids, num_slots, num_local_experts,
-            num_warps=warps, **common,
+            ids, expert_map_arg, num_ids, counts, base, shift, sorted_ids, num_slots,
+            num_local_experts, num_warps=warps, **common,
         )  # fmt: skip
     return routing
 
@@ -278,9 +284,10 @@ def moe_align_block_size_torch(
     ids = topk_ids.reshape(-1).long().tolist()
     emap = None if expert_map is None else expert_map.long().tolist()
     rows_of = [[] for _ in range(num_local_experts)]
+    num_ids = num_local_experts if emap is None else len(emap)
     for slot, gid in enumerate(ids):
-        local = -1 if gid < 0 else (gid if emap is None else emap[gid])
-        if local >= 0:
+        local = -1 if not 0 <= gid < num_ids else (gid if emap is None else emap[gid])
+        if 0 <= local < num_local_experts:  # out of range: not routed here
             rows_of[local].append(slot)
     sorted_ids, expert_ids = [], []
     for expert, rows in enumerate(rows_of):

@@ -51,11 +51,11 @@ import triton
 import triton.language as tl
 
 from fusedmoe.kernels.quant import (
-    _FP8_MAX,
-    _divide_by_group_scale,
-    _gated_activation,
-    _quantize_groups,
-    _round_to_e4m3_grid,
+    FP8_MAX_TL,
+    divide_by_group_scale,
+    gated_activation,
+    quantize_groups,
+    round_to_e4m3_grid,
 )
 
 # Scale layouts of the A operand (activations) and of w.
@@ -120,7 +120,7 @@ def _activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMI
         r = tl.maximum(gate, 0.0)
         out = r * r
     else:
-        out = _gated_activation(gate, up, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+        out = gated_activation(gate, up, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
     return out
 
 
@@ -201,7 +201,7 @@ def _store_group_quant(
 ):  # fmt: skip
     """FP8 per 1 x 128 group of the [BM, BN] activation tile (BN holds whole groups)."""
     GROUPS: tl.constexpr = BLOCK_N // _GROUP
-    q, scales = _quantize_groups(
+    q, scales = quantize_groups(
         tl.reshape(act, (BLOCK_M, GROUPS, _GROUP)), SCALE_FORMAT, ROUND_IN_FP32
     )
     q = tl.reshape(q, (BLOCK_M, BLOCK_N))
@@ -291,16 +291,16 @@ def _quantize_a_tile(
         scale = tl.load(a_scale_ptr)
         # x / scale as IEEE division, from one correctly rounded reciprocal: div_rn per element
         # is a long instruction sequence, and these tiles are quantized once per column tile
-        y = _divide_by_group_scale(x, scale, tl.math.div_rn(1.0, scale))
-        y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
+        y = divide_by_group_scale(x, scale, tl.math.div_rn(1.0, scale))
+        y = tl.minimum(tl.maximum(y, -FP8_MAX_TL), FP8_MAX_TL)
         if ROUND_IN_FP32:
-            y = _round_to_e4m3_grid(y)
+            y = round_to_e4m3_grid(y)
         return y, tl.zeros((BLOCK_M,), tl.float32) + scale
     x = tl.reshape(x, (BLOCK_M, 1, BLOCK_K))
     if A_QUANT == _AQ_GROUP_UE8M0:
-        y, scale = _quantize_groups(x, _SCALE_UE8M0, ROUND_IN_FP32)
+        y, scale = quantize_groups(x, _SCALE_UE8M0, ROUND_IN_FP32)
     else:
-        y, scale = _quantize_groups(x, _SCALE_FLOAT32, ROUND_IN_FP32)
+        y, scale = quantize_groups(x, _SCALE_FLOAT32, ROUND_IN_FP32)
     return tl.reshape(y, (BLOCK_M, BLOCK_K)), tl.reshape(scale, (BLOCK_M,))
 
 
@@ -329,6 +329,7 @@ def _moe_gemm_kernel(
     topk_weights_ptr,  # float32 [S]
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting
     ids_ptr, map_ptr,  # DIRECT: topk_ids [S] and expert_map [E] (global -> local, -1 elsewhere)
+    num_ids, num_local,  # DIRECT: ids outside [0, num_ids) / map entries outside [0, E_l): skipped
     zero_ptr, zero_numel,  # ZERO_OUT: float32 buffer this launch zeroes (GEMM2's accumulator)
     N, K, num_slots, max_blocks,
     alpha, beta, limit,  # activation parameters, defaults resolved
@@ -376,9 +377,10 @@ def _moe_gemm_kernel(
 
     if DIRECT:  # block pid_m is slot pid_m alone, in row 0 (the alignment launch is saved)
         expert = tl.load(ids_ptr + pid_m).to(tl.int32)
+        expert = tl.where(expert < num_ids, expert, -1)  # never read out of bounds
         if HAS_MAP:
             expert = tl.load(map_ptr + expert, mask=expert >= 0, other=-1).to(tl.int32)
-        if expert < 0:
+        if (expert < 0) | (expert >= num_local):
             return
         e = expert.to(tl.int64)
         slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
@@ -563,10 +565,10 @@ def _moe_gemm_kernel(
     act = tl.where(out_mask, act, 0.0)  # padding must not count in a group's amax
     if OUT_MODE == _OUT_FP8_STATIC:
         scale = tl.load(out_scale_ptr)
-        q = _divide_by_group_scale(act, scale, tl.math.div_rn(1.0, scale))
-        q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+        q = divide_by_group_scale(act, scale, tl.math.div_rn(1.0, scale))
+        q = tl.minimum(tl.maximum(q, -FP8_MAX_TL), FP8_MAX_TL)
         if ROUND_IN_FP32:
-            q = _round_to_e4m3_grid(q)
+            q = round_to_e4m3_grid(q)
         tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
     elif OUT_MODE == _OUT_FP8_GROUP:
         _store_group_quant(
@@ -592,6 +594,7 @@ def _moe_sum_kernel(
     inv_ptr,  # HAS_INV: int32 [S], the row of y of each slot routed here
     w_ptr, stride_wm, stride_wk,  # MUL_WEIGHT: float32 [M, k] router weights
     H,
+    num_ids, num_local,  # ids outside [0, num_ids), map entries outside [0, E_l): not routed
     TOP_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     HAS_INV: tl.constexpr,
@@ -607,10 +610,10 @@ def _moe_sum_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         gid = tl.load(ids_ptr + m * stride_im + j * stride_ik)
-        routed = gid >= 0
+        routed = (gid >= 0) & (gid < num_ids)
         if HAS_MAP:
             local = tl.load(map_ptr + gid, mask=routed, other=-1)
-            routed = local >= 0
+            routed = (local >= 0) & (local < num_local)
         mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
         row = m * TOP_K + j
         if HAS_INV:  # entries of slots not routed here are never written: not followed

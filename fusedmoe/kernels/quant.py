@@ -64,13 +64,13 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _MX_GROUP = 32
 
 # Compile-time codes (Triton kernels only read globals that are constexpr).
-_FP8_MAX = tl.constexpr(FP8_MAX)
+FP8_MAX_TL = tl.constexpr(FP8_MAX)
 _FP8_EMAX = tl.constexpr(FP8_EMAX)
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
 _E8M0_BIAS = tl.constexpr(E8M0_BIAS)
 _FLOAT32, _UE8M0, _E8M0 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _SILU, _GELU, _SWIGLUOAI, _SWIGLUOAI_UNINTERLEAVE, _SWIGLUSTEP = (tl.constexpr(i) for i in range(5))
-_ACTIVATION_CODE = {
+ACTIVATION_CODE = {
     MoEActivation.SILU: _SILU.value,
     MoEActivation.GELU: _GELU.value,
     MoEActivation.SWIGLUOAI: _SWIGLUOAI.value,
@@ -83,7 +83,7 @@ _ACTIVATION_CODE = {
 # kernels
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _round_to_e4m3_grid(y):
+def round_to_e4m3_grid(y):
     """fp32 y in [-448, 448] -> the nearest E4M3 value (ties to even), still fp32."""
     y_bits = y.to(tl.int32, bitcast=True)
     sign = y_bits & -2147483648  # 0x80000000: keeps -0.0 and negatives rounding to zero
@@ -98,7 +98,7 @@ def _round_to_e4m3_grid(y):
 
 
 @triton.jit
-def _divide_by_group_scale(x, scale, inverse):
+def divide_by_group_scale(x, scale, inverse):
     """x / scale rounded to nearest, as IEEE division, given inverse = 1 / scale rounded to
     nearest (once per group): a multiply and Markstein's fma correction per element instead of a
     full division. The remainder r is exact; r == 0 keeps the sign of a zero quotient."""
@@ -108,7 +108,7 @@ def _divide_by_group_scale(x, scale, inverse):
 
 
 @triton.jit
-def _quantize_groups(x, SCALE_FORMAT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+def quantize_groups(x, SCALE_FORMAT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """x fp32 [BLOCK_M, GROUPS, BLOCK_G], padding lanes 0
     -> (y fp32 on the e4m3 range (and grid if ROUND_IN_FP32), scale [BLOCK_M, GROUPS] as stored).
     """
@@ -122,7 +122,7 @@ def _quantize_groups(x, SCALE_FORMAT: tl.constexpr, ROUND_IN_FP32: tl.constexpr)
         inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**-exponent, normal
         y = x * inverse[:, :, None]
     else:
-        scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), _FP8_MAX)
+        scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), FP8_MAX_TL)
         if SCALE_FORMAT == _UE8M0:
             bits = scale.to(tl.int32, bitcast=True)
             # round up to a power of two: bump the exponent unless the mantissa is already 0
@@ -131,11 +131,11 @@ def _quantize_groups(x, SCALE_FORMAT: tl.constexpr, ROUND_IN_FP32: tl.constexpr)
             inverse = ((254 << 23) - bits).to(tl.float32, bitcast=True)  # 2**-e, exact
             y = x * inverse[:, :, None]
         else:
-            y = _divide_by_group_scale(x, scale[:, :, None], tl.math.div_rn(1.0, scale)[:, :, None])
+            y = divide_by_group_scale(x, scale[:, :, None], tl.math.div_rn(1.0, scale)[:, :, None])
         stored = scale
-    y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX_TL), FP8_MAX_TL)
     if ROUND_IN_FP32:
-        y = _round_to_e4m3_grid(y)
+        y = round_to_e4m3_grid(y)
     return y, stored
 
 
@@ -178,7 +178,7 @@ def _group_quant_fp8_kernel(
     x = tl.load(
         x_ptr + rows[:, None, None] * stride_xm + cols * stride_xk, mask=mask, other=0.0
     ).to(tl.float32)
-    y, scale = _quantize_groups(x, SCALE_FORMAT, ROUND_IN_FP32)
+    y, scale = quantize_groups(x, SCALE_FORMAT, ROUND_IN_FP32)
     q_ptrs = q_ptr + rows[:, None, None] * stride_qm + cols * stride_qk
     tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
     s_ptrs = s_ptr + rows[:, None] * stride_sm + groups[None, :] * stride_sg
@@ -200,7 +200,7 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _gated_activation(
+def gated_activation(
     gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr
 ):
     """fp32 gate, up -> act(gate, up) in fp32, as fusedmoe.activation defines it."""
@@ -249,9 +249,9 @@ def _act_mul_group_quant_fp8_kernel(
         up_cols = cols + I
     gate = tl.load(h_rows + gate_cols * stride_hk, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_rows + up_cols * stride_hk, mask=mask, other=0.0).to(tl.float32)
-    a = _gated_activation(gate, up, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+    a = gated_activation(gate, up, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
     a = tl.where(mask, a, 0.0)  # padding lanes must not count in the group's amax
-    y, scale = _quantize_groups(a, SCALE_FORMAT, ROUND_IN_FP32)
+    y, scale = quantize_groups(a, SCALE_FORMAT, ROUND_IN_FP32)
     q_ptrs = q_ptr + rows[:, None, None] * stride_qm + cols * stride_qk
     tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
     s_ptrs = s_ptr + rows[:, None] * stride_sm + groups[None, :] * stride_sg
@@ -438,10 +438,10 @@ def per_token_group_quant_fp8_triton(
 # ---------------------------------------------------------------------------------------------
 def fused_supports(activation: MoEActivation | str, params: ActivationParams | None = None) -> bool:
     """Whether the fused kernel implements `activation` (with any of its parameters)."""
-    return MoEActivation.parse(activation) in _ACTIVATION_CODE
+    return MoEActivation.parse(activation) in ACTIVATION_CODE
 
 
-def _resolve_params(
+def resolve_params(
     act: MoEActivation, params: ActivationParams | None
 ) -> tuple[float, float, float, bool]:
     """(alpha, beta, limit, has_limit) with fusedmoe.activation's defaults filled in."""
@@ -461,7 +461,7 @@ def _resolve_params(
 
 
 @torch.library.custom_op("fusedmoe::act_mul_per_token_group_quant_fp8_triton", mutates_args=())
-def _act_mul_per_token_group_quant_fp8_op(
+def act_mul_group_quant_fp8_op(
     h: torch.Tensor,
     activation: str,
     alpha: float,
@@ -487,7 +487,7 @@ def _act_mul_per_token_group_quant_fp8_op(
             scales, scales.stride(0), scales.stride(1),
             m, i, num_groups,
             alpha, beta, limit,
-            ACTIVATION=_ACTIVATION_CODE[MoEActivation(activation)],
+            ACTIVATION=ACTIVATION_CODE[MoEActivation(activation)],
             HAS_LIMIT=has_limit,
             GROUP_SIZE=group_size,
             BLOCK_G=triton.next_power_of_2(group_size),
@@ -500,7 +500,7 @@ def _act_mul_per_token_group_quant_fp8_op(
     return q, scales
 
 
-@_act_mul_per_token_group_quant_fp8_op.register_fake
+@act_mul_group_quant_fp8_op.register_fake
 def _(h, activation, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0):
     m, two_i = h.shape
     return _alloc_group_outputs(h, m, two_i // 2, group_size, column_major_scales, torch.float32)
@@ -528,12 +528,12 @@ def act_mul_per_token_group_quant_fp8_triton(
     if not fused_supports(act):
         raise ValueError(
             f"activation {act.value!r} has no fused kernel; supported: "
-            f"{sorted(a.value for a in _ACTIVATION_CODE)}"
+            f"{sorted(a.value for a in ACTIVATION_CODE)}"
         )
     if h.shape[1] % 2 != 0:
         raise ValueError(f"h must be [M, 2I] (an even width), got shape {tuple(h.shape)}")
-    alpha, beta, limit, has_limit = _resolve_params(act, params)
-    return _act_mul_per_token_group_quant_fp8_op(
+    alpha, beta, limit, has_limit = resolve_params(act, params)
+    return act_mul_group_quant_fp8_op(
         h, act.value, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0
     )
 

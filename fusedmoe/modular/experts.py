@@ -28,7 +28,7 @@ from fusedmoe.activation import MoEActivation
 from fusedmoe.modular.reduce import TopKWeightAndReduce
 from fusedmoe.modular.types import (
     ActivationSpec,
-    ExpertTokensMeta,
+    ExpertsCall,
     ExpertWeights,
     InsideRouting,
     MoEProblem,
@@ -198,26 +198,8 @@ class Experts(abc.ABC):
         return act_dtype
 
     @abc.abstractmethod
-    def apply(
-        self,
-        output: torch.Tensor,
-        hidden_states: torch.Tensor,
-        weights: ExpertWeights,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        *,
-        activation: ActivationSpec,
-        global_num_experts: int,
-        expert_map: torch.Tensor | None,
-        a1q_scale: torch.Tensor | None,
-        a1q_global_scale: torch.Tensor | None,
-        quant_config: FusedMoEQuantConfig | None,
-        workspace13: torch.Tensor,
-        workspace2: torch.Tensor,
-        expert_tokens_meta: ExpertTokensMeta | None,
-        apply_router_weight_on_input: bool,
-    ) -> None:
-        """Write the experts' result into `output` (shape from workspace_shapes)."""
+    def apply(self, call: ExpertsCall) -> None:
+        """Write the experts' result into call.output (shape from workspace_shapes)."""
 
     def apply_monolithic(
         self,

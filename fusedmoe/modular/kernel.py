@@ -2,7 +2,7 @@
 
     for each chunk of at most chunk_size tokens:
         prepared = prepare_finalize.prepare(x[chunk], ...)
-        experts.apply(out_buffer, prepared.a1q, ...)        # into reused workspaces
+        experts.apply(ExpertsCall(out_buffer, prepared.a1q, ...))   # into reused workspaces
         prepare_finalize.finalize(output[chunk], out_buffer, ...)
 
 Every token's result depends on that token alone, so chunking changes nothing in the output;
@@ -22,7 +22,7 @@ import torch
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.prepare_finalize import PrepareFinalize
 from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights, needs_grad
+from fusedmoe.modular.types import ActivationSpec, ExpertsCall, ExpertWeights, needs_grad
 
 CHUNK_SIZE_ENV = "FUSEDMOE_CHUNK_SIZE"
 DEFAULT_CHUNK_SIZE = 32768
@@ -164,21 +164,23 @@ class FusedMoEModularKernel:
             expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
         if num_tokens:  # EP: a rank where no token landed skips its experts, not finalize
             experts.apply(
-                expert_output,
-                prepared.a1q,
-                weights,
-                prepared.topk_weights,
-                prepared.topk_ids,
-                activation=activation,
-                global_num_experts=global_num_experts,
-                expert_map=expert_map,
-                a1q_scale=prepared.a1q_scale,
-                a1q_global_scale=prepared.a1q_global_scale,
-                quant_config=quant_config,
-                workspace13=workspace13,
-                workspace2=workspace2,
-                expert_tokens_meta=prepared.expert_tokens_meta,
-                apply_router_weight_on_input=apply_router_weight_on_input,
+                ExpertsCall(
+                    output=expert_output,
+                    hidden_states=prepared.a1q,
+                    weights=weights,
+                    topk_weights=prepared.topk_weights,
+                    topk_ids=prepared.topk_ids,
+                    activation=activation,
+                    global_num_experts=global_num_experts,
+                    workspace13=workspace13,
+                    workspace2=workspace2,
+                    expert_map=expert_map,
+                    quant_config=quant_config,
+                    a1q_scale=prepared.a1q_scale,
+                    a1q_global_scale=prepared.a1q_global_scale,
+                    expert_tokens_meta=prepared.expert_tokens_meta,
+                    apply_router_weight_on_input=apply_router_weight_on_input,
+                )
             )
         self.prepare_finalize.finalize(
             output,

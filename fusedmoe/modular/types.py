@@ -87,6 +87,41 @@ class PrepareResult:
     expert_tokens_meta: ExpertTokensMeta | None = None
 
 
+@dataclass
+class ExpertsCall:
+    """One call of Experts.apply: the experts' inputs, where they write, and their scratch.
+
+    The modular kernel builds it after prepare; a backend reads the fields it needs. Adding a
+    field here (with a default) reaches every backend without touching their signatures.
+    """
+
+    output: torch.Tensor  # written by the backend: [M, H] if it reduces, else [M, k, H]
+    hidden_states: torch.Tensor  # a1q [M, H]: quantized by prepare unless the backend defers it
+    weights: ExpertWeights
+    topk_weights: torch.Tensor  # float32 [M, k]
+    topk_ids: torch.Tensor  # int32 [M, k] global ids; -1 (or an id off this rank) adds nothing
+    activation: ActivationSpec
+    global_num_experts: int  # E: the range of topk_ids
+    workspace13: torch.Tensor  # scratch of workspace_shapes().workspace13
+    workspace2: torch.Tensor  # scratch of workspace_shapes().workspace2
+    expert_map: torch.Tensor | None = None  # int32 [E] global -> local id, -1 on other ranks
+    quant_config: FusedMoEQuantConfig | None = None
+    a1q_scale: torch.Tensor | None = None  # scales of a quantized hidden_states
+    a1q_global_scale: torch.Tensor | None = None  # NVFP4 activations: float32 [1]
+    expert_tokens_meta: ExpertTokensMeta | None = None  # tokens per local expert, when known
+    #: top-1 routing with the router weight applied to the input (prepare did it): the
+    #: backend must not multiply by topk_weights again
+    apply_router_weight_on_input: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_ids.shape[1]
+
+
 @dataclass(frozen=True)
 class WorkspaceShapes:
     """Buffers the modular kernel allocates (and reuses) for one call of the experts."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedmoe.parallel.comm import EPCommStats, EPGroup, row_bytes
 from fusedmoe.modular.prepare_finalize import PrepareFinalize, apply_weight_on_input
 from fusedmoe.modular.types import PrepareResult
+from fusedmoe.parallel.comm import EPCommStats, EPGroup, row_bytes
 from fusedmoe.quant import keys
 from fusedmoe.quant.activation import quantize_input
 from fusedmoe.quant.config import FusedMoEQuantConfig

@@ -3,10 +3,10 @@
 fusedmoe demo      [--preset qwen3-30b-a3b] [--tokens N] [--device cpu|cuda] [--dtype bfloat16]
 fusedmoe bench     [--preset a,b | --experts E --top-k k --hidden H --intermediate I]
                    [--quant bf16,fp8_block] [--tokens 1,8,64] [--routing uniform,skewed]
-                   [--backends triton,...] [--json F] [--csv F] [--plot F.png]   (fusedmoe.tools.bench)
+                   [--backends triton,...] [--json F] [--csv F] [--plot F.png]     (tools.bench)
 fusedmoe tune      [--preset a,b | custom shape] [--dtype bf16,fp8_block] [--tokens ...]
-                   [--out DIR | --ship] [--budget-s S]                           (fusedmoe.tools.tune)
-fusedmoe backends  [--json]                                              (fusedmoe.tools.capabilities)
+                   [--out DIR | --ship] [--budget-s S]                             (tools.tune)
+fusedmoe backends  [--json]                                              (tools.capabilities)
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from fusedmoe.activation import MoEActivation
-from fusedmoe.tools.presets import PRESETS, get_preset
 from fusedmoe.quant.config import SCHEMES
+from fusedmoe.tools.presets import PRESETS, get_preset
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: relative (norm) error the demo accepts against the float64 reference
@@ -233,7 +233,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_ep_bench(args: argparse.Namespace) -> int:
-    """`fusedmoe bench --ep N` under torchrun: the expert-parallel layer (fusedmoe.tools.ep_bench)."""
+    """`fusedmoe bench --ep N` under torchrun: the expert-parallel layer (tools.ep_bench)."""
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

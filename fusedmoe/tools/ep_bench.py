@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fusedmoe.layer import FusedMoE
+from fusedmoe.modular.types import ExpertsCall
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.tools.presets import get_preset
 
@@ -73,7 +74,9 @@ class Row:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="fusedmoe.tools.ep_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="fusedmoe.tools.ep_bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -225,12 +228,15 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     t2 = timer.mark()
     if num_tokens:
         experts.apply(
-            out, prepared.a1q, weights, prepared.topk_weights, prepared.topk_ids,
-            activation=layer.activation, global_num_experts=num_physical,
-            expert_map=layer.expert_map, a1q_scale=prepared.a1q_scale,
-            a1q_global_scale=prepared.a1q_global_scale, quant_config=qc, workspace13=ws13,
-            workspace2=ws2, expert_tokens_meta=prepared.expert_tokens_meta,
-            apply_router_weight_on_input=False,
+            ExpertsCall(
+                output=out, hidden_states=prepared.a1q, weights=weights,
+                topk_weights=prepared.topk_weights, topk_ids=prepared.topk_ids,
+                activation=layer.activation, global_num_experts=num_physical,
+                workspace13=ws13, workspace2=ws2, expert_map=layer.expert_map,
+                quant_config=qc, a1q_scale=prepared.a1q_scale,
+                a1q_global_scale=prepared.a1q_global_scale,
+                expert_tokens_meta=prepared.expert_tokens_meta,
+            )
         )  # fmt: skip
     t3 = timer.mark()
     output = torch.empty_like(x)

@@ -14,7 +14,7 @@ For each token bucket M (the shape's real sizes):
                 bucket's share of --budget-s is spent, or --max-configs were timed
     timing      the whole fused_experts call under use_moe_kernel_config(candidate), median of
                 CUDA-graph replays (triton.testing.do_bench_cudagraph), summed over a uniform
-                and a Zipf-skewed routing (fusedmoe.tools.bench.inputs): a config that wins on uniform
+                and a Zipf-skewed routing (tools.bench.inputs): a config that wins on uniform
                 routing alone can lose 30-50% when a popular expert's rows make many thin
                 tiles; a candidate that does not compile or launch (shared memory, registers)
                 is dropped
@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from fusedmoe.activation import MoEActivation
+from fusedmoe.functional import fused_experts
 from fusedmoe.tools.bench.inputs import (
     ROUTINGS,
     make_expert_weights,
@@ -51,7 +52,6 @@ from fusedmoe.tools.bench.inputs import (
     quantize_expert_set,
 )
 from fusedmoe.tools.bench.timing import rel_err
-from fusedmoe.functional import fused_experts
 
 __all__ = ["TUNE_DTYPES", "TuneResult", "TuneShape", "candidates_around", "tune_shape"]
 

@@ -1,4 +1,4 @@
-"""`fusedmoe bench`: from parsed arguments to the table, JSON, CSV and plot (fusedmoe.tools.cli parses).
+"""`fusedmoe bench`: from parsed arguments to the table, JSON, CSV and plot (tools.cli parses).
 
 Shapes: presets (real sizes on a GPU; on the CPU divided by --scale, default 16, and labelled
 "(scaled 1/16)") or one custom --experts --top-k --hidden --intermediate shape, as given.
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fusedmoe._triton import has_triton
+from fusedmoe.oracle import backend_names
 from fusedmoe.tools.bench.contenders import BASELINES
 from fusedmoe.tools.bench.report import (
     Progress,
@@ -24,7 +25,6 @@ from fusedmoe.tools.bench.report import (
 )
 from fusedmoe.tools.bench.sweep import BenchSpec, run_bench
 from fusedmoe.tools.ceilings import device_label, resolve_ceilings
-from fusedmoe.oracle import backend_names
 from fusedmoe.tools.presets import PRESETS, MoEPreset, get_preset
 
 __all__ = ["CPU_SCALE", "CPU_TOKENS", "GPU_TOKENS", "run_bench_command"]

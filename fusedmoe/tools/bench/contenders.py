@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusedmoe.tools.baselines import eager_experts, grouped_mm_experts, grouped_mm_unavailable
-from fusedmoe.tools.bench.inputs import ExpertSet, RoutingInputs
 from fusedmoe.functional import check_expert_weights, fused_experts
 from fusedmoe.modular.types import ActivationSpec, InsideRouting, MoEProblem
 from fusedmoe.oracle import BACKENDS, BackendChoice, get_backend, select_backend
 from fusedmoe.router import create_router
+from fusedmoe.tools.baselines import eager_experts, grouped_mm_experts, grouped_mm_unavailable
+from fusedmoe.tools.bench.inputs import ExpertSet, RoutingInputs
 
 __all__ = [
     "BASELINES",

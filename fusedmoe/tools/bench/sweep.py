@@ -8,7 +8,7 @@ reference backend on the same inputs:
     rel_err       max |out - ref| / max |ref|, ref = fused_experts(..., backend="torch") (float64
                   inside) where M * k <= ref_max_slots; beyond it (the float64 reference gets
                   slow), against the first other contender, named in err_ref
-    floor_ms      fusedmoe.tools.roofline.moe_floor for the weights the contender reads (the baselines
+    floor_ms      tools.roofline.moe_floor for the weights the contender reads (the baselines
                   read the scheme's values as 16-bit weights: their floor is a 16-bit one)
     tflops, gbps  the floor's flops and bytes over the measured time
     roofline_pct  floor_ms / time_ms * 100
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fusedmoe.modular.types import ActivationSpec, MoEProblem
+from fusedmoe.quant.config import SCHEMES
 from fusedmoe.tools.bench.contenders import (
     REFERENCE,
     Contender,
@@ -32,9 +34,7 @@ from fusedmoe.tools.bench.contenders import (
 )
 from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
 from fusedmoe.tools.bench.timing import rel_err, time_ms
-from fusedmoe.modular.types import ActivationSpec, MoEProblem
 from fusedmoe.tools.presets import MoEPreset
-from fusedmoe.quant.config import SCHEMES
 from fusedmoe.tools.roofline import Ceilings, distinct_experts, moe_floor
 
 __all__ = ["PLAIN_DTYPES", "QUANTS", "BenchSpec", "Row", "run_bench"]

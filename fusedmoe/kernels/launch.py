@@ -1,0 +1,111 @@
+"""Launch a @triton.jit kernel with less host work than `kernel[grid](...)`.
+
+`JITFunction.run` does, on every launch: bind the arguments and compute their specialization,
+hash that into a cache key, compare every global the kernel read with its value at compile time
+(one `tl.constexpr` comparison each: our GEMM kernel reads about twenty), build launch metadata
+for profiling hooks, then launch. On the lent GPUs' host a plain launch of our GEMM kernel
+costs several times a torch op; an eager decode call launches three to five kernels.
+
+`launch` keeps the parts that decide *which* binary runs (Triton's own binder and cache key,
+so the specialization on dtypes, 16-byte alignment and integer values is exactly Triton's) and
+skips the rest once a kernel has been launched through Triton's normal path on that device:
+
+    first launch on a device   kernel[grid](*args, **constexprs)   (compiles; learns the options
+                                                                     run() adds to the binder)
+    later launches             binder -> cache key -> the compiled kernel -> its launcher
+
+Anything unusual falls back to the normal path: the interpreter (CPU tensors), a key Triton has
+not compiled yet, launch hooks installed (profilers), or a Triton whose internals differ from
+what this module expects (then the fast path turns itself off for the process). The global
+values check is dropped on purpose: fusedmoe's kernels read only module constants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["launch", "launch_stats"]
+
+_STATS = {"fast": 0, "slow": 0}
+# (kernel, device index) -> (binder, kernel_cache, key_cache, extra binder kwargs)
+_LEARNED: dict[tuple[object, int], tuple] = {}
+_ENABLED = True
+
+
+def launch_stats() -> dict[str, int]:
+    """Launches through the fast path and through `kernel[grid]` so far (for benchmarks)."""
+    return dict(_STATS)
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, on_cuda: bool) -> None:
+    """kernel[grid](*args, **constexprs), with JITFunction.run's per-launch work cut (above).
+
+    args: the runtime arguments in the kernel's order; constexprs: every tl.constexpr argument
+    and launch option (num_warps, num_stages) by keyword; on_cuda: the tensors are on a CUDA
+    device (False: the interpreter, always the normal path).
+    """
+    global _ENABLED
+    if not (on_cuda and _ENABLED):
+        kernel[grid](*args, **constexprs)
+        return
+    device = torch.cuda.current_device()
+    learned = _LEARNED.get((kernel, device))
+    if learned is None:
+        _learn(kernel, device, grid, args, constexprs)
+        return
+    try:
+        from triton import knobs
+        from triton.runtime.jit import compute_cache_key
+
+        binder, kernel_cache, key_cache, extra = learned
+        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook:
+            compiled = None  # a profiler listens: let Triton build its launch metadata
+        else:
+            bound, specialization, options = binder(*args, **constexprs, **extra)
+            compiled = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+        if compiled is None or getattr(compiled, "function", None) is None:
+            _STATS["slow"] += 1
+            kernel[grid](*args, **constexprs)  # not compiled yet for this specialization
+            return
+        grid_x = grid[0]
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        stream = torch.cuda.current_stream(device).cuda_stream
+        compiled.run(
+            grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+            None, None, None, *bound.values(),
+        )  # fmt: skip
+        _STATS["fast"] += 1
+    except (AttributeError, ImportError, TypeError, ValueError):
+        # Triton's internals are not what this module knows: the normal path from now on.
+        # (The launcher parses its arguments before launching, so a mismatch raises here
+        # instead of running a kernel on wrong arguments.)
+        _ENABLED = False
+        kernel[grid](*args, **constexprs)
+
+
+def _learn(kernel, device: int, grid, args: tuple, constexprs: dict) -> None:
+    """Launch through Triton's normal path once, recording the keyword options run() hands
+    its binder (debug and the like, process-wide knobs) beside ours."""
+    global _ENABLED
+    _STATS["slow"] += 1
+    try:
+        caches = kernel.device_caches[device]
+        kernel_cache, key_cache, _target, _backend, binder = caches
+    except (AttributeError, TypeError, ValueError):
+        _ENABLED = False
+        kernel[grid](*args, **constexprs)
+        return
+    seen: dict = {}
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return binder(*a, **kw)
+
+    kernel.device_caches[device] = (*caches[:4], spy)
+    try:
+        kernel[grid](*args, **constexprs)
+    finally:
+        kernel.device_caches[device] = caches
+    extra = {k: v for k, v in seen.items() if k not in constexprs}
+    _LEARNED[(kernel, device)] = (binder, kernel_cache, key_cache, extra)
