@@ -25,7 +25,7 @@ from pathlib import Path
 
 import triton
 
-from fusedmoe._paths import user_tuned_dir
+from fusedmoe._paths import CACHE_ENV, user_tuned_dir
 
 __all__ = [
     "TUNED_CONFIGS_ENV",
@@ -169,6 +169,19 @@ def moe_kernel_config(
     override = _override.get()
     if override is not None:
         return override
+    # resolved once per signature (the table lookup walks paths: ~100 us on a slow host); the
+    # table directories are part of the key, so changing them between calls is seen
+    return _resolved_config(
+        num_tokens, top_k, num_local_experts, gemm1_rows, hidden_size, intermediate_size, dtype,
+        device_name, os.environ.get(TUNED_CONFIGS_ENV), os.environ.get(CACHE_ENV),
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved_config(
+    num_tokens, top_k, num_local_experts, gemm1_rows, hidden_size, intermediate_size, dtype,
+    device_name, _tables_env, _cache_env,
+) -> MoEKernelConfig:  # fmt: skip
     tuned = _tuned(device_name, num_local_experts, gemm1_rows, hidden_size, dtype, num_tokens)
     if tuned is not None:
         return tuned
