@@ -1,16 +1,38 @@
 """Prefill and decode time of a mid-size random-initialised transformers MoE model on a GPU.
 
-    python benchmarks/bench_hf_model.py [--layers 4] [--prefill 2048] [--decode 64] [--json out]
+    python benchmarks/bench_hf_model.py [--model qwen3|deepseek] [--layers 4] [--prefill 2048]
+                                        [--decode 64] [--no-compile] [--json out.json]
 
-The model is Qwen3-MoE with the real hidden and expert sizes of Qwen3-30B-A3B (hidden 2048,
-128 experts of intermediate 768, top-8) and a few layers, in bfloat16. Each implementation
-runs the same weights and inputs:
+Models (bfloat16, a few layers, real expert sizes):
+    qwen3      Qwen3-MoE with the sizes of Qwen3-30B-A3B: hidden 2048, 128 experts of
+               intermediate 768, top-8, softmax routing (the default)
+    deepseek   DeepSeek-V3-style (transformers' DeepseekV3Config): MLA attention, 256 routed
+               experts of intermediate 768 at hidden 2048, top-8 of sigmoid scores
+               within the best 4 of 8 groups (ranked by top-2 sums of scores +
+               e_score_correction_bias, drawn N(0, 0.1^2) here rather than zeros),
+               renormalised, times routed_scaling_factor 2.5, one shared expert, the first
+               layer dense (first_k_dense_replace=1). 4 layers hold about 8 GB of bf16
+               weights (3 MoE layers of 2.4 GB), sized so that each row of --layers 4
+               --prefill 2048 --decode 32 runs in under a minute on an H100.
+Each implementation runs the same weights and inputs:
     eager        transformers' per-expert loop
     grouped_mm   transformers' torch._grouped_mm implementation
     fusedmoe     the experts through fusedmoe (experts_implementation="fusedmoe")
     patched      whole MoE blocks replaced by FusedMoE (fusedmoe.integrations.transformers.patch)
-Prefill: one forward of [1, prefill] tokens. Decode: ms per token of greedy generation of
-`decode` tokens after a 16-token prompt. Logits are compared with eager's (max abs diff).
+
+Rows, mode "eager" (every impl): prefill = one forward of [1, prefill] tokens; decode = ms per
+token of greedy generation of `decode` tokens after a 16-token prompt (dynamic KV cache, the
+prompt's forward included); logits compared with the eager impl's (max abs diff).
+Rows, mode "static+compile" (grouped_mm, fusedmoe, patched; --no-compile skips them): the same
+generation with a static KV cache, which transformers' generate() compiles on its own
+(generation_config.cache_implementation = "static", compile_config = CompileConfig(
+fullgraph=False, mode="reduce-overhead"): the decode steps run torch.compile'd and replayed
+from CUDA graphs, the prompt's forward eager); the first generate() (compilation, graph
+recording) is not timed. experts_graph_breaks: torch._dynamo.explain(module)(...) on the
+first MoE layer's experts module (fusedmoe, grouped_mm) or FusedMoEBlock (patched) with a
+one-token input: its graph_break_count, the number of breaks torch.compile takes inside that
+call (0: the experts compile into the decode graph); the first reason goes in the note.
+An impl that fails writes its error in the note column; the others still run.
 """
 
 from __future__ import annotations
@@ -30,28 +52,88 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+IMPLS = ("eager", "grouped_mm", "fusedmoe", "patched")
+COMPILED_IMPLS = ("grouped_mm", "fusedmoe", "patched")
+PROMPT = 16
 
-def build_model(layers: int, device: str):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=32768,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
+#: the benchmark's sizes (build_model's defaults) and tiny ones for a CPU build test
+SIZES = {
+    "qwen3": dict(
+        vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
         num_experts_per_tok=8,
-        norm_topk_prob=True,
-        max_position_embeddings=8192,
-    )
+    ),
+    "deepseek": dict(
+        vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+        num_experts_per_tok=8, n_group=8, topk_group=4,
+    ),
+}  # fmt: skip
+TINY_SIZES = {
+    "qwen3": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "deepseek": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2,
+    ),
+}  # fmt: skip
+
+
+def _config(name: str, layers: int, sizes: dict):
+    if name == "qwen3":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            num_hidden_layers=layers, norm_topk_prob=True, max_position_embeddings=8192, **sizes
+        )
+        return config, Qwen3MoeForCausalLM
+    if name == "deepseek":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        config = DeepseekV3Config(
+            num_hidden_layers=layers, n_shared_experts=1, routed_scaling_factor=2.5,
+            first_k_dense_replace=1 if layers > 1 else 0, norm_topk_prob=True,
+            max_position_embeddings=8192, num_mtp_layers=0, **sizes,
+        )  # fmt: skip
+        return config, DeepseekV3ForCausalLM
+    raise ValueError(f"unknown model {name!r}; expected qwen3 or deepseek")
+
+
+def build_model(
+    name: str, layers: int, device: str, dtype: torch.dtype = torch.bfloat16, **sizes
+) -> torch.nn.Module:
+    """A random-initialised `name` model of `layers` layers in eval mode (sizes: SIZES[name],
+    any of them overridden)."""
+    config, cls = _config(name, layers, {**SIZES[name], **sizes})
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+        model = cls(config).to(dtype).eval()
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):  # zeros at init: make the bias matter; float32
+            module.e_score_correction_bias = 0.1 * torch.randn_like(bias, dtype=torch.float32)
     return model
+
+
+def describe(name: str, layers: int) -> str:
+    s = SIZES[name]
+    if name == "qwen3":
+        return (
+            f"Qwen3-MoE {layers} layers (H {s['hidden_size']}, E {s['num_experts']}, "
+            f"I {s['moe_intermediate_size']}, k {s['num_experts_per_tok']}), bf16"
+        )
+    return (
+        f"DeepSeek-V3-style {layers} layers (first dense; H {s['hidden_size']}, "
+        f"E {s['n_routed_experts']}, I {s['moe_intermediate_size']}, k "
+        f"{s['num_experts_per_tok']} in {s['topk_group']} of {s['n_group']} groups, 1 shared "
+        "expert, MLA), bf16"
+    )
 
 
 def timed(fn, repeats: int) -> float:
@@ -67,70 +149,164 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def prepare(base: torch.nn.Module, impl: str) -> tuple[torch.nn.Module, str]:
+    """A copy of `base` running `impl`, and a note."""
+    import fusedmoe.integrations.transformers as fmt
+
+    model = copy.deepcopy(base)
+    if impl == "patched":
+        report = fmt.patch(model)
+        return model, f"replaced {len(report.replaced)} blocks"
+    model.set_experts_implementation(impl)
+    return model, ""
+
+
+def first_moe(model: torch.nn.Module, impl: str) -> torch.nn.Module | None:
+    """The module whose compiled graph breaks are counted: the FusedMoEBlock (patched) or the
+    experts module of the first MoE layer."""
+    from fusedmoe.integrations.transformers import FusedMoEBlock
+
+    for module in model.modules():
+        if impl == "patched" and isinstance(module, FusedMoEBlock):
+            return module
+        if impl != "patched" and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            return module
+    return None
+
+
+def experts_graph_breaks(model: torch.nn.Module, impl: str) -> tuple[int | None, str]:
+    """(torch._dynamo.explain's graph_break_count of one decode-sized call of the first MoE
+    module, its first break reason); (None, why) where it cannot be measured."""
+    module = first_moe(model, impl)
+    if module is None:
+        return None, "no MoE module found"
+    hidden = model.config.hidden_size
+    device = next(model.parameters()).device
+    x = torch.randn(1, hidden, device=device, dtype=model.dtype)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        if impl == "patched":
+            explain = torch._dynamo.explain(module)(x.view(1, 1, hidden))
+        else:
+            k = model.config.num_experts_per_tok
+            ids = torch.randperm(module.num_experts, device=device)[:k].view(1, k)
+            weights = torch.full((1, k), 1.0 / k, device=device, dtype=model.dtype)
+            explain = torch._dynamo.explain(module)(x, ids, weights)
+    torch._dynamo.reset()
+    reasons = [str(getattr(r, "reason", r)).splitlines()[0][:160] for r in explain.break_reasons]
+    return explain.graph_break_count, (f"first break: {reasons[0]}" if reasons else "")
+
+
+def run_eager_row(base, impl: str, args, prefill_ids, prompt, reference: dict) -> dict:
+    model, note = prepare(base, impl)
+    with torch.inference_mode():
+        logits = model(prefill_ids).logits.float()
+        reference.setdefault("logits", logits)
+        diff = float((logits - reference["logits"]).abs().max())
+        prefill_ms = timed(lambda: model(prefill_ids), args.repeats)
+
+        def generate():
+            model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
+                           do_sample=False)  # fmt: skip
+
+        decode_ms = timed(generate, 1) / args.decode
+    return dict(
+        prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
+        decode_ms_per_token=round(decode_ms, 3), max_abs_logit_diff_vs_eager=diff, note=note,
+    )  # fmt: skip
+
+
+def run_compiled_row(base, impl: str, args, prompt) -> dict:
+    """Greedy decode with a static KV cache, generate()'s own torch.compile (reduce-overhead)."""
+    from transformers import CompileConfig
+
+    model, note = prepare(base, impl)
+    breaks, why = experts_graph_breaks(model, impl)
+    note = "; ".join(n for n in (note, why) if n)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead")
+    torch._dynamo.reset()  # each impl compiles afresh, within the recompile limit
+    with torch.inference_mode():
+
+        def generate():
+            model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
+                           do_sample=False)  # fmt: skip
+
+        decode_ms = timed(generate, 2) / args.decode
+    return dict(decode_ms_per_token=round(decode_ms, 3), experts_graph_breaks=breaks, note=note)
+
+
+def _row(model: str, impl: str, mode: str, **values) -> dict:
+    row = dict(model=model, impl=impl, mode=mode, prefill_ms=None, prefill_tok_s=None,
+               decode_ms_per_token=None, max_abs_logit_diff_vs_eager=None,
+               experts_graph_breaks=None, note="")  # fmt: skip
+    row.update(values)
+    return row
+
+
+def _failure(exc: Exception) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"failed: {type(exc).__name__}: {text[:200]}"
+
+
+def _print_table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    cells = [["-" if r[k] is None else str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)).rstrip())
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SIZES), default="qwen3")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument(
-        "--impls", nargs="+", default=["eager", "grouped_mm", "fusedmoe", "patched"]
+        "--no-compile", action="store_true", help="skip the static-cache torch.compile rows"
     )
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write every row here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hf_model: needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    import fusedmoe.integrations.transformers as fmt
-
-    base = build_model(args.layers, "cuda")
+    base = build_model(args.model, args.layers, "cuda")
     prefill_ids = torch.randint(0, base.config.vocab_size, (1, args.prefill), device="cuda")
-    prompt = prefill_ids[:, :16]
-    rows, reference_logits = [], None
+    prompt = prefill_ids[:, :PROMPT]
+    rows, reference = [], {}
     for impl in args.impls:
-        model = copy.deepcopy(base)
-        if impl == "patched":
-            report = fmt.patch(model)
-            note = f"replaced {len(report.replaced)} blocks"
-        else:
-            model.set_experts_implementation(impl)
-            note = ""
-        with torch.inference_mode():
-            logits = model(prefill_ids).logits.float()
-            if reference_logits is None:
-                reference_logits = logits
-            diff = float((logits - reference_logits).abs().max())
-            prefill_ms = timed(lambda m=model: m(prefill_ids), args.repeats)
+        try:
+            values = run_eager_row(base, impl, args, prefill_ids, prompt, reference)
+        except Exception as exc:  # one impl failing must not end the run
+            values = dict(note=_failure(exc))
+        torch.cuda.empty_cache()  # the impl's copy of the model is gone
+        rows.append(_row(args.model, impl, "eager", **values))
+        print(rows[-1], file=sys.stderr, flush=True)
+    if not args.no_compile:
+        for impl in (i for i in args.impls if i in COMPILED_IMPLS):
+            try:
+                values = run_compiled_row(base, impl, args, prompt)
+            except Exception as exc:
+                values = dict(note=_failure(exc))
+            torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph pools
+            torch.cuda.empty_cache()
+            rows.append(_row(args.model, impl, "static+compile", **values))
+            print(rows[-1], file=sys.stderr, flush=True)
 
-            def generate(m=model):
-                m.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
-                           do_sample=False)  # fmt: skip
-
-            decode_ms = timed(generate, 1) / args.decode
-        rows.append(
-            dict(
-                impl=impl,
-                prefill_ms=round(prefill_ms, 2),
-                prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
-                decode_ms_per_token=round(decode_ms, 2),
-                max_abs_logit_diff_vs_eager=diff,
-                note=note,
-            )
-        )
-        del model
-        torch.cuda.empty_cache()
-
-    shape = f"Qwen3-MoE {args.layers} layers (H 2048, E 128, I 768, k 8), bf16"
     print(
-        f"# {torch.cuda.get_device_name()}, {shape}, prefill {args.prefill}, decode {args.decode}"
+        f"# {torch.cuda.get_device_name()}, {describe(args.model, args.layers)}, prefill "
+        f"{args.prefill}, decode {args.decode} after a {PROMPT}-token prompt, torch "
+        f"{torch.__version__}"
     )
-    keys = list(rows[0])
-    print("  ".join(f"{k:>24}" for k in keys))
-    for row in rows:
-        print("  ".join(f"{row[k]!s:>24}" for k in keys))
+    _print_table(rows)
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"# wrote {len(rows)} rows to {args.json}")
     return 0
 
 

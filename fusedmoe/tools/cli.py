@@ -4,6 +4,7 @@ fusedmoe demo      [--preset qwen3-30b-a3b] [--tokens N] [--device cpu|cuda] [--
 fusedmoe bench     [--preset a,b | --experts E --top-k k --hidden H --intermediate I]
                    [--quant bf16,fp8_block] [--tokens 1,8,64] [--routing uniform,skewed]
                    [--backends triton,...] [--json F] [--csv F] [--plot F.png]     (tools.bench)
+                   [--eager]: eager vs CUDA-graph time, host us, launches, syncs per call
 fusedmoe tune      [--preset a,b | custom shape] [--dtype bf16,fp8_block] [--tokens ...]
                    [--out DIR | --ship] [--budget-s S]                             (tools.tune)
 fusedmoe backends  [--json]                                              (tools.capabilities)
@@ -347,6 +348,13 @@ def _add_bench(sub) -> None:
         "of the float64 reference",
     )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="time host cost per call instead: the FusedMoE layer, fused_experts and the "
+        "grouped_mm pipeline, eager (N calls, one sync) beside CUDA-graph replay, with host "
+        "time, launches and syncs per call (fusedmoe.tools.bench.eager)",
+    )
     ep = p.add_argument_group("expert parallelism (under torchrun: one process per rank)")
     ep.add_argument("--ep", type=int, default=1, help="ranks: time the EP layer (tokens per rank)")
     ep.add_argument(

@@ -2,6 +2,7 @@
 
 Shapes: presets (real sizes on a GPU; on the CPU divided by --scale, default 16, and labelled
 "(scaled 1/16)") or one custom --experts --top-k --hidden --intermediate shape, as given.
+--eager times host cost per call instead (fusedmoe.tools.bench.eager).
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.plot is not None and (why := plot_available()) is not None:
         return _fail(why)
     tokens = args.tokens or list(CPU_TOKENS if device.type == "cpu" else GPU_TOKENS)
+    if getattr(args, "eager", False):
+        from fusedmoe.tools.bench.eager import run_eager_command
+
+        return run_eager_command(args, device, shapes, tokens)
     ceilings = resolve_ceilings(
         args.ceilings, device, hbm_gbps=args.hbm_gbps, bf16_tflops=args.bf16_tflops,
         fp8_tflops=args.fp8_tflops,

@@ -1,0 +1,73 @@
+"""fusedmoe bench --eager on the CPU (eager and host time; the CUDA columns are "-"), and the
+models of benchmarks/bench_hf_model.py built at tiny sizes."""
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedmoe.tools.bench.eager import ENTRIES, EagerRow
+from fusedmoe.tools.cli import main
+
+EAGER_KEYS = {"preset", "quant", "routing", "entry", "backend", "tokens", "calls", "eager_us"}
+EAGER_KEYS |= {"graph_us", "ratio", "host_us", "launches", "syncs", "timing", "note", "device"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_eager_on_cpu_writes_json_and_csv(tmp_path, capsys):
+    js, cs = tmp_path / "eager.json", tmp_path / "eager.csv"
+    argv = ["bench", "--eager", "--device", "cpu", "--preset", "qwen3-30b-a3b", "--tokens", "1,4"]
+    argv += ["--quant", "bf16", "--quiet", "--rep-ms", "5", "--json", str(js), "--csv", str(cs)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    table = out.splitlines()
+    assert "eager_us" in out and "host_us" in out and "the layer runs" in out
+    assert table[-1].startswith("qwen3-30b-a3b (scaled 1/16)")  # the table comes last
+    rows = json.loads(js.read_text())
+    assert set(EagerRow.__dataclass_fields__) <= EAGER_KEYS
+    assert len(rows) == 2 * len(ENTRIES) and all(set(r) >= EAGER_KEYS for r in rows)
+    assert {(r["entry"], r["tokens"]) for r in rows} == {(e, m) for e in ENTRIES for m in (1, 4)}
+    for r in rows:
+        assert r["timing"] == "cpu" and r["note"] in ("", "softmax top-k routing"), r
+        assert r["eager_us"] > 0 and 0 < r["host_us"] <= r["eager_us"] * 1.01 and r["calls"] >= 3
+        # no CUDA: no graph, launches or syncs
+        assert r["graph_us"] is None and r["ratio"] is None
+        assert r["launches"] is None and r["syncs"] is None
+    with cs.open() as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+
+
+def test_bench_eager_quantized_custom_shape(capsys):
+    argv = ["bench", "--eager", "--device", "cpu", "--experts", "8", "--top-k", "2"]
+    argv += ["--hidden", "64", "--intermediate", "64", "--tokens", "3", "--quant", "fp8_block"]
+    assert main([*argv, "--quiet", "--rep-ms", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:6] == "custom"]
+    assert [r[2] for r in rows] == list(ENTRIES) and all(r[1] == "fp8_block" for r in rows)
+
+
+def _hf_bench():
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location(
+        "bench_hf_model", ROOT / "benchmarks" / "bench_hf_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_hf_bench_models_build_tiny(name):
+    """The benchmark's models at tiny sizes: built, patched, one forward (no timing)."""
+    bench = _hf_bench()
+    import fusedmoe.integrations.transformers as fmt
+
+    model = bench.build_model(name, 2, "cpu", dtype=torch.float32, **bench.TINY_SIZES[name])
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        report = fmt.patch(model)
+        assert len(report.replaced) >= 1 and not report.skipped, report
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
