@@ -5,6 +5,7 @@
 Importing fusedmoe queries no hardware and needs neither a GPU nor Triton.
 """
 
+from fusedmoe._checks import debug_checks, set_debug_checks
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.functional import fused_experts, fused_moe
 from fusedmoe.layer import FusedMoE
@@ -25,8 +26,10 @@ __all__ = [
     "apply_activation",
     "available_backends",
     "create_router",
+    "debug_checks",
     "fused_experts",
     "fused_moe",
     "get_compressed_expert_map",
     "select_backend",
+    "set_debug_checks",
 ]

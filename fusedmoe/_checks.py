@@ -1,15 +1,26 @@
 """Input checks shared by every public entry point.
 
 Every check raises ValueError or TypeError naming the argument, what was expected and what
-was given, before any kernel runs. Checks on tensor *values* (ids in range) need a
-device-to-host copy; they run eagerly, and are skipped while a CUDA graph is being captured or
-torch.compile is tracing, where a sync is impossible (see `value_checks_enabled`).
+was given, before any kernel runs. Shapes, dtypes and devices are always checked (they cost no
+device sync). Checks on tensor *values* (ids in range, expert_map entries) read the tensor on
+the host: free for CPU tensors, always done there; for a GPU tensor a device-to-host sync that
+stalls the launch queue, so they run only in debug mode:
+
+    FUSEDMOE_DEBUG_CHECKS=1            (environment, read at each call)
+    fusedmoe.set_debug_checks(True)    (process-wide; None returns to the environment)
+    with fusedmoe.debug_checks(): ...  (scoped)
+
+Without debug mode the kernels never read or write out of bounds: an id outside [0, E) or an
+expert_map entry outside [0, E_l) is treated as a slot routed to no expert here (it adds
+nothing). Value checks are also skipped while a CUDA graph is captured or torch.compile traces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -66,16 +77,62 @@ def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
+DEBUG_CHECKS_ENV = "FUSEDMOE_DEBUG_CHECKS"
+_debug_override: bool | None = None
+
+
+def debug_checks_enabled() -> bool:
+    """Whether value checks that synchronise with a GPU run (see the module docstring)."""
+    if _debug_override is not None:
+        return _debug_override
+    return os.environ.get(DEBUG_CHECKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def set_debug_checks(enabled: bool | None) -> None:
+    """Turn the GPU value checks on or off for the process; None: follow FUSEDMOE_DEBUG_CHECKS."""
+    global _debug_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool or None, got {type(enabled).__name__}")
+    _debug_override = enabled
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True) -> Iterator[None]:
+    """Scoped set_debug_checks: `with fusedmoe.debug_checks(): layer(x, logits)`."""
+    global _debug_override
+    previous = _debug_override
+    set_debug_checks(enabled)
+    try:
+        yield
+    finally:
+        _debug_override = previous
+
+
 def value_checks_enabled(t: torch.Tensor) -> bool:
-    """Whether checks that read tensor values (and so synchronise) may run now."""
+    """Whether checks that read tensor values may run now: always on the CPU (no device sync),
+    on a GPU in debug mode only, never while tracing or capturing a CUDA graph."""
     if torch.compiler.is_compiling():
+        return False
+    if t.device.type == "cpu":
+        return True
+    if not debug_checks_enabled():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def check_ids_in_range(name: str, ids: torch.Tensor, low: int, high: int) -> None:
-    """ids must lie in [low, high); skipped under graph capture and compilation."""
-    if ids.numel() == 0 or not value_checks_enabled(ids):
+def check_ids_in_range(
+    name: str, ids: torch.Tensor, low: int, high: int, *, once: bool = False
+) -> None:
+    """ids must lie in [low, high). Per call: as value_checks_enabled says; `once` (a check at
+    construction, not per call) runs on a GPU too, outside graph capture and tracing."""
+    if ids.numel() == 0:
+        return
+    if once:
+        if torch.compiler.is_compiling() or (
+            ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
+            return
+    elif not value_checks_enabled(ids):
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < low or hi >= high:

@@ -6,6 +6,8 @@ E_l local experts, k top-k.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from fusedmoe._checks import (
@@ -16,7 +18,7 @@ from fusedmoe._checks import (
     check_tensor,
 )
 from fusedmoe.activation import ActivationParams, MoEActivation
-from fusedmoe.modular.kernel import FusedMoEModularKernel
+from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
 from fusedmoe.oracle import select_backend
@@ -142,6 +144,45 @@ def check_expert_map(
     return expert_map.shape[0]
 
 
+_KERNELS: OrderedDict[tuple, tuple[FusedMoEModularKernel, object]] = OrderedDict()
+_MAX_KERNELS = 64
+
+
+def _kernel_for(
+    device, dtype, weights, num_global, top_k, spec, quant_config, has_map, grad, backend
+) -> FusedMoEModularKernel:
+    """The modular kernel of a call signature, built once: the oracle's choice, the experts
+    object and its reusable workspaces. The quant config is keyed by identity (its tensors may
+    change in place; a new config object is a new signature); least recently used first out."""
+    key = (
+        device, dtype, weights.hidden_size, weights.intermediate_size, num_global, top_k, spec,
+        weights.has_bias, has_map, grad, id(quant_config), backend, default_chunk_size(),
+    )  # fmt: skip
+    entry = _KERNELS.get(key)
+    if entry is not None and entry[1] is quant_config:
+        _KERNELS.move_to_end(key)
+        return entry[0]
+    problem = MoEProblem(
+        device=device,
+        dtype=dtype,
+        hidden_size=weights.hidden_size,
+        intermediate_size=weights.intermediate_size,
+        num_experts=num_global,
+        top_k=top_k,
+        activation=spec,
+        quant_config=quant_config,
+        has_bias=weights.has_bias,
+        has_expert_map=has_map,
+        requires_grad=grad,
+    )
+    choice = select_backend(problem, backend=backend)
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), choice.create())
+    _KERNELS[key] = (kernel, quant_config)  # holding the config keeps its id from reuse
+    if len(_KERNELS) > _MAX_KERNELS:
+        _KERNELS.popitem(last=False)
+    return kernel
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -179,21 +220,10 @@ def fused_experts(
         raise ValueError(
             f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}"
         )
-    problem = MoEProblem(
-        device=x.device,
-        dtype=x.dtype,
-        hidden_size=weights.hidden_size,
-        intermediate_size=weights.intermediate_size,
-        num_experts=num_global,
-        top_k=topk_ids.shape[1],
-        activation=spec,
-        quant_config=quant_config,
-        has_bias=weights.has_bias,
-        has_expert_map=expert_map is not None,
-        requires_grad=needs_grad(x, weights),
-    )
-    choice = select_backend(problem, backend=backend)
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), choice.create())
+    kernel = _kernel_for(
+        x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
+        expert_map is not None, needs_grad(x, weights), backend,
+    )  # fmt: skip
     return kernel.forward(
         x,
         weights,

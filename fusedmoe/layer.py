@@ -55,7 +55,6 @@ from fusedmoe.modular.types import (
     ExpertWeights,
     InsideRouting,
     MoEProblem,
-    needs_grad,
 )
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
 from fusedmoe.parallel.config import ParallelConfig
@@ -417,7 +416,7 @@ class FusedMoE(nn.Module):
                 num_experts=self.num_experts,
                 top_k=self.top_k,
                 activation=self.activation,
-                quant_config=self.quant_config,
+                quant_config=self._call_quant_config(),
                 has_bias=self.has_bias,
                 # a block of logical experts runs on a shift (monolithic); anything else on a map
                 has_expert_map=self.expert_start is None,
@@ -444,6 +443,27 @@ class FusedMoE(nn.Module):
                 )
                 self._kernels[key] = (choice, kernel)
         return self._kernels[key]
+
+    def _expert_params(self) -> tuple[torch.Tensor, ...]:
+        params = (self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias)
+        return tuple(p for p in params if p is not None)
+
+    def _call_quant_config(self) -> FusedMoEQuantConfig | None:
+        """quant_config, built once per set of scale tensors (a forward needs it every call;
+        building it checks every field). Rebuilt when a scale tensor is replaced, as .to() and
+        quantize_ do; in-place writes (load_weights) show through the tensors it holds."""
+        if self.quant_scheme is None:
+            return None
+        names = (
+            "w13_weight_scale", "w2_weight_scale", "w13_weight_global_scale",
+            "w2_weight_global_scale", "a1_scale", "a2_scale",
+        )  # fmt: skip
+        key = (self.quant_scheme, *(id(getattr(self, name, None)) for name in names))
+        cached = getattr(self, "_quant_config_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, self.quant_config)
+            self._quant_config_cache = cached
+        return cached[1]
 
     def _expert_weights(self, alignment: int) -> ExpertWeights:
         """The weights as the backend consumes them.
@@ -498,7 +518,9 @@ class FusedMoE(nn.Module):
 
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
         self._check_routed_input(x_routed, x)
-        grad = needs_grad(x_routed, self._expert_weights(1))
+        grad = torch.is_grad_enabled() and (
+            x_routed.requires_grad or any(p.requires_grad for p in self._expert_params())
+        )
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
         if choice.experts_cls.routes_inside:
             y, zero_output = self._forward_monolithic(runner, x_routed, logits, input_ids)
@@ -546,7 +568,7 @@ class FusedMoE(nn.Module):
             activation=self.activation,
             global_num_experts=self.placement.num_physical,
             expert_map=self.expert_map,
-            quant_config=self.quant_config,
+            quant_config=self._call_quant_config(),
         )
         if pad:
             y = y[:, : self.hidden_size]

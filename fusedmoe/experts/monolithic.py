@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fusedmoe._triton import has_triton
 from fusedmoe.activation import apply_activation
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.types import (
@@ -184,6 +185,9 @@ def _grouped_linear(
         start += count
 
 
+_DTYPE_KEY = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 class MonolithicExperts(Experts):
     name = "monolithic"
     routes_inside = True
@@ -215,6 +219,8 @@ class MonolithicExperts(Experts):
     def __init__(self) -> None:
         self._weights_key: tuple | None = None
         self._experts: PerExpertWeights | None = None
+        self._shift_map: tuple | None = None  # (key, expert_map) of the fused CUDA path
+        self._num_ids = 0  # routable ids of the last call (experts + zero experts)
 
     def per_expert_weights(self, weights: ExpertWeights) -> PerExpertWeights:
         """The per-expert views of `weights`, rebuilt only when a tensor was replaced."""
@@ -244,6 +250,12 @@ class MonolithicExperts(Experts):
                     "unquantized experts in the activation dtype)"
                 )
         topk_weights, topk_ids = route(x, router_logits, routing, input_ids)
+        self._num_ids = router_logits.shape[1]
+        if dispatch is None and x.is_cuda and has_triton():
+            # one fused op, no host sync: the loop below needs each expert's row count on the
+            # host, a device sync per call (the CPU path, where that costs nothing)
+            out = self._experts_triton(x, weights, topk_weights, topk_ids, expert_start, activation)
+            return MonolithicResult(out, topk_weights, topk_ids)
         experts = self.per_expert_weights(weights)
         if dispatch is None:
             out = experts_forward(
@@ -261,6 +273,38 @@ class MonolithicExperts(Experts):
             )
             out = dispatch.combine(partial, gathered)
         return MonolithicResult(out.to(x.dtype), topk_weights, topk_ids)
+
+    def _experts_triton(self, x, weights, topk_weights, topk_ids, expert_start, activation):
+        """The experts of this rank through the fused Triton op (fusedmoe.kernels.fused_moe):
+        the EP shift becomes an expert_map over every routable id (zero experts included),
+        built once per (ids, shift, device)."""
+        from fusedmoe.kernels.fused_moe import fused_experts_triton
+        from fusedmoe.kernels.quant import resolve_params
+
+        num_tokens, top_k = topk_ids.shape
+        num_local = weights.num_local_experts
+        out = torch.empty_like(x)
+        key = (topk_ids.device, expert_start, num_local, self._num_ids)
+        if self._shift_map is None or self._shift_map[0] != key:
+            ids = torch.arange(self._num_ids, dtype=torch.int32, device=x.device) - expert_start
+            on_rank = (ids >= 0) & (ids < num_local)
+            self._shift_map = (key, torch.where(on_rank, ids, -1))
+        expert_map = self._shift_map[1]
+        if expert_start == 0 and self._num_ids == num_local:
+            expert_map = None  # every expert is here: the ids are the local ids
+        slots = num_tokens * top_k
+        workspace13 = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
+        width = activation.kind.output_size(weights.gemm1_out_size)
+        workspace2 = torch.empty(slots, width, dtype=x.dtype, device=x.device)
+        fused_experts_triton(
+            out, x, weights.w13, weights.w2, topk_weights, topk_ids,
+            activation=activation.kind,
+            params=resolve_params(activation.kind, activation.params),
+            workspace13=workspace13, workspace2=workspace2,
+            w13_bias=weights.w13_bias, w2_bias=weights.w2_bias, expert_map=expert_map,
+            dtype_key=_DTYPE_KEY[x.dtype],
+        )  # fmt: skip
+        return out
 
     # ---- the modular contract: never used, a monolithic backend runs from router logits ----
     def _not_modular(self):

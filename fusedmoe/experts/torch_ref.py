@@ -31,13 +31,24 @@ from fusedmoe.quant.activation import quantize_activation
 from fusedmoe.quant.reference import dequantize
 
 
-def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """Global ids [M, k] -> local ids [M, k]; -1 for empty slots and experts of other ranks."""
+def local_expert_ids(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int | None = None
+) -> torch.Tensor:
+    """Global ids [M, k] -> local ids [M, k]; -1 for empty slots and experts of other ranks.
+
+    An id outside [0, E) (E: the expert_map's length, or num_local_experts without a map) or a
+    map entry outside [0, num_local_experts) is -1 as well, as in the kernels: ranges are
+    checked on the host only in debug mode (fusedmoe._checks), never read out of bounds."""
     ids = topk_ids.long()
     if expert_map is None:
-        return ids
-    mapped = expert_map.long()[ids.clamp(min=0)]
-    return torch.where(ids >= 0, mapped, torch.full_like(mapped, -1))
+        if num_local_experts is None:
+            return ids
+        return torch.where(ids < num_local_experts, ids, -1)
+    in_range = (ids >= 0) & (ids < expert_map.shape[0])
+    mapped = expert_map.long()[torch.where(in_range, ids, 0)]
+    if num_local_experts is not None:
+        in_range &= mapped < num_local_experts
+    return torch.where(in_range, mapped, -1)
 
 
 class TorchExperts(Experts):
@@ -96,7 +107,9 @@ class TorchExperts(Experts):
         if call.a1q_scale is not None:  # quantized by prepare: what GEMM1 sees is q * scale
             x_all = dequantize(x_all, call.a1q_scale, qc.a1.key, call.a1q_global_scale)
 
-        local_ids = local_expert_ids(call.topk_ids, call.expert_map).flatten()  # [M*k]
+        local_ids = local_expert_ids(  # [M*k]
+            call.topk_ids, call.expert_map, weights.num_local_experts
+        ).flatten()
         order = torch.argsort(local_ids, stable=True)
         counts = torch.bincount(local_ids + 1, minlength=weights.num_local_experts + 1).tolist()
         skipped = counts[0]  # rows with id -1 sort first

@@ -20,6 +20,7 @@ from fusedmoe._checks import (
     check_ids_in_range,
     check_shape,
     check_tensor,
+    value_checks_enabled,
 )
 from fusedmoe.router.base import Router, ScoringFunc, compute_scores, finish_weights
 
@@ -127,7 +128,7 @@ class BiasedTopKRouter(Router):
                 raise ValueError(
                     f"hash_indices_table must be [vocab, top_k={top_k}], got {tuple(table.shape)}"
                 )
-            check_ids_in_range("hash_indices_table", table, 0, self.num_logits)
+            check_ids_in_range("hash_indices_table", table, 0, self.num_logits, once=True)
             if table.shape[0] > 0 and table.sort(dim=1).values.diff(dim=1).eq(0).any():
                 raise ValueError("hash_indices_table has a row that names the same expert twice")
             self.hash_indices_table = table
@@ -164,7 +165,10 @@ def hash_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids = table[input_ids]; weights = the scores of those experts."""
     check_ids_in_range("input_ids", input_ids, 0, hash_indices_table.shape[0])
-    ids = hash_indices_table[input_ids.long()].long()
+    rows = input_ids.long()
+    if not value_checks_enabled(input_ids):  # unchecked: clamped, never read out of bounds
+        rows = rows.clamp(0, hash_indices_table.shape[0] - 1)
+    ids = hash_indices_table[rows].long()
     weights = compute_scores(logits, scoring).gather(1, ids)
     return finish_weights(weights, renormalize, routed_scaling_factor), ids
 
