@@ -34,9 +34,14 @@ import triton.language as tl
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
+from fusedmoe.kernels.launch import op_or_impl
 from fusedmoe.kernels.moe_align import aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
-from fusedmoe.kernels.quant import act_mul_group_quant_fp8_op, resolve_params
+from fusedmoe.kernels.quant import (
+    act_mul_group_quant_fp8_impl,
+    act_mul_group_quant_fp8_op,
+    resolve_params,
+)
 from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
 from fusedmoe.quant.activation import quantize_mxfp8
 from fusedmoe.quant.formats import FP8_DTYPE
@@ -357,10 +362,7 @@ _A_MODE = {"fp8_block": g.A_GROUP, "mxfp8": g.A_MX, "mxfp4_w4a8": g.A_GROUP}
 _W_MODE = {"fp8_block": g.W_BLOCK, "mxfp8": g.W_MX, "mxfp4_w4a8": g.W_MX}
 
 
-@torch.library.custom_op(
-    "fusedmoe::fused_experts_deep_gemm", mutates_args=("output", "workspace13", "workspace2")
-)
-def _fused_experts_deep_gemm_op(
+def _fused_experts_deep_gemm_impl(
     output: torch.Tensor,
     a1q: torch.Tensor,
     a1q_scale: torch.Tensor,
@@ -415,7 +417,7 @@ def _fused_experts_deep_gemm_op(
         a2q, a2_scale = quantize_mxfp8(apply_activation(act, h, params))
     else:
         alpha, beta, limit, has_limit = resolve_params(act, params)
-        a2q, a2_scale = act_mul_group_quant_fp8_op(
+        a2q, a2_scale = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
             h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, column_major_scales,
             use_ue8m0,
         )  # fmt: skip
@@ -426,6 +428,11 @@ def _fused_experts_deep_gemm_op(
         y, output, topk_weights, topk_ids, layout.inv_perm, w2.shape[0], expert_map,
         mul_routed_weight,
     )  # fmt: skip
+
+
+_fused_experts_deep_gemm_op = torch.library.custom_op(
+    "fusedmoe::fused_experts_deep_gemm", mutates_args=("output", "workspace13", "workspace2")
+)(_fused_experts_deep_gemm_impl)
 
 
 @_fused_experts_deep_gemm_op.register_fake
@@ -471,7 +478,7 @@ def fused_experts_deep_gemm(
     if m_sum is None:
         m_sum = compute_aligned_M_and_alignment(num_tokens, top_k, w13.shape[0], alignment)[0]
     p = activation.params
-    _fused_experts_deep_gemm_op(
+    op_or_impl(_fused_experts_deep_gemm_op, _fused_experts_deep_gemm_impl)(
         output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
         expert_map, workspace13, workspace2, scheme, activation.kind.value, p.alpha, p.beta,
         p.limit, alignment, m_sum, column_major_scales, use_ue8m0, mul_routed_weight,

@@ -27,10 +27,14 @@ import triton.language as tl
 
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
-from fusedmoe.kernels.launch import launch
+from fusedmoe.kernels.launch import launch, op_or_impl
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
-from fusedmoe.kernels.quant import ACTIVATION_CODE, act_mul_group_quant_fp8_op
+from fusedmoe.kernels.quant import (
+    ACTIVATION_CODE,
+    act_mul_group_quant_fp8_impl,
+    act_mul_group_quant_fp8_op,
+)
 from fusedmoe.quant import keys
 from fusedmoe.quant.activation import quantize_activation
 from fusedmoe.quant.config import OperandQuant
@@ -267,10 +271,7 @@ def gemm_rows(topk_ids, expert_map, block_m, num_local) -> GemmRows:
     return GemmRows(block_m, routing.expert_ids.shape[0], routing, ids, expert_map, num_local)
 
 
-@torch.library.custom_op(
-    "fusedmoe::fused_experts_triton", mutates_args=("output", "workspace13", "workspace2")
-)
-def _fused_experts_triton_op(
+def _fused_experts_triton_impl(
     output: torch.Tensor,
     x: torch.Tensor,
     a1_scale: torch.Tensor | None,
@@ -335,7 +336,7 @@ def _fused_experts_triton_op(
                 activation=None, params=params, out_mode=g.OUT_PLAIN, mul_routed_weight=False,
                 h_dtype=h_dtype,
             )  # fmt: skip
-            a2, a2_scale = act_mul_group_quant_fp8_op(
+            a2, a2_scale = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
                 h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, False,
                 a2_mode == "fp8_group_ue8m0",
             )  # fmt: skip
@@ -350,6 +351,11 @@ def _fused_experts_triton_op(
             mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
         )  # fmt: skip
         moe_sum(y, output, topk_ids, expert_map, num_local)
+
+
+_fused_experts_triton_op = torch.library.custom_op(
+    "fusedmoe::fused_experts_triton", mutates_args=("output", "workspace13", "workspace2")
+)(_fused_experts_triton_impl)
 
 
 @_fused_experts_triton_op.register_fake
@@ -431,7 +437,7 @@ def fused_experts_triton(
     the caller (TritonExperts); params are (alpha, beta, limit, has_limit) with defaults
     resolved (fusedmoe.kernels.quant.resolve_params)."""
     alpha, beta, limit, has_limit = params
-    _fused_experts_triton_op(
+    op_or_impl(_fused_experts_triton_op, _fused_experts_triton_impl)(
         output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,
         topk_weights, topk_ids, expert_map, a2_static_scale, workspace13, workspace2,
         activation.value, alpha, beta, limit, has_limit, a_mode, w_mode, a2_mode,

@@ -39,6 +39,7 @@ from fusedmoe.kernels.fused_moe import (
     gemm_rows,
     launch_gemm,
 )
+from fusedmoe.kernels.launch import op_or_impl
 from fusedmoe.kernels.moe_config import moe_kernel_config
 from fusedmoe.parallel.config import linear_expert_map
 from fusedmoe.quant.activation import per_token_group_quant_fp8, quantize_fp8_per_tensor
@@ -65,8 +66,7 @@ def local_expert_map(
     return linear_expert_map(num_experts, ep_size, ep_rank).to(device)
 
 
-@torch.library.custom_op("fusedmoe::fused_moe_hpc", mutates_args=("output", "accumulator"))
-def _fused_moe_hpc_op(
+def _fused_moe_hpc_impl(
     output: torch.Tensor,
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -149,6 +149,11 @@ def _fused_moe_hpc_op(
             torch.add(acc, shared_output, out=output)
 
 
+_fused_moe_hpc_op = torch.library.custom_op(
+    "fusedmoe::fused_moe_hpc", mutates_args=("output", "accumulator")
+)(_fused_moe_hpc_impl)
+
+
 @_fused_moe_hpc_op.register_fake
 def _(output, x, w13, w2, w13_scale, w2_scale, a1_scale, a2_scale, topk_weights, topk_ids,
       expert_map, accumulator, shared_output, block_quant, use_ue8m0):  # fmt: skip
@@ -181,7 +186,7 @@ def fused_moe_hpc(
     with at least M * H elements; expert_map [E] global -> local (-1: skipped). Inputs are
     assumed checked by the caller (HPCExperts).
     """
-    _fused_moe_hpc_op(
+    op_or_impl(_fused_moe_hpc_op, _fused_moe_hpc_impl)(
         output, x, w13, w2, w13_scale, w2_scale, a1_scale, a2_scale, topk_weights.float(),
         topk_ids, expert_map, accumulator, shared_output, block_quant, use_ue8m0,
     )  # fmt: skip

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["launch", "launch_stats"]
+__all__ = ["launch", "launch_stats", "op_or_impl"]
 
-_STATS = {"fast": 0, "slow": 0}
+_STATS: dict[str, object] = {"fast": 0, "slow": 0}
 # (kernel, device index) -> (binder, kernel_cache, key_cache, extra binder kwargs)
 _LEARNED: dict[tuple[object, int], tuple] = {}
 _ENABLED = True
 
 
-def launch_stats() -> dict[str, int]:
-    """Launches through the fast path and through `kernel[grid]` so far (for benchmarks)."""
+def launch_stats() -> dict[str, object]:
+    """Launches through the fast path and through `kernel[grid]` so far, and why the fast path
+    turned itself off if it did (for benchmarks and tests)."""
     return dict(_STATS)
 
 
@@ -58,29 +59,32 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, on_cuda
         from triton.runtime.jit import compute_cache_key
 
         binder, kernel_cache, key_cache, extra = learned
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook:
-            compiled = None  # a profiler listens: let Triton build its launch metadata
-        else:
-            bound, specialization, options = binder(*args, **constexprs, **extra)
-            compiled = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+        bound, specialization, options = binder(*args, **constexprs, **extra)
+        compiled = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
         if compiled is None or getattr(compiled, "function", None) is None:
             _STATS["slow"] += 1
             kernel[grid](*args, **constexprs)  # not compiled yet for this specialization
             return
+        values = bound.values()
         grid_x = grid[0]
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
         stream = torch.cuda.current_stream(device).cuda_stream
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        metadata = None  # what profiling hooks read: built only when one listens
+        if enter is not None or leave is not None:
+            metadata = compiled.launch_metadata(grid, stream, *values)
         compiled.run(
             grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
-            None, None, None, *bound.values(),
+            metadata, enter, leave, *values,
         )  # fmt: skip
         _STATS["fast"] += 1
-    except (AttributeError, ImportError, TypeError, ValueError):
+    except (AttributeError, ImportError, TypeError, ValueError) as exc:
         # Triton's internals are not what this module knows: the normal path from now on.
         # (The launcher parses its arguments before launching, so a mismatch raises here
         # instead of running a kernel on wrong arguments.)
         _ENABLED = False
+        _STATS["disabled"] = f"{type(exc).__name__}: {exc}"[:200]
         kernel[grid](*args, **constexprs)
 
 
@@ -109,3 +113,11 @@ def _learn(kernel, device: int, grid, args: tuple, constexprs: dict) -> None:
         kernel.device_caches[device] = caches
     extra = {k: v for k, v in seen.items() if k not in constexprs}
     _LEARNED[(kernel, device)] = (binder, kernel_cache, key_cache, extra)
+
+
+def op_or_impl(op, impl):
+    """The registered custom op while torch.compile traces (it sees one opaque op with its fake),
+    else its implementation called directly: in eager mode the dispatcher's round trip through
+    the custom op (Python -> C++ -> Python, with dynamo's disable wrapper) adds tens of
+    microseconds on a slow host and changes nothing."""
+    return op if torch.compiler.is_compiling() else impl

@@ -46,6 +46,7 @@ from fusedmoe.activation import (
     ActivationParams,
     MoEActivation,
 )
+from fusedmoe.kernels.launch import op_or_impl
 from fusedmoe.quant.formats import AMAX_EPS, E8M0_BIAS, FP8_DTYPE, FP8_EMAX, FP8_MAX
 
 __all__ = [
@@ -402,12 +403,16 @@ def _launch_group_quant(
 # ---------------------------------------------------------------------------------------------
 # FP8 per-token-group quantization
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusedmoe::per_token_group_quant_fp8_triton", mutates_args=())
-def _per_token_group_quant_fp8_op(
+def _per_token_group_quant_fp8_impl(
     x: torch.Tensor, group_size: int, column_major_scales: bool, use_ue8m0: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale_format = _UE8M0 if use_ue8m0 else _FLOAT32
     return _launch_group_quant(x, group_size, column_major_scales, scale_format.value)
+
+
+_per_token_group_quant_fp8_op = torch.library.custom_op(
+    "fusedmoe::per_token_group_quant_fp8_triton", mutates_args=()
+)(_per_token_group_quant_fp8_impl)
 
 
 @_per_token_group_quant_fp8_op.register_fake
@@ -430,7 +435,8 @@ def per_token_group_quant_fp8_triton(
     """
     _check_matrix("x", x)
     _check_group_args(group_size, column_major_scales, use_ue8m0)
-    return _per_token_group_quant_fp8_op(x, group_size, column_major_scales, use_ue8m0)
+    op = op_or_impl(_per_token_group_quant_fp8_op, _per_token_group_quant_fp8_impl)
+    return op(x, group_size, column_major_scales, use_ue8m0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,8 +466,7 @@ def resolve_params(
     return 0.0, 0.0, 0.0, False  # GELU takes no parameters
 
 
-@torch.library.custom_op("fusedmoe::act_mul_per_token_group_quant_fp8_triton", mutates_args=())
-def act_mul_group_quant_fp8_op(
+def act_mul_group_quant_fp8_impl(
     h: torch.Tensor,
     activation: str,
     alpha: float,
@@ -500,6 +505,11 @@ def act_mul_group_quant_fp8_op(
     return q, scales
 
 
+act_mul_group_quant_fp8_op = torch.library.custom_op(
+    "fusedmoe::act_mul_per_token_group_quant_fp8_triton", mutates_args=()
+)(act_mul_group_quant_fp8_impl)
+
+
 @act_mul_group_quant_fp8_op.register_fake
 def _(h, activation, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0):
     m, two_i = h.shape
@@ -533,7 +543,7 @@ def act_mul_per_token_group_quant_fp8_triton(
     if h.shape[1] % 2 != 0:
         raise ValueError(f"h must be [M, 2I] (an even width), got shape {tuple(h.shape)}")
     alpha, beta, limit, has_limit = resolve_params(act, params)
-    return act_mul_group_quant_fp8_op(
+    return op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
         h, act.value, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0
     )
 
@@ -541,9 +551,13 @@ def act_mul_per_token_group_quant_fp8_triton(
 # ---------------------------------------------------------------------------------------------
 # MXFP8
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("fusedmoe::quantize_mxfp8_triton", mutates_args=())
-def _quantize_mxfp8_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_mxfp8_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch_group_quant(x, _MX_GROUP, False, _E8M0.value)
+
+
+_quantize_mxfp8_op = torch.library.custom_op("fusedmoe::quantize_mxfp8_triton", mutates_args=())(
+    _quantize_mxfp8_impl
+)
 
 
 @_quantize_mxfp8_op.register_fake
@@ -561,4 +575,4 @@ def quantize_mxfp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_matrix("x", x)
     if x.shape[1] % _MX_GROUP != 0:
         raise ValueError(f"x: MXFP8 needs K % 32 == 0, got shape {tuple(x.shape)}")
-    return _quantize_mxfp8_op(x)
+    return op_or_impl(_quantize_mxfp8_op, _quantize_mxfp8_impl)(x)

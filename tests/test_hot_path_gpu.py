@@ -1,0 +1,176 @@
+"""The eager hot path on a GPU: no host synchronisation through any entry point or backend, and
+out-of-range ids never read or write out of bounds (issue: the fast kernels reach every caller).
+
+Each call runs under torch.cuda.set_sync_debug_mode("error"), which raises on any operation
+that waits for the device (a .item(), a .tolist(), a nonzero, a copy to the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import fusedmoe
+from fusedmoe import FusedMoE, fused_experts, fused_moe
+from fusedmoe.quant.config import quantize_experts
+from tests.helpers import assert_close, random_routing
+from tests.reference import experts_ref
+
+pytestmark = pytest.mark.gpu
+
+E, K, H, I = 16, 4, 256, 128
+
+
+@contextlib.contextmanager
+def no_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _layer(**kwargs) -> FusedMoE:
+    torch.manual_seed(0)
+    return FusedMoE(E, K, H, I, params_dtype=torch.bfloat16, device="cuda", **kwargs)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"backend": "monolithic"},
+        {"scoring_func": "sigmoid", "e_score_correction_bias": torch.randn(E) * 0.1},
+        {
+            "scoring_func": "sigmoid",
+            "use_grouped_topk": True,
+            "num_expert_group": 4,
+            "topk_group": 2,
+            "e_score_correction_bias": torch.randn(E) * 0.1,
+            "routed_scaling_factor": 2.5,
+        },
+        {"quant_config": "fp8_block"},
+        {"quant_config": "fp8_block", "backend": "hpc"},
+    ],
+    ids=["softmax", "monolithic", "biased", "grouped", "fp8_block", "hpc"],
+)
+def test_layer_makes_no_host_sync(kwargs, num_tokens):
+    layer = _layer(**kwargs)
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(num_tokens, E, device="cuda")
+    with torch.inference_mode():
+        expected = layer(x, logits)  # first call: compiles, builds the caches
+        with no_sync():
+            out = layer(x, logits)
+            out = layer(x, logits)
+    assert torch.equal(out, expected)
+
+
+def test_deep_gemm_layer_makes_no_host_sync():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("deep_gemm needs sm90+")
+    layer = FusedMoE(16, 4, 512, 256, params_dtype=torch.bfloat16, device="cuda")
+    layer.quantize_("fp8_block")
+    layer.set_backend("deep_gemm")
+    x = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(256, 16, device="cuda")
+    with torch.inference_mode():
+        expected = layer(x, logits)
+        with no_sync():
+            out = layer(x, logits)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_functional_entry_points_make_no_host_sync(num_tokens):
+    torch.manual_seed(1)
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device="cuda")
+    w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, device="cuda") / 16
+    w2 = torch.randn(E, H, I, dtype=torch.bfloat16, device="cuda") / 16
+    logits = torch.randn(num_tokens, E, device="cuda")
+    weights, ids = random_routing(num_tokens, E, K, device="cuda")
+    emap = torch.full((2 * E,), -1, dtype=torch.int32, device="cuda")
+    emap[::2] = torch.arange(E, dtype=torch.int32, device="cuda")
+    w13_q, w2_q, qc = quantize_experts(w13.float(), w2.float(), "fp8_block")
+    calls = {
+        "fused_experts": lambda: fused_experts(x, w13, w2, weights, ids),
+        "fused_experts map": lambda: fused_experts(x, w13, w2, weights, 2 * ids, expert_map=emap),
+        "fused_experts fp8": lambda: fused_experts(x, w13_q, w2_q, weights, ids, quant_config=qc),
+        "fused_moe": lambda: fused_moe(x, w13, w2, logits, K),
+    }
+    with torch.inference_mode():
+        for name, call in calls.items():
+            expected = call()
+            with no_sync():
+                out = call()
+            assert torch.equal(out, expected), name
+
+
+def test_debug_checks_raise_on_gpu_and_kernels_mask_out_of_range_ids():
+    """Without debug mode an id past E (or below -1) adds nothing and reads nothing out of
+    bounds; with it the same call raises before any kernel runs."""
+    torch.manual_seed(2)
+    num_tokens = 40
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device="cuda")
+    w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, device="cuda") / 16
+    w2 = torch.randn(E, H, I, dtype=torch.bfloat16, device="cuda") / 16
+    weights, ids = random_routing(num_tokens, E, K, device="cuda")
+    bad = ids.clone()
+    bad[::3, 0] = E + 1000  # past the experts
+    bad[1::5, 1] = -7  # below the empty-slot marker
+    masked = torch.where((bad >= 0) & (bad < E), bad, -1)
+    for m in (1, num_tokens):  # M = 1 runs the direct (unaligned) GEMM path
+        out = fused_experts(x[:m], w13, w2, weights[:m], bad[:m])
+        expected = fused_experts(x[:m], w13, w2, weights[:m], masked[:m])
+        torch.cuda.synchronize()  # an out-of-bounds access would surface here
+        assert torch.equal(out, expected)
+        expected_ref = experts_ref(
+            x[:m].cpu().double(), w13.cpu().double(), w2.cpu().double(), weights[:m].cpu(),
+            masked[:m].cpu(),
+        )  # fmt: skip
+        assert_close(out.cpu(), expected_ref, torch.bfloat16)
+    with fusedmoe.debug_checks(), pytest.raises(ValueError, match="topk_ids"):
+        fused_experts(x, w13, w2, weights, bad)
+    emap = torch.arange(E, dtype=torch.int32, device="cuda")
+    emap[3] = 10 * E  # a map entry past the local experts: that expert is skipped
+    out = fused_experts(x, w13, w2, weights, ids, expert_map=emap)
+    torch.cuda.synchronize()
+    assert out.isfinite().all()
+    with fusedmoe.debug_checks(), pytest.raises(ValueError, match="expert_map"):
+        fused_experts(x, w13, w2, weights, ids, expert_map=emap)
+
+
+def test_transformers_paths_make_no_host_sync():
+    transformers = pytest.importorskip("transformers")
+    import fusedmoe.integrations.transformers as hf
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=H, intermediate_size=512, moe_intermediate_size=I,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    base = transformers.Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (1, 9), device="cuda")
+    for impl in ("registered", "patched"):
+        model = base
+        if impl == "patched":
+            hf.patch(model)
+        else:
+            model.set_experts_implementation("fusedmoe")
+        names = ("MoeSparseMoeBlock", "FusedMoEBlock")
+        block = next(m for m in model.modules() if type(m).__name__.endswith(names))
+        h = torch.randn(1, 5, H, dtype=torch.bfloat16, device="cuda")
+        with torch.inference_mode():
+            expected = block(h)
+            with no_sync():
+                out = block(h)
+        first = out[0] if isinstance(out, tuple) else out
+        first_expected = expected[0] if isinstance(expected, tuple) else expected
+        assert torch.equal(first, first_expected), impl
+        with torch.inference_mode():
+            model(ids)  # the whole model runs too
