@@ -59,7 +59,9 @@ def _sum_experts(x):
 @triton.jit
 def _scores(x, valid, SCORING: tl.constexpr):
     """logits x fp32 [BM, G_PAD, S_PAD] (-inf on padding lanes) -> scores fp32, torch's formulas.
-    Padding lanes score 0 (exp(-inf) = 0), so they drop out of the softmax sum."""
+    Padding lanes score 0 (exp(-inf) = 0), so they drop out of the softmax sum. Divisions and
+    the square root are rounded as IEEE (torch's); a GPU's exp is ex2.approx, within ~2 ulps
+    plus the rounding of x * log2(e)."""
     if SCORING == _SOFTMAX:
         row_max = tl.max(tl.max(x, axis=2), axis=1)  # [BM]
         e = tl.exp(x - row_max[:, None, None])
@@ -72,21 +74,23 @@ def _scores(x, valid, SCORING: tl.constexpr):
     y = tl.exp(tl.where(x > _SOFTPLUS_THRESHOLD, 0.0, x))  # not tl.minimum: it drops NaN
     u = 1.0 + y
     exact = u == 1.0
-    log1p = tl.where(exact, y, tl.log(u) * (y / tl.where(exact, 1.0, u - 1.0)))
-    return tl.sqrt(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
+    log1p = tl.where(exact, y, tl.log(u) * tl.math.div_rn(y, tl.where(exact, 1.0, u - 1.0)))
+    return tl.sqrt_rn(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
 
 
 @triton.jit
 def _largest(key, available, lane, NO_LANE: tl.constexpr):
-    """key fp32 [BM, A, B] without NaN, available bool, lane int32 ids -> [BM] lane ids: the
-    largest key among the available lanes, the smallest lane id on ties; the smallest available
-    lane if no key equals the maximum (a max that drops NaN). NO_LANE if none is available."""
+    """key fp32 [BM, A, B] without NaN, available bool, lane int32 ids (< NO_LANE) -> [BM] lane
+    ids: the largest key among the available lanes, the smallest lane id on ties; the smallest
+    available lane if no key equals the maximum (a max that drops NaN); NO_LANE if none is
+    available. One min-reduction ranks the lanes: hits (lane), other available lanes
+    (NO_LANE + lane), the rest (2 * NO_LANE)."""
     masked = tl.where(available, key, float("-inf"))
     best = tl.max(tl.max(masked, axis=2), axis=1)  # [BM]
     hit = available & (masked == best[:, None, None])
-    pick = tl.min(tl.min(tl.where(hit, lane, NO_LANE), axis=2), axis=1)
-    first = tl.min(tl.min(tl.where(available, lane, NO_LANE), axis=2), axis=1)
-    return tl.where(pick == NO_LANE, first, pick)
+    rank = tl.where(hit, lane, tl.where(available, NO_LANE + lane, 2 * NO_LANE))
+    pick = tl.min(tl.min(rank, axis=2), axis=1)
+    return tl.where(pick >= NO_LANE, pick - NO_LANE, pick)
 
 
 @triton.jit
@@ -96,25 +100,27 @@ def _nan_to_inf(x):
 
 
 @triton.jit
-def _kept_groups(key, valid, num_groups, topk_group, TOP2: tl.constexpr, G_PAD: tl.constexpr):
+def _kept_groups(
+    key, valid, num_groups, topk_group,
+    TOP2: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):  # fmt: skip
     """key [BM, G_PAD, S_PAD] (-inf on padding lanes) -> bool [BM, G_PAD]: the topk_group
-    groups of largest score, max of the group (TOP2 False) or sum of its top two (TOP2 True)."""
-    s_lane = tl.arange(0, key.shape[2])[None, None, :]
+    groups of largest score, the max of the group (TOP2 False) or the sum of its top two."""
+    member = tl.arange(0, S_PAD)[None, None, :]
     group_max = tl.max(key, axis=2)  # [BM, G_PAD]
     group_score = group_max
     if TOP2:
-        # remove one lane holding the max (the first), so that a repeated max counts twice
+        # take out one lane holding the max (the first), so that a repeated max counts twice
         at_max = valid & (key == group_max[:, :, None])
-        first = tl.min(tl.where(at_max, s_lane, key.shape[2]), axis=2)  # [BM, G_PAD]
-        rest = tl.where(s_lane == first[:, :, None], float("-inf"), key)
+        first = tl.min(tl.where(at_max, member, S_PAD), axis=2)  # [BM, G_PAD]
+        rest = tl.where(member == first[:, :, None], float("-inf"), key)
         group_score = _nan_to_inf(group_max + tl.max(rest, axis=2))  # inf + -inf is NaN
     group = tl.arange(0, G_PAD)
-    group_lane = group[None, :, None]  # [1, G_PAD, 1]
-    available = tl.broadcast_to((group < num_groups)[None, :, None], (key.shape[0], G_PAD, 1))
-    kept = tl.zeros((key.shape[0], G_PAD), dtype=tl.int1)
+    available = tl.broadcast_to((group < num_groups)[None, :, None], (BLOCK_M, G_PAD, 1))
+    kept = tl.zeros((BLOCK_M, G_PAD), dtype=tl.int1)
     for _ in range(topk_group):
-        pick = _largest(group_score[:, :, None], available, group_lane, G_PAD)  # [BM]
-        taken = group[None, :] == pick[:, None]
+        pick = _largest(group_score[:, :, None], available, group[None, :, None], G_PAD)  # [BM]
+        taken = group[None, :] == pick[:, None]  # [BM, G_PAD]
         kept = kept | taken
         available = available & ~taken[:, :, None]
     return kept
@@ -130,6 +136,7 @@ def _route_kernel(
     SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr,
+    TOP2_GROUP_SCORE: tl.constexpr,  # group score = sum of the top two (bias and S >= 2)
     RENORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     G_PAD: tl.constexpr,  # next power of two >= G (1 for plain top-k)
@@ -161,8 +168,9 @@ def _route_kernel(
     key = tl.where(x == float("-inf"), float("-inf"), _nan_to_inf(choice))
     available = tl.broadcast_to(valid, (BLOCK_M, G_PAD, S_PAD))  # experts not yet taken
     if GROUPED:
-        # with a bias the group score is the sum of the top min(2, S) choices
-        kept = _kept_groups(key, valid, num_groups, topk_group, HAS_BIAS and S_PAD > 1, G_PAD)
+        kept = _kept_groups(
+            key, valid, num_groups, topk_group, TOP2_GROUP_SCORE, BLOCK_M, G_PAD, S_PAD
+        )
         available = available & kept[:, :, None]
 
     slot = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
@@ -249,6 +257,7 @@ def _launch(
             SCORING=_SCORING_CODE[scoring],
             HAS_BIAS=bias is not None,
             GROUPED=topk_group < num_groups,  # all groups kept: plain top-k
+            TOP2_GROUP_SCORE=bias is not None and group_size >= 2,  # top min(2, S) with a bias
             RENORMALIZE=renormalize,
             BLOCK_M=cfg.block_m,
             G_PAD=g_pad,
