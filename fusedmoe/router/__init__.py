@@ -1,6 +1,12 @@
 """Routers: router logits -> (topk_weights float32 [M, k], topk_ids int32 [M, k])."""
 
-from fusedmoe.router.base import Router, ScoringFunc, compute_scores
+from fusedmoe.router.base import (
+    Router,
+    ScoringFunc,
+    compute_scores,
+    fused_routing_on_interpreter,
+    use_fused_routing,
+)
 from fusedmoe.router.custom import CustomRoutingRouter
 from fusedmoe.router.factory import create_router
 from fusedmoe.router.grouped import GroupedTopKRouter, grouped_topk, grouped_topk_ref
@@ -33,6 +39,7 @@ __all__ = [
     "ZeroExpertType",
     "compute_scores",
     "create_router",
+    "fused_routing_on_interpreter",
     "grouped_topk",
     "grouped_topk_ref",
     "hash_route",
@@ -40,4 +47,5 @@ __all__ = [
     "split_zero_experts",
     "topk_route",
     "topk_route_ref",
+    "use_fused_routing",
 ]

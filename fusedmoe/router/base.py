@@ -17,12 +17,15 @@ output is NaN, never a silently wrong number. Other tokens are unaffected.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor, parse_enum
+from fusedmoe._triton import has_triton, interpreting
 
 
 class ScoringFunc(enum.Enum):
@@ -54,6 +57,38 @@ def finish_weights(
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return weights
+
+
+# Logit dtypes of the fused routing kernels (fusedmoe.kernels.routing.FUSED_ROUTING_DTYPES,
+# repeated here so that this module does not import triton). float64 stays on torch.
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Set only inside `fused_routing_on_interpreter()`; a plain global, so torch.compile reads it
+# as a constant.
+_FUSED_ON_INTERPRETER = False
+
+
+def use_fused_routing(logits: torch.Tensor) -> bool:
+    """Whether the routers route these logits with the fused Triton kernels
+    (fusedmoe.kernels.routing, one launch) instead of the torch twins (about ten launches):
+    CUDA logits of bf16 / fp16 / fp32 with Triton installed. CPU logits take the torch path,
+    except inside `fused_routing_on_interpreter()` under TRITON_INTERPRET=1 (tests)."""
+    if logits.dtype not in _FUSED_DTYPES or not has_triton():
+        return False
+    if logits.is_cuda:
+        return True
+    return _FUSED_ON_INTERPRETER and logits.device.type == "cpu" and interpreting()
+
+
+@contextlib.contextmanager
+def fused_routing_on_interpreter() -> Iterator[None]:
+    """Route CPU logits with the fused kernels on Triton's CPU interpreter (for tests; slow).
+    Has an effect only under TRITON_INTERPRET=1; CUDA logits use the kernels regardless."""
+    global _FUSED_ON_INTERPRETER
+    previous, _FUSED_ON_INTERPRETER = _FUSED_ON_INTERPRETER, True
+    try:
+        yield
+    finally:
+        _FUSED_ON_INTERPRETER = previous
 
 
 class Router(abc.ABC):

@@ -7,6 +7,9 @@ group_score  = sum of the top-2 of `choice` in the group   if a bias is given
 kept groups  = topk(group_score, topk_group)
 ids          = topk(choice restricted to kept groups, k)
 weights      = scores[ids]  (renormalized, times routed_scaling_factor)
+
+The router calls `dispatch_grouped_topk`: on CUDA the same routing in one Triton launch
+(fusedmoe.kernels.routing.fused_grouped_topk, whose twin is `grouped_topk`), else grouped_topk.
 """
 
 from __future__ import annotations
@@ -14,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from fusedmoe._checks import check_positive_int
-from fusedmoe.router.base import Router, ScoringFunc, compute_scores, finish_weights
+from fusedmoe.router.base import (
+    Router,
+    ScoringFunc,
+    compute_scores,
+    finish_weights,
+    use_fused_routing,
+)
 from fusedmoe.router.topk import check_bias
 
 
@@ -70,6 +79,32 @@ def grouped_topk(
     ids = masked.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     return finish_weights(weights, renormalize, routed_scaling_factor), ids
+
+
+def dispatch_grouped_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    *,
+    scoring: ScoringFunc = ScoringFunc.SOFTMAX,
+    renormalize: bool = True,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_topk in one launch (fusedmoe.kernels.routing.fused_grouped_topk, ids int32)
+    where `use_fused_routing` says so, else grouped_topk itself (ids int64)."""
+    kwargs = dict(
+        scoring=scoring,
+        renormalize=renormalize,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+    if use_fused_routing(logits):
+        from fusedmoe.kernels.routing import fused_grouped_topk
+
+        return fused_grouped_topk(logits, top_k, num_expert_group, topk_group, **kwargs)
+    return grouped_topk(logits, top_k, num_expert_group, topk_group, **kwargs)
 
 
 def grouped_topk_ref(
@@ -134,7 +169,7 @@ class GroupedTopKRouter(Router):
 
     def _select(self, x, logits, input_ids):
         bias = self.e_score_correction_bias
-        return grouped_topk(
+        return dispatch_grouped_topk(
             logits,
             self.top_k,
             self.num_expert_group,

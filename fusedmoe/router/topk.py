@@ -8,6 +8,8 @@ Hash routing (a table lookup per input id) sits in the same slot of the factory 
     ids     = hash_indices_table[input_ids]                   # [M, k]
     weights = scores[ids]
 The `*_ref` functions are per-token loops: the spec the vectorized versions are tested against.
+The routers call `dispatch_topk_route`: on CUDA the same routing in one Triton launch
+(fusedmoe.kernels.routing.fused_topk, whose twin is `topk_route`), else `topk_route`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from fusedmoe._checks import (
     check_tensor,
     value_checks_enabled,
 )
-from fusedmoe.router.base import Router, ScoringFunc, compute_scores, finish_weights
+from fusedmoe.router.base import (
+    Router,
+    ScoringFunc,
+    compute_scores,
+    finish_weights,
+    use_fused_routing,
+)
 
 
 def topk_route(
@@ -76,6 +84,30 @@ def topk_route_ref(
     return weights, ids
 
 
+def dispatch_topk_route(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: ScoringFunc = ScoringFunc.SOFTMAX,
+    renormalize: bool = True,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_route in one launch (fusedmoe.kernels.routing.fused_topk, ids int32) where
+    `use_fused_routing` says so, else topk_route itself (ids int64)."""
+    kwargs = dict(
+        scoring=scoring,
+        renormalize=renormalize,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+    if use_fused_routing(logits):
+        from fusedmoe.kernels.routing import fused_topk
+
+        return fused_topk(logits, top_k, **kwargs)
+    return topk_route(logits, top_k, **kwargs)
+
+
 def check_bias(bias: object, num_experts: int) -> torch.Tensor:
     t = check_tensor("e_score_correction_bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
     check_shape("e_score_correction_bias", t, (num_experts,))
@@ -86,7 +118,7 @@ class TopKRouter(Router):
     """Plain top-k of the scores."""
 
     def _select(self, x, logits, input_ids):
-        return topk_route(
+        return dispatch_topk_route(
             logits,
             self.top_k,
             scoring=self.scoring,
@@ -136,7 +168,7 @@ class BiasedTopKRouter(Router):
 
     def _select(self, x, logits, input_ids):
         if self.hash_indices_table is None:
-            return topk_route(
+            return dispatch_topk_route(
                 logits,
                 self.top_k,
                 scoring=self.scoring,

@@ -17,7 +17,7 @@ import torch
 
 from fusedmoe._checks import parse_enum
 from fusedmoe.router.base import Router
-from fusedmoe.router.topk import check_bias, topk_route
+from fusedmoe.router.topk import check_bias, dispatch_topk_route
 
 
 class ZeroExpertType(enum.Enum):
@@ -50,7 +50,7 @@ class ZeroExpertRouter(Router):
 
     def _select(self, x, logits, input_ids):
         bias = self.e_score_correction_bias
-        return topk_route(
+        return dispatch_topk_route(
             logits,
             self.top_k,
             scoring=self.scoring,
