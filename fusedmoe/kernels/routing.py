@@ -247,13 +247,15 @@ def _launch(
     cfg = routing_kernel_config(num_tokens, g_pad * s_pad, logits.is_cuda)
     guard = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
     with guard:
-        _route_kernel[(triton.cdiv(num_tokens, cfg.block_m),)](
+        args = (
             logits, logits.stride(0), logits.stride(1),
             logits if bias is None else bias,  # unread without a bias
             0 if bias is None else bias.stride(0),
             weights, weights.stride(0), weights.stride(1),
             ids, ids.stride(0), ids.stride(1),
             num_tokens, top_k, num_groups, group_size, topk_group, routed_scaling_factor,
+        )  # fmt: skip
+        constexprs = dict(
             SCORING=_SCORING_CODE[scoring],
             HAS_BIAS=bias is not None,
             GROUPED=topk_group < num_groups,  # all groups kept: plain top-k
@@ -264,12 +266,15 @@ def _launch(
             S_PAD=s_pad,
             K_PAD=triton.next_power_of_2(top_k),
             num_warps=cfg.num_warps,
+        )
+        launch(
+            _route_kernel, (triton.cdiv(num_tokens, cfg.block_m),), args, constexprs,
+            logits.is_cuda,
         )  # fmt: skip
     return weights, ids
 
 
-@torch.library.custom_op("fusedmoe::fused_topk", mutates_args=())
-def _fused_topk_op(
+def _fused_topk_impl(
     logits: torch.Tensor,
     top_k: int,
     scoring: str,
@@ -282,13 +287,17 @@ def _fused_topk_op(
     )
 
 
+_fused_topk_op = torch.library.custom_op("fusedmoe::fused_topk", mutates_args=())(
+    _fused_topk_impl
+)
+
+
 @_fused_topk_op.register_fake
 def _(logits, top_k, scoring, renormalize, e_score_correction_bias, routed_scaling_factor):
     return _alloc_outputs(logits, top_k)
 
 
-@torch.library.custom_op("fusedmoe::fused_grouped_topk", mutates_args=())
-def _fused_grouped_topk_op(
+def _fused_grouped_topk_impl(
     logits: torch.Tensor,
     top_k: int,
     num_expert_group: int,
@@ -302,6 +311,11 @@ def _fused_grouped_topk_op(
         logits, top_k, num_expert_group, topk_group, scoring, renormalize,
         e_score_correction_bias, routed_scaling_factor,
     )  # fmt: skip
+
+
+_fused_grouped_topk_op = torch.library.custom_op(
+    "fusedmoe::fused_grouped_topk", mutates_args=()
+)(_fused_grouped_topk_impl)
 
 
 @_fused_grouped_topk_op.register_fake
@@ -358,7 +372,7 @@ def fused_topk(
     """
     scoring = ScoringFunc.parse(scoring)
     _check_common(logits, top_k, renormalize, e_score_correction_bias, routed_scaling_factor)
-    return _fused_topk_op(
+    return op_or_impl(_fused_topk_op, _fused_topk_impl)(
         logits, top_k, scoring.value, renormalize, e_score_correction_bias,
         float(routed_scaling_factor),
     )  # fmt: skip
@@ -384,7 +398,7 @@ def fused_grouped_topk(
     scoring = ScoringFunc.parse(scoring)
     x = _check_common(logits, top_k, renormalize, e_score_correction_bias, routed_scaling_factor)
     check_groups(x.shape[1], top_k, num_expert_group, topk_group)
-    return _fused_grouped_topk_op(
+    return op_or_impl(_fused_grouped_topk_op, _fused_grouped_topk_impl)(
         logits, top_k, num_expert_group, topk_group, scoring.value, renormalize,
         e_score_correction_bias, float(routed_scaling_factor),
     )  # fmt: skip
