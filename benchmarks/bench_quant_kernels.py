@@ -1,4 +1,4 @@
-"""Time the Triton activation quantizers (fusedmoe.kernels.quant) on a CUDA GPU.
+"""Time the Triton activation quantizers (fusedmoe.quant.kernels) on a CUDA GPU.
 
     python benchmarks/bench_quant_kernels.py [--hbm-gbps 4800] [--json rows.json]
 
@@ -74,8 +74,8 @@ def normalised_max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def bench_case(kernel: str, m: int, k: int, args, dtype: torch.dtype) -> dict:
     from fusedmoe.activation import apply_activation
-    from fusedmoe.kernels import quant as kq
     from fusedmoe.quant import activation as qa
+    from fusedmoe.quant import kernels as kq
     from fusedmoe.quant import keys
     from fusedmoe.quant.reference import dequantize
 

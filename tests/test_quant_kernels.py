@@ -1,4 +1,4 @@
-"""The Triton activation quantizers (fusedmoe.kernels.quant) against their torch twins.
+"""The Triton activation quantizers (fusedmoe.quant.kernels) against their torch twins.
 
 Without a GPU the kernels run on Triton's CPU interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), so the shapes here are small; the `gpu` tests at the end run the compiled
@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
-from fusedmoe.kernels import quant as kq
 from fusedmoe.quant import activation as qa
+from fusedmoe.quant import kernels as kq
 from fusedmoe.quant import keys
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.reference import dequantize

@@ -1,4 +1,4 @@
-"""The fused routing kernels (fusedmoe.kernels.routing) against their torch twins
+"""The fused routing kernels (fusedmoe.router.fused) against their torch twins
 (fusedmoe.router.topk.topk_route, fusedmoe.router.grouped.grouped_topk), and the routers'
 choice between them.
 
@@ -16,8 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fusedmoe.kernels import routing
-from fusedmoe.kernels.routing import fused_grouped_topk, fused_topk
+from fusedmoe.router import fused as routing
 from fusedmoe.router import (
     ScoringFunc,
     compute_scores,
@@ -27,6 +26,7 @@ from fusedmoe.router import (
     topk_route,
     use_fused_routing,
 )
+from fusedmoe.router.fused import fused_grouped_topk, fused_topk
 from tests.helpers import assert_close, assert_equal, poison_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -36,8 +36,8 @@ from fusedmoe.kernels.moe_config import (
     table_path,
     use_moe_kernel_config,
 )
-from fusedmoe.kernels.quant import resolve_params
 from fusedmoe.quant import make_quant_config, quantize_experts
+from fusedmoe.quant.kernels import resolve_params
 from fusedmoe.tools.presets import PRESETS
 from tests.helpers import (
     assert_close,

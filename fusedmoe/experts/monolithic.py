@@ -279,7 +279,7 @@ class MonolithicExperts(Experts):
         the EP shift becomes an expert_map over every routable id (zero experts included),
         built once per (ids, shift, device)."""
         from fusedmoe.kernels.fused_moe import fused_experts_triton
-        from fusedmoe.kernels.quant import resolve_params
+        from fusedmoe.quant.kernels import resolve_params
 
         num_tokens, top_k = topk_ids.shape
         num_local = weights.num_local_experts

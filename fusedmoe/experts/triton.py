@@ -106,7 +106,7 @@ class TritonExperts(Experts):
 
     def apply(self, call):
         from fusedmoe.kernels.fused_moe import fused_experts_triton
-        from fusedmoe.kernels.quant import resolve_params
+        from fusedmoe.quant.kernels import resolve_params
 
         qc = call.quant_config
         modes = _modes(qc)

@@ -31,20 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe._triton import op_or_impl
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
-from fusedmoe.kernels.launch import op_or_impl
 from fusedmoe.kernels.moe_align import aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
-from fusedmoe.kernels.quant import (
+from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
+from fusedmoe.quant.activation import quantize_mxfp8
+from fusedmoe.quant.formats import FP8_DTYPE
+from fusedmoe.quant.kernels import (
     act_mul_group_quant_fp8_impl,
     act_mul_group_quant_fp8_op,
     resolve_params,
 )
-from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
-from fusedmoe.quant.activation import quantize_mxfp8
-from fusedmoe.quant.formats import FP8_DTYPE
 
 __all__ = [
     "ContiguousLayout",

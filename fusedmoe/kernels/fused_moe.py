@@ -25,20 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe._triton import launch, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
-from fusedmoe.kernels.launch import launch, op_or_impl
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
-from fusedmoe.kernels.quant import (
-    ACTIVATION_CODE,
-    act_mul_group_quant_fp8_impl,
-    act_mul_group_quant_fp8_op,
-)
 from fusedmoe.quant import keys
 from fusedmoe.quant.activation import quantize_activation
 from fusedmoe.quant.config import OperandQuant
 from fusedmoe.quant.formats import FP8_DTYPE
+from fusedmoe.quant.kernels import (
+    ACTIVATION_CODE,
+    act_mul_group_quant_fp8_impl,
+    act_mul_group_quant_fp8_op,
+)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -435,7 +435,7 @@ def fused_experts_triton(
 ) -> None:
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts); params are (alpha, beta, limit, has_limit) with defaults
-    resolved (fusedmoe.kernels.quant.resolve_params)."""
+    resolved (fusedmoe.quant.kernels.resolve_params)."""
     alpha, beta, limit, has_limit = params
     op_or_impl(_fused_experts_triton_op, _fused_experts_triton_impl)(
         output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,

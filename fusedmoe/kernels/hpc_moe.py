@@ -30,6 +30,7 @@ import functools
 
 import torch
 
+from fusedmoe._triton import op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import (
@@ -39,7 +40,6 @@ from fusedmoe.kernels.fused_moe import (
     gemm_rows,
     launch_gemm,
 )
-from fusedmoe.kernels.launch import op_or_impl
 from fusedmoe.kernels.moe_config import moe_kernel_config
 from fusedmoe.parallel.config import linear_expert_map
 from fusedmoe.quant.activation import per_token_group_quant_fp8, quantize_fp8_per_tensor

@@ -50,7 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedmoe.kernels.quant import (
+from fusedmoe.quant.kernels import (
     FP8_MAX_TL,
     divide_by_group_scale,
     gated_activation,
@@ -69,7 +69,7 @@ OUT_PLAIN, OUT_FP8_STATIC, OUT_FP8_GROUP, OUT_FP8_GROUP_UE8M0, OUT_FP32 = 0, 1, 
 OUT_ATOMIC = 5  # GEMM2: atomically added (float32) into row slot // OUT_ROW_DIV
 MX_GROUP = 32  # elements per E8M0 scale along K
 ACT_NONE = -1
-# the gated codes are those of fusedmoe.kernels.quant (0..4), then:
+# the gated codes are those of fusedmoe.quant.kernels (0..4), then:
 ACT_GELU_TANH, ACT_SILU_NO_MUL, ACT_GELU_NO_MUL, ACT_RELU2_NO_MUL = 5, 6, 7, 8
 QUANT_GROUP = 128  # the 1 x 128 activation groups and 128 x 128 weight blocks
 
@@ -97,7 +97,7 @@ _ACT_SILU_NO_MUL = tl.constexpr(ACT_SILU_NO_MUL)
 _ACT_GELU_NO_MUL = tl.constexpr(ACT_GELU_NO_MUL)
 _ACT_RELU2_NO_MUL = tl.constexpr(ACT_RELU2_NO_MUL)
 _GROUP = tl.constexpr(QUANT_GROUP)
-_SCALE_FLOAT32, _SCALE_UE8M0 = tl.constexpr(0), tl.constexpr(1)  # codes of kernels.quant
+_SCALE_FLOAT32, _SCALE_UE8M0 = tl.constexpr(0), tl.constexpr(1)  # codes of quant.kernels
 
 
 @triton.jit
@@ -347,7 +347,7 @@ def _moe_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     H_DTYPE: tl.constexpr,  # where the reference rounds h (the activation dtype)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32), else the default
-    ROUND_IN_FP32: tl.constexpr,  # the interpreter's fp8 casts (see kernels.quant)
+    ROUND_IN_FP32: tl.constexpr,  # the interpreter's fp8 casts (see quant.kernels)
     UPCAST: tl.constexpr,  # the interpreter: its tl.dot is wrong for bf16, so dot in fp32
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,

@@ -1,7 +1,7 @@
 """Activation quantizers: the functions prepare/finalize and the experts call.
 
 Each has a torch twin (`*_torch`, built on fusedmoe.quant.reference, the spec) and, where it is
-hot, a Triton kernel (fusedmoe.kernels.quant) used on CUDA tensors when Triton is installed.
+hot, a Triton kernel (fusedmoe.quant.kernels) used on CUDA tensors when Triton is installed.
 Shapes: x [M, K] -> q [M, K] (FP4: [M, K/2] uint8), scales as fusedmoe.quant.keys says.
 """
 
@@ -56,7 +56,7 @@ def per_token_group_quant_fp8(
     _check_2d("x", x)
     _group_key(group_size, use_ue8m0)
     if triton_runs_on(x):
-        from fusedmoe.kernels.quant import per_token_group_quant_fp8_triton
+        from fusedmoe.quant.kernels import per_token_group_quant_fp8_triton
 
         return per_token_group_quant_fp8_triton(x, group_size, column_major_scales, use_ue8m0)
     return per_token_group_quant_fp8_torch(x, group_size, column_major_scales, use_ue8m0)
@@ -90,7 +90,7 @@ def act_mul_per_token_group_quant_fp8(
     _check_2d("h", h)
     _group_key(group_size, use_ue8m0)
     if triton_runs_on(h):
-        from fusedmoe.kernels.quant import act_mul_per_token_group_quant_fp8_triton, fused_supports
+        from fusedmoe.quant.kernels import act_mul_per_token_group_quant_fp8_triton, fused_supports
 
         if fused_supports(act, params):
             return act_mul_per_token_group_quant_fp8_triton(
@@ -114,7 +114,7 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[1] % 32 != 0:
         raise ValueError(f"MXFP8 needs K % 32 == 0, got K = {x.shape[1]}")
     if triton_runs_on(x):
-        from fusedmoe.kernels.quant import quantize_mxfp8_triton
+        from fusedmoe.quant.kernels import quantize_mxfp8_triton
 
         return quantize_mxfp8_triton(x)
     return quantize_mxfp8_torch(x)

@@ -59,7 +59,7 @@ def finish_weights(
     return weights
 
 
-# Logit dtypes of the fused routing kernels (fusedmoe.kernels.routing.FUSED_ROUTING_DTYPES,
+# Logit dtypes of the fused routing kernels (fusedmoe.router.fused.FUSED_ROUTING_DTYPES,
 # repeated here so that this module does not import triton). float64 stays on torch.
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Set only inside `fused_routing_on_interpreter()`; a plain global, so torch.compile reads it
@@ -69,7 +69,7 @@ _FUSED_ON_INTERPRETER = False
 
 def use_fused_routing(logits: torch.Tensor) -> bool:
     """Whether the routers route these logits with the fused Triton kernels
-    (fusedmoe.kernels.routing, one launch) instead of the torch twins (about ten launches):
+    (fusedmoe.router.fused, one launch) instead of the torch twins (about ten launches):
     CUDA logits of bf16 / fp16 / fp32 with Triton installed. CPU logits take the torch path,
     except inside `fused_routing_on_interpreter()` under TRITON_INTERPRET=1 (tests)."""
     if logits.dtype not in _FUSED_DTYPES or not has_triton():

@@ -9,7 +9,7 @@ ids          = topk(choice restricted to kept groups, k)
 weights      = scores[ids]  (renormalized, times routed_scaling_factor)
 
 The router calls `dispatch_grouped_topk`: on CUDA the same routing in one Triton launch
-(fusedmoe.kernels.routing.fused_grouped_topk, whose twin is `grouped_topk`), else grouped_topk.
+(fusedmoe.router.fused.fused_grouped_topk, whose twin is `grouped_topk`), else grouped_topk.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def dispatch_grouped_topk(
     e_score_correction_bias: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """grouped_topk in one launch (fusedmoe.kernels.routing.fused_grouped_topk, ids int32)
+    """grouped_topk in one launch (fusedmoe.router.fused.fused_grouped_topk, ids int32)
     where `use_fused_routing` says so, else grouped_topk itself (ids int64)."""
     kwargs = dict(
         scoring=scoring,
@@ -101,7 +101,7 @@ def dispatch_grouped_topk(
         routed_scaling_factor=routed_scaling_factor,
     )
     if use_fused_routing(logits):
-        from fusedmoe.kernels.routing import fused_grouped_topk
+        from fusedmoe.router.fused import fused_grouped_topk
 
         return fused_grouped_topk(logits, top_k, num_expert_group, topk_group, **kwargs)
     return grouped_topk(logits, top_k, num_expert_group, topk_group, **kwargs)

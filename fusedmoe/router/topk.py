@@ -9,7 +9,7 @@ Hash routing (a table lookup per input id) sits in the same slot of the factory 
     weights = scores[ids]
 The `*_ref` functions are per-token loops: the spec the vectorized versions are tested against.
 The routers call `dispatch_topk_route`: on CUDA the same routing in one Triton launch
-(fusedmoe.kernels.routing.fused_topk, whose twin is `topk_route`), else `topk_route`.
+(fusedmoe.router.fused.fused_topk, whose twin is `topk_route`), else `topk_route`.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def dispatch_topk_route(
     e_score_correction_bias: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_route in one launch (fusedmoe.kernels.routing.fused_topk, ids int32) where
+    """topk_route in one launch (fusedmoe.router.fused.fused_topk, ids int32) where
     `use_fused_routing` says so, else topk_route itself (ids int64)."""
     kwargs = dict(
         scoring=scoring,
@@ -102,7 +102,7 @@ def dispatch_topk_route(
         routed_scaling_factor=routed_scaling_factor,
     )
     if use_fused_routing(logits):
-        from fusedmoe.kernels.routing import fused_topk
+        from fusedmoe.router.fused import fused_topk
 
         return fused_topk(logits, top_k, **kwargs)
     return topk_route(logits, top_k, **kwargs)

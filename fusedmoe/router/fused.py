@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fusedmoe._checks import check_positive_int, check_shape, check_tensor
-from fusedmoe._triton import triton_runs_on
+from fusedmoe._triton import launch, op_or_impl, triton_runs_on
 from fusedmoe.router.base import ScoringFunc
 from fusedmoe.router.grouped import check_groups
 
@@ -287,9 +287,7 @@ def _fused_topk_impl(
     )
 
 
-_fused_topk_op = torch.library.custom_op("fusedmoe::fused_topk", mutates_args=())(
-    _fused_topk_impl
-)
+_fused_topk_op = torch.library.custom_op("fusedmoe::fused_topk", mutates_args=())(_fused_topk_impl)
 
 
 @_fused_topk_op.register_fake
@@ -313,9 +311,9 @@ def _fused_grouped_topk_impl(
     )  # fmt: skip
 
 
-_fused_grouped_topk_op = torch.library.custom_op(
-    "fusedmoe::fused_grouped_topk", mutates_args=()
-)(_fused_grouped_topk_impl)
+_fused_grouped_topk_op = torch.library.custom_op("fusedmoe::fused_grouped_topk", mutates_args=())(
+    _fused_grouped_topk_impl
+)
 
 
 @_fused_grouped_topk_op.register_fake

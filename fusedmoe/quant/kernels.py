@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import triton_runs_on
+from fusedmoe._triton import op_or_impl, triton_runs_on
 from fusedmoe.activation import (
     _OAI_ALPHA,
     _OAI_LIMIT,
@@ -46,7 +46,6 @@ from fusedmoe.activation import (
     ActivationParams,
     MoEActivation,
 )
-from fusedmoe.kernels.launch import op_or_impl
 from fusedmoe.quant.formats import AMAX_EPS, E8M0_BIAS, FP8_DTYPE, FP8_EMAX, FP8_MAX
 
 __all__ = [
