@@ -552,7 +552,7 @@ class FusedMoE(nn.Module):
     ) -> list[str]:
         """Copy checkpoint tensors into the layer; returns the names loaded.
 
-        Expert weights in the namings of fusedmoe.weights (float checkpoints into an unquantized
+        Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an unquantized
         layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer quantized
         to their scheme); also `e_score_correction_bias` and, when the layer has them,
         `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
