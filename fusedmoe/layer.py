@@ -298,7 +298,7 @@ class FusedMoE(nn.Module):
         The quantized weights and scales count as loaded where the float weights were (see
         missing_weights): quantizing a loaded layer leaves nothing missing.
         """
-        return quantize.quantize_(self, scheme, **config_kwargs) or self
+        return quantize.quantize_(self, scheme, **config_kwargs)
 
     @property
     def quant_config(self) -> FusedMoEQuantConfig | None:
@@ -552,9 +552,9 @@ class FusedMoE(nn.Module):
     ) -> list[str]:
         """Copy checkpoint tensors into the layer; returns the names loaded.
 
-        Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an unquantized
-        layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer quantized
-        to their scheme); also `e_score_correction_bias` and, when the layer has them,
+        Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an
+        unquantized layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer
+        quantized to their scheme); also `e_score_correction_bias` and, when the layer has them,
         `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
         to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
         name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.

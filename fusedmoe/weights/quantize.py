@@ -27,8 +27,8 @@ from fusedmoe.weights.loading import carry_writes_to_quantized, expert_writes
 
 
 @torch.no_grad()
-def quantize_(layer, scheme: str, **config_kwargs) -> None:
-    """FusedMoE.quantize_ (its docstring says what it does)."""
+def quantize_(layer, scheme: str, **config_kwargs):
+    """FusedMoE.quantize_ (its docstring says what it does): -> the layer."""
     if layer.quant_scheme is not None:
         raise ValueError(f"the layer is already quantized ({layer.quant_scheme})")
     gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]
@@ -70,6 +70,7 @@ def quantize_(layer, scheme: str, **config_kwargs) -> None:
     }
     carry_writes_to_quantized(layer, writes)
     layer.set_backend(layer.backend)  # the quantized weights may need another backend
+    return layer
 
 
 def quant_config(layer) -> FusedMoEQuantConfig | None:
