@@ -60,15 +60,9 @@ from fusedmoe.oracle import BackendChoice, get_backend, select_backend
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
-from fusedmoe.quant.config import (
-    FusedMoEQuantConfig,
-    check_scheme,
-    make_quant_config,
-    quantize_experts,
-    weight_key,
-)
+from fusedmoe.quant.config import FusedMoEQuantConfig, check_scheme
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
-from fusedmoe.weights import resolve_expert_weight, resolve_quantized_weight
+from fusedmoe.weights import loading, quantize
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -285,8 +279,7 @@ class FusedMoE(nn.Module):
         self._kernels = {}
         return result
 
-    # ---- quantization ----
-    @torch.no_grad()
+    # ---- quantization (fusedmoe.weights.quantize) ----
     def quantize_(self, scheme: str, **config_kwargs) -> FusedMoE:
         """Quantize the experts' float weights in place to `scheme` (see fusedmoe.quant.config).
 
@@ -300,62 +293,17 @@ class FusedMoE(nn.Module):
         [2I, 2Ip)), and the columns [I, Ip) of w2. Those channels compute act(0) and meet zero
         columns of w2, so the output is that of the unpadded weights exactly. load_weights then
         takes checkpoints of the padded layout (as gpt-oss ships them).
+
+        Weights holding NaN or Inf are refused (ValueError naming the tensor and the expert).
+        The quantized weights and scales count as loaded where the float weights were (see
+        missing_weights): quantizing a loaded layer leaves nothing missing.
         """
-        if self.quant_scheme is not None:
-            raise ValueError(f"the layer is already quantized ({self.quant_scheme})")
-        gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]
-        if gemm1:
-            raise ValueError(
-                f"quantize_: {', '.join(gemm1)}: a layer takes its activation parameters "
-                "from activation_params="
-            )
-        key = weight_key(scheme)
-        group_k = key.group[1] if key.exact_groups else 1
-        padded = -(-self.intermediate_size // group_k) * group_k
-        w13, w2, w13_bias = _pad_intermediate(
-            self.w13_weight.detach(),
-            self.w2_weight.detach(),
-            None if self.w13_bias is None else self.w13_bias.detach(),
-            self.activation.kind,
-            padded,
-        )
-        w13_q, w2_q, config = quantize_experts(w13, w2, scheme, **config_kwargs)
-        if w13_bias is not None and w13_bias.shape != self.w13_bias.shape:
-            self.w13_bias = nn.Parameter(w13_bias, requires_grad=self.w13_bias.requires_grad)
-        self.padded_intermediate_size = padded
-        self.w13_weight = nn.Parameter(w13_q, requires_grad=False)
-        self.w2_weight = nn.Parameter(w2_q, requires_grad=False)
-        for name, value in (
-            ("w13_weight_scale", config.w1.scale),
-            ("w2_weight_scale", config.w2.scale),
-            ("w13_weight_global_scale", config.w1.global_scale),
-            ("w2_weight_global_scale", config.w2.global_scale),
-            ("a1_scale", config.a1.scale),
-            ("a2_scale", config.a2.scale),
-        ):
-            self.register_buffer(name, value)
-        self.quant_scheme = scheme
-        self._quant_options = {
-            k: v for k, v in config_kwargs.items() if k not in ("a1_scale", "a2_scale")
-        }
-        self.set_backend(self.backend)
-        return self
+        return quantize.quantize_(self, scheme, **config_kwargs)
 
     @property
     def quant_config(self) -> FusedMoEQuantConfig | None:
         """The quant config of the current weights and scales (None when unquantized)."""
-        if self.quant_scheme is None:
-            return None
-        return make_quant_config(
-            self.quant_scheme,
-            self.w13_weight_scale,
-            self.w2_weight_scale,
-            w1_global_scale=self.w13_weight_global_scale,
-            w2_global_scale=self.w2_weight_global_scale,
-            a1_scale=self.a1_scale,
-            a2_scale=self.a2_scale,
-            **self._quant_options,
-        )
+        return quantize.quant_config(self)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -371,6 +319,7 @@ class FusedMoE(nn.Module):
             if param is not None:
                 bound = 1.0 / math.sqrt(fan_in)
                 param.uniform_(-bound, bound)
+        loading.forget_writes(self)  # random, valid, and not loaded
 
     # ---- backend ----
     def set_backend(self, backend: str | type[Experts]) -> None:
@@ -620,14 +569,15 @@ class FusedMoE(nn.Module):
                 f"hidden_states is on {x_routed.device}, the layer on {self.w13_weight.device}"
             )
 
-    # ---- weights ----
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    # ---- weights (fusedmoe.weights.loading) ----
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+    ) -> list[str]:
         """Copy checkpoint tensors into the layer; returns the names loaded.
 
-        Expert weights in the namings of fusedmoe.weights (float checkpoints into an unquantized
-        layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer quantized
-        to their scheme); also `e_score_correction_bias` and, when the layer has them,
+        Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an
+        unquantized layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer
+        quantized to their scheme); also `e_score_correction_bias` and, when the layer has them,
         `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
         to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
         name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
@@ -635,88 +585,27 @@ class FusedMoE(nn.Module):
         Checkpoints are global: under expert parallelism the layer keeps its rank's experts
         (the others' names are skipped and not returned). A layer whose intermediate size was
         padded (quantize_) takes tensors of the padded layout, padded_intermediate_size wide.
+
+        strict (as nn.Module.load_state_dict): when the checkpoint names any expert tensor, every
+        expert tensor of this rank's experts (gate, up and down rows; biases; scales when
+        quantized) must have been written by this call or an earlier one, else ValueError
+        listing what is missing. The tensors named were copied before the check, so after that
+        error the layer is half loaded. strict=False loads in parts (one call per checkpoint
+        file, say); missing_weights() then says what is left. Shared experts and
+        e_score_correction_bias are outside the check: modules and buffers of their own.
         """
-        shapes = dict(
-            num_experts=self.num_experts,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.padded_intermediate_size,
-            activation=self.activation.kind,
-        )
-        loaded = []
-        for name, tensor in weights:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-            target = None
-            if self.quant_scheme is not None:
-                target = resolve_quantized_weight(name, scheme=self.quant_scheme, **shapes)
-            if target is None:
-                target = resolve_expert_weight(name, **shapes)
-                if (
-                    target is not None
-                    and self.quant_scheme is not None
-                    and "bias" not in target.param
-                ):
-                    raise ValueError(
-                        f"{name}: the layer holds {self.quant_scheme} weights; load float "
-                        "weights into an unquantized layer and then quantize_()"
-                    )
-            if target is not None:
-                param = getattr(self, target.param)
-                if param is None:
-                    hint = " (construct with has_bias=True)" if "bias" in target.param else ""
-                    raise ValueError(f"{name}: the layer has no {target.param}{hint}")
-                shares = [(target.index, tensor, target.shape)]
-                if self.expert_map is not None:
-                    shares = self._this_ranks_share(name, tensor, target.index, target.shape)
-                    if not shares:
-                        continue  # another rank's expert
-                for index, share, shape in shares:
-                    slot = param[index] if index else param
-                    _copy_checked(name, slot, share, shape, exact_dtype=target.exact_dtype)
-            elif not self._load_other(name, tensor):
-                raise ValueError(f"{name}: not a weight of this FusedMoE layer")
-            loaded.append(name)
-        return loaded
+        return loading.load_weights(self, weights, strict=strict)
 
-    def _this_ranks_share(self, name, tensor, index, shape):
-        """A global (logical) expert tensor -> [(index, tensor, shape)] for this rank's local
-        slots that compute that expert: none (another rank's), one, or several (replicas)."""
-        local_logical = self.placement.local_logical(self.parallel_config.ep_rank)
-        if index:  # one expert's tensor: (expert, rows)
-            expert = index[0]
-            return [
-                ((slot, *index[1:]), tensor, shape)
-                for slot, logical in enumerate(local_logical)
-                if logical == expert
-            ]
-        # every expert's (fused names): check the global shape, keep this rank's experts
-        if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
-        rows = torch.tensor(local_logical, dtype=torch.long, device=tensor.device)
-        return [((), tensor.index_select(0, rows), (len(local_logical), *shape[1:]))]
+    def missing_weights(self) -> list[str]:
+        """The expert tensors no load_weights call has written yet ([] once all are), e.g.
+        ["w13_weight gate rows of experts [1-127]", "w2_weight of experts [0-127]"]; experts by
+        global id, this rank's only under EP.
 
-    def _load_other(self, name: str, tensor: torch.Tensor) -> bool:
-        if name.endswith("e_score_correction_bias"):
-            if self.e_score_correction_bias is None:
-                raise ValueError(f"{name}: the layer was built without e_score_correction_bias")
-            buf = self.e_score_correction_bias
-            _copy_checked(name, buf, tensor, tuple(buf.shape))
-            return True
-        for prefix, module in (
-            ("shared_expert_gate.", self.shared_expert_gate),
-            ("shared_experts.", self.shared_experts),
-            ("shared_expert.", self.shared_experts),
-        ):
-            head, sep, tail = name.partition(prefix)
-            if sep and (head == "" or head.endswith(".")) and module is not None:
-                state = dict(module.named_parameters()) | dict(module.named_buffers())
-                if tail not in state:
-                    raise ValueError(
-                        f"{name}: {tail!r} is not a tensor of the shared experts module"
-                    )
-                _copy_checked(name, state[tail], tensor, tuple(state[tail].shape))
-                return True
-        return False
+        A fresh layer holds random weights (usable) and reports them all missing: none were
+        loaded. quantize_ keeps the report (the quantized tensors are as loaded as the float
+        ones); reset_parameters clears it.
+        """
+        return loading.missing_weights(self)
 
     def _placement_repr(self) -> str:
         pc = self.parallel_config
@@ -767,62 +656,9 @@ def _prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement):
     )
 
 
-def _pad_intermediate(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_bias: torch.Tensor | None,
-    activation: MoEActivation,
-    padded: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Zero-pad the intermediate size I of w13 [E, N(I), H], w13_bias [E, N(I)] and
-    w2 [E, H, I] to `padded` (see FusedMoE.quantize_ for where the zeros go)."""
-    extra = padded - w2.shape[2]
-    if extra == 0:
-        return w13, w2, w13_bias
-
-    def pad_rows(t: torch.Tensor) -> torch.Tensor:
-        """Zeros after the gate rows and after the up rows (dim 1), or after the single block."""
-        pad = [0, 0] * (t.dim() - 2) + [0, extra]  # F.pad lists dims from the last
-        if activation is MoEActivation.SWIGLUOAI:  # (gate, up) pairs alternate: `extra` pairs
-            pad[-1] = 2 * extra
-        elif activation.is_gated:
-            gate, up = t.chunk(2, dim=1)
-            return torch.cat([nn.functional.pad(gate, pad), nn.functional.pad(up, pad)], dim=1)
-        return nn.functional.pad(t, pad)
-
-    return (
-        pad_rows(w13),
-        nn.functional.pad(w2, (0, extra)),
-        None if w13_bias is None else pad_rows(w13_bias),
-    )
-
-
 def _as_buffer(t: torch.Tensor | None, device) -> torch.Tensor | None:
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     return t.detach().clone().to(device) if device is not None else t.detach().clone()
-
-
-def _copy_checked(
-    name: str,
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    shape: tuple[int, ...],
-    *,
-    exact_dtype: bool = False,
-) -> None:
-    """Copy src (of checkpoint shape `shape`, or that with a trailing 1) into dst."""
-    shape = tuple(shape)
-    if tuple(src.shape) == (*shape, 1):  # per-channel scales stored as [N, 1]
-        src = src.squeeze(-1)
-    if tuple(src.shape) != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {tuple(src.shape)}")
-    if exact_dtype and src.dtype != dst.dtype:
-        raise TypeError(
-            f"{name}: expected {dst.dtype} (quantized data is not cast), got {src.dtype}"
-        )
-    if not (src.is_floating_point() or dst.dtype == src.dtype):
-        raise TypeError(f"{name}: expected a floating-point tensor, got {src.dtype}")
-    dst.copy_(src.reshape(dst.shape))

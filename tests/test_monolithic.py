@@ -235,7 +235,7 @@ def test_per_expert_weights_are_views_rebuilt_when_replaced():
 
     # load_weights writes in place: the same views see the new weights
     new_w2 = torch.randn(E, H, I)
-    layer.load_weights([("experts.down_proj", new_w2)])
+    layer.load_weights([("experts.down_proj", new_w2)], strict=False)  # w2 only
     weights, ids = softmax_topk_ref(logits, 2)
     assert_close(run(layer, x, logits), routed_ref(layer, x, weights, ids))
     assert experts._experts is views
@@ -531,7 +531,8 @@ def test_gpt_oss_mxfp4_layer_of_unaligned_intermediate_size():
             ("experts.gate_up_proj_scales", scales),
             ("experts.gate_up_proj_bias", torch.randn(4, 128)),
             ("experts.down_proj_blocks", down_blocks),
-        ]
+        ],
+        strict=False,  # a part of the checkpoint: the layout is what is checked
     )
     assert len(loaded) == 4
     assert_equal(layer.w13_weight, blocks.reshape(4, 128, 32), what="w13 blocks")

@@ -345,7 +345,7 @@ def test_fused_nvfp4_checkpoint():
 
 # ---- checkpoint errors --------------------------------------------------------------------------
 def load_one(layer: FusedMoE, name: str, tensor: torch.Tensor):
-    return layer.load_weights([(name, tensor)])
+    return layer.load_weights([(name, tensor)], strict=False)  # one tensor: a part
 
 
 @pytest.mark.parametrize(

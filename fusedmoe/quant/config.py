@@ -266,6 +266,23 @@ def quantize_weight(w: torch.Tensor, scheme: str, what: str = "w"):
     )
 
 
+def first_nonfinite_expert(w: torch.Tensor) -> tuple[int, str] | None:
+    """(the first expert e of w [E, ...] holding a NaN or an Inf, "NaN" or "Inf"), or None.
+
+    Reads a value on the host (a sync): for one-time steps such as quantization. Per-expert
+    max and min (NaN propagates through both) rather than isfinite(w): no copy the size of w.
+    """
+    if w.numel() == 0:
+        return None
+    dims = tuple(range(1, w.dim()))
+    high, low = w.detach().amax(dim=dims), w.detach().amin(dim=dims)  # [E]
+    bad = (~(torch.isfinite(high) & torch.isfinite(low))).nonzero()
+    if bad.numel() == 0:
+        return None
+    e = int(bad[0, 0])
+    return e, "NaN" if bool(torch.isnan(high[e])) else "Inf"
+
+
 def quantize_experts(
     w13: torch.Tensor, w2: torch.Tensor, scheme: str, **config_kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, FusedMoEQuantConfig]:
@@ -274,6 +291,7 @@ def quantize_experts(
     MXFP4 weights come back as uint8 [E, N, K/2] with uint8 E8M0 scales [E, N, K/32]; FP8
     block weights as float8_e4m3fn [E, N, K] with float32 scales [E, ceil(N/128), ceil(K/128)].
     `config_kwargs` go to make_quant_config (static a1/a2 scales, per-token, UE8M0, ...).
+    Weights holding NaN or Inf are refused (ValueError naming the tensor and the expert).
     """
     check_scheme(scheme)
     for name, w in (("w13", w13), ("w2", w2)):
@@ -283,6 +301,13 @@ def quantize_experts(
             raise ValueError(f"{name} must be a 3-D [E, N, K] tensor, got shape {tuple(w.shape)}")
         if not w.is_floating_point() or w.dtype == FP8_DTYPE:
             raise TypeError(f"{name} must be float weights to quantize, got {w.dtype}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        bad = first_nonfinite_expert(w)
+        if bad is not None:
+            raise ValueError(
+                f"{name} holds {bad[1]} (first in expert {bad[0]}); quantizing would poison its "
+                "scales"
+            )
     q13, q2 = quantize_weight(w13, scheme, "w13"), quantize_weight(w2, scheme, "w2")
     config = make_quant_config(
         scheme,

@@ -43,6 +43,9 @@ class WeightTarget:
     index: tuple  # index into the parameter
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have (reshaped into the slot)
     exact_dtype: bool = False  # quantized data: copied bit for bit, never cast
+    #: which rows of a w13 tensor the slot covers: "gate" or "up" (one projection of a gated
+    #: activation), or None for the whole expert (w2, non-gated w13, fused names)
+    part: str | None = None
 
 
 def resolve_expert_weight(
@@ -81,7 +84,7 @@ def resolve_expert_weight(
             rows = slice(0, 2 * num_i, 2) if role == "gate" else slice(1, 2 * num_i, 2)
         else:
             rows = slice(0, num_i) if role == "gate" else slice(num_i, 2 * num_i)
-        return WeightTarget(param, (expert, rows), shape)
+        return WeightTarget(param, (expert, rows), shape, part=role)
 
     match = _FUSED.search(name)
     if match is not None:
@@ -175,6 +178,7 @@ def resolve_quantized_weight(
         )
     if role == "gate" and not activation.is_gated:
         raise ValueError(f"{name}: the non-gated activation {activation.value!r} has no gate")
+    part = role if role != "down" and activation.is_gated else None
     if role == "down":
         param, rows, k, row0 = "w2", num_h, num_i, 0
     else:
@@ -182,9 +186,11 @@ def resolve_quantized_weight(
         row0 = num_i if role == "up" and activation.is_gated else 0
     if kind == "weight":
         return WeightTarget(f"{param}_weight", (expert, slice(row0, row0 + rows)), (rows, k),
-                            exact_dtype=True)  # fmt: skip
+                            exact_dtype=True, part=part)  # fmt: skip
     if key.layout is ScaleLayout.ROW:
-        return WeightTarget(f"{param}_weight_scale", (expert, slice(row0, row0 + rows)), (rows,))
+        return WeightTarget(
+            f"{param}_weight_scale", (expert, slice(row0, row0 + rows)), (rows,), part=part
+        )
     block_rows, block_k = key.group
     if row0 % block_rows or (param == "w13" and activation.is_gated and rows % block_rows):
         raise ValueError(
@@ -194,7 +200,8 @@ def resolve_quantized_weight(
     scale_rows = math.ceil(rows / block_rows)
     start = row0 // block_rows
     shape = (scale_rows, math.ceil(k / block_k))
-    return WeightTarget(f"{param}_weight_scale", (expert, slice(start, start + scale_rows)), shape)
+    index = (expert, slice(start, start + scale_rows))
+    return WeightTarget(f"{param}_weight_scale", index, shape, part=part)
 
 
 def _exact_scales(key) -> bool:

@@ -1,0 +1,11 @@
+"""The FusedMoE layer's weights: from checkpoints, and to quantization schemes.
+
+Modules:
+    names.py     checkpoint names -> slices of the layer's tensors (resolve_expert_weight, ...)
+    loading.py   load_weights: copy the tensors, keep the record of which experts are written
+    quantize.py  quantize_ (online, in place) and the layer's quant config
+"""
+
+from fusedmoe.weights.names import WeightTarget, resolve_expert_weight, resolve_quantized_weight
+
+__all__ = ["WeightTarget", "resolve_expert_weight", "resolve_quantized_weight"]

@@ -1,0 +1,136 @@
+"""FusedMoE.quantize_: the layer's float experts -> a quantization scheme, in place.
+
+quantize_(layer, scheme):
+    refuse NaN / Inf weights (they would poison their scales)
+    w13, w2, w13_bias = pad_intermediate(...)        (I -> Ip, a multiple of the scheme's K group)
+    w13_q, w2_q, config = quantize_experts(w13, w2, scheme)
+    the layer's w13_weight / w2_weight <- w13_q / w2_q; its buffers <- the config's scales
+
+and the layer's quant config, made from those buffers whenever it is asked for (quant_config),
+so a load_weights that writes the scales in place shows in the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fusedmoe.activation import MoEActivation
+from fusedmoe.quant.config import (
+    FusedMoEQuantConfig,
+    first_nonfinite_expert,
+    make_quant_config,
+    quantize_experts,
+    weight_key,
+)
+from fusedmoe.weights.loading import carry_writes_to_quantized, expert_writes
+
+
+@torch.no_grad()
+def quantize_(layer, scheme: str, **config_kwargs):
+    """FusedMoE.quantize_ (its docstring says what it does): -> the layer."""
+    if layer.quant_scheme is not None:
+        raise ValueError(f"the layer is already quantized ({layer.quant_scheme})")
+    gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]
+    if gemm1:
+        raise ValueError(
+            f"quantize_: {', '.join(gemm1)}: a layer takes its activation parameters "
+            "from activation_params="
+        )
+    key = weight_key(scheme)
+    _check_finite(layer)
+    group_k = key.group[1] if key.exact_groups else 1
+    padded = -(-layer.intermediate_size // group_k) * group_k
+    w13, w2, w13_bias = pad_intermediate(
+        layer.w13_weight.detach(),
+        layer.w2_weight.detach(),
+        None if layer.w13_bias is None else layer.w13_bias.detach(),
+        layer.activation.kind,
+        padded,
+    )
+    w13_q, w2_q, config = quantize_experts(w13, w2, scheme, **config_kwargs)
+    writes = expert_writes(layer)  # of the float weights: the quantized ones inherit it
+    if w13_bias is not None and w13_bias.shape != layer.w13_bias.shape:
+        layer.w13_bias = nn.Parameter(w13_bias, requires_grad=layer.w13_bias.requires_grad)
+    layer.padded_intermediate_size = padded
+    layer.w13_weight = nn.Parameter(w13_q, requires_grad=False)
+    layer.w2_weight = nn.Parameter(w2_q, requires_grad=False)
+    for name, value in (
+        ("w13_weight_scale", config.w1.scale),
+        ("w2_weight_scale", config.w2.scale),
+        ("w13_weight_global_scale", config.w1.global_scale),
+        ("w2_weight_global_scale", config.w2.global_scale),
+        ("a1_scale", config.a1.scale),
+        ("a2_scale", config.a2.scale),
+    ):
+        layer.register_buffer(name, value)
+    layer.quant_scheme = scheme
+    layer._quant_options = {
+        k: v for k, v in config_kwargs.items() if k not in ("a1_scale", "a2_scale")
+    }
+    carry_writes_to_quantized(layer, writes)
+    layer.set_backend(layer.backend)  # the quantized weights may need another backend
+    return layer
+
+
+def quant_config(layer) -> FusedMoEQuantConfig | None:
+    """The quant config of the layer's current weights and scales (None when unquantized)."""
+    if layer.quant_scheme is None:
+        return None
+    return make_quant_config(
+        layer.quant_scheme,
+        layer.w13_weight_scale,
+        layer.w2_weight_scale,
+        w1_global_scale=layer.w13_weight_global_scale,
+        w2_global_scale=layer.w2_weight_global_scale,
+        a1_scale=layer.a1_scale,
+        a2_scale=layer.a2_scale,
+        **layer._quant_options,
+    )
+
+
+def _check_finite(layer) -> None:
+    """NaN / Inf weights are refused, naming the tensor and the first expert (by global id)
+    that holds one. Reads the weights on the host: quantize_ is a one-time step."""
+    local_logical = layer.placement.local_logical(layer.parallel_config.ep_rank)
+    for name in ("w13_weight", "w2_weight"):
+        bad = first_nonfinite_expert(getattr(layer, name).detach())
+        if bad is not None:
+            slot, kind = bad
+            where = f"expert {local_logical[slot]}"
+            if layer.parallel_config.use_ep or layer.placement.has_replicas:
+                where += f" (local slot {slot})"
+            raise ValueError(
+                f"quantize_: {name} holds {kind} (first in {where}); quantizing would poison "
+                "its scales: load finite weights first"
+            )
+
+
+def pad_intermediate(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    activation: MoEActivation,
+    padded: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Zero-pad the intermediate size I of w13 [E, N(I), H], w13_bias [E, N(I)] and
+    w2 [E, H, I] to `padded` (see FusedMoE.quantize_ for where the zeros go)."""
+    extra = padded - w2.shape[2]
+    if extra == 0:
+        return w13, w2, w13_bias
+
+    def pad_rows(t: torch.Tensor) -> torch.Tensor:
+        """Zeros after the gate rows and after the up rows (dim 1), or after the single block."""
+        pad = [0, 0] * (t.dim() - 2) + [0, extra]  # F.pad lists dims from the last
+        if activation is MoEActivation.SWIGLUOAI:  # (gate, up) pairs alternate: `extra` pairs
+            pad[-1] = 2 * extra
+        elif activation.is_gated:
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat([nn.functional.pad(gate, pad), nn.functional.pad(up, pad)], dim=1)
+        return nn.functional.pad(t, pad)
+
+    return (
+        pad_rows(w13),
+        nn.functional.pad(w2, (0, extra)),
+        None if w13_bias is None else pad_rows(w13_bias),
+    )
