@@ -16,7 +16,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from fusedmoe.router import fused as routing
 from fusedmoe.router import (
     ScoringFunc,
     compute_scores,
@@ -26,6 +25,7 @@ from fusedmoe.router import (
     topk_route,
     use_fused_routing,
 )
+from fusedmoe.router import fused as routing
 from fusedmoe.router.fused import fused_grouped_topk, fused_topk
 from tests.helpers import assert_close, assert_equal, poison_
 
