@@ -100,7 +100,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, on_cuda
         grid_x = grid[0]
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = _raw_stream(device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         metadata = None  # what profiling hooks read: built only when one listens
         if enter is not None or leave is not None:
@@ -152,3 +152,13 @@ def op_or_impl(op, impl):
     the custom op (Python -> C++ -> Python, with dynamo's disable wrapper) adds tens of
     microseconds on a slow host and changes nothing."""
     return op if torch.compiler.is_compiling() else impl
+
+
+def _raw_stream(device: int) -> int:
+    """The current CUDA stream's handle, as Triton's driver asks torch for it (torch's private
+    getter, which torch.compile's generated code uses too; the public path builds a Stream
+    object each call)."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is None:  # pragma: no cover - an older torch
+        return torch.cuda.current_stream(device).cuda_stream
+    return getter(device)

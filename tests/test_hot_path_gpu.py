@@ -67,13 +67,16 @@ def test_layer_makes_no_host_sync(kwargs, num_tokens):
         with no_sync():
             out = layer(x, logits)
             out = layer(x, logits)
-    assert torch.equal(out, expected)
+    if kwargs.get("backend") == "hpc":  # float32 atomics: the order of the k adds varies
+        assert_close(out.float(), expected.float(), torch.bfloat16)
+    else:
+        assert torch.equal(out, expected)
 
 
 def test_deep_gemm_layer_makes_no_host_sync():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("deep_gemm needs sm90+")
-    layer = FusedMoE(16, 4, 512, 256, params_dtype=torch.bfloat16, device="cuda")
+    layer = FusedMoE(16, 4, 512, 512, params_dtype=torch.bfloat16, device="cuda")  # N = 2I > 512
     layer.quantize_("fp8_block")
     layer.set_backend("deep_gemm")
     x = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")

@@ -45,6 +45,7 @@ from fusedmoe.modular.types import (
     InsideRouting,
     MonolithicResult,
 )
+from fusedmoe.router.base import use_fused_routing
 
 
 def gpt_oss_route(
@@ -86,6 +87,13 @@ def route(
             f"router_logits must be [M, {router.num_logits}] (one column per expert), "
             f"got shape {tuple(router_logits.shape)}"
         )
+    if use_fused_routing(router_logits):  # softmax, top-k, renormalize: the same routing
+        from fusedmoe.router.fused import fused_topk
+
+        return fused_topk(
+            router_logits, router.top_k, renormalize=True,
+            routed_scaling_factor=router.routed_scaling_factor,
+        )  # fmt: skip
     weights, ids = gpt_oss_route(router_logits, router.top_k, router.routed_scaling_factor)
     return weights, ids.to(torch.int32)
 
