@@ -18,6 +18,7 @@ from fusedmoe._checks import (
     check_tensor,
 )
 from fusedmoe.activation import ActivationParams, MoEActivation
+from fusedmoe.modular.graphs import DEFAULT_MAX_TOKENS, GraphCache, may_replay
 from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
@@ -144,16 +145,18 @@ def check_expert_map(
     return expert_map.shape[0]
 
 
-_KERNELS: OrderedDict[tuple, tuple[FusedMoEModularKernel, object]] = OrderedDict()
+_KERNELS: OrderedDict[tuple, tuple] = OrderedDict()
 _MAX_KERNELS = 64
 
 
 def _kernel_for(
     device, dtype, weights, num_global, top_k, spec, quant_config, has_map, grad, backend
-) -> FusedMoEModularKernel:
+) -> tuple[FusedMoEModularKernel, tuple[FusedMoEModularKernel, GraphCache] | None]:
     """The modular kernel of a call signature, built once: the oracle's choice, the experts
-    object and its reusable workspaces. The quant config is keyed by identity (its tensors may
-    change in place; a new config object is a new signature); least recently used first out."""
+    object and its reusable workspaces; and, for a backend whose calls a CUDA graph may replay,
+    a second kernel (workspaces never freed) with the graphs of decode-sized calls. The quant
+    config is keyed by identity (its tensors may change in place; a new config object is a new
+    signature); least recently used first out."""
     key = (
         device, dtype, weights.hidden_size, weights.intermediate_size, num_global, top_k, spec,
         weights.has_bias, has_map, grad, id(quant_config), backend, default_chunk_size(),
@@ -161,7 +164,7 @@ def _kernel_for(
     entry = _KERNELS.get(key)
     if entry is not None and entry[1] is quant_config:
         _KERNELS.move_to_end(key)
-        return entry[0]
+        return entry[0], entry[2]
     problem = MoEProblem(
         device=device,
         dtype=dtype,
@@ -176,11 +179,16 @@ def _kernel_for(
         requires_grad=grad,
     )
     choice = select_backend(problem, backend=backend)
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), choice.create())
-    _KERNELS[key] = (kernel, quant_config)  # holding the config keeps its id from reuse
+    experts = choice.create()
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
+    graphs = None
+    if device.type == "cuda" and not grad and choice.experts_cls.cuda_graph_safe:
+        graph_kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts, retain_workspaces=True)
+        graphs = (graph_kernel, GraphCache())
+    _KERNELS[key] = (kernel, quant_config, graphs)  # holding the config keeps its id from reuse
     if len(_KERNELS) > _MAX_KERNELS:
         _KERNELS.popitem(last=False)
-    return kernel
+    return kernel, graphs
 
 
 def fused_experts(
@@ -220,21 +228,34 @@ def fused_experts(
         raise ValueError(
             f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}"
         )
-    kernel = _kernel_for(
+    kernel, graphs = _kernel_for(
         x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
         expert_map is not None, needs_grad(x, weights), backend,
     )  # fmt: skip
-    return kernel.forward(
-        x,
-        weights,
-        topk_weights.float(),
-        topk_ids,
-        activation=spec,
-        global_num_experts=num_global,
-        expert_map=expert_map,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        quant_config=quant_config,
-    )
+    topk_weights = topk_weights.float()
+
+    def experts(kernel, x, topk_weights, topk_ids):
+        out = kernel.forward(
+            x, weights, topk_weights, topk_ids,
+            activation=spec, global_num_experts=num_global, expert_map=expert_map,
+            apply_router_weight_on_input=apply_router_weight_on_input, quant_config=quant_config,
+        )  # fmt: skip
+        return (out,)
+
+    if graphs is not None and may_replay(x, DEFAULT_MAX_TOKENS):
+        graph_kernel, cache = graphs
+        # the captured launches read the weights, the map and the scales by address
+        tensors = (w13, w2, w13_bias, w2_bias, expert_map)
+        key = (
+            topk_ids.dtype, apply_router_weight_on_input,
+            *(0 if t is None else t.data_ptr() for t in tensors),
+        )  # fmt: skip
+        replayed = cache.run(
+            lambda *args: experts(graph_kernel, *args), (x, topk_weights, topk_ids), key
+        )
+        if replayed is not None:
+            return replayed[0]
+    return experts(kernel, x, topk_weights, topk_ids)[0]
 
 
 def fused_moe(

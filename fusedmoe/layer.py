@@ -48,6 +48,7 @@ from torch import nn
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.graphs import DEFAULT_MAX_TOKENS, GraphCache, may_replay
 from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import (
@@ -184,6 +185,10 @@ class FusedMoE(nn.Module):
 
             self._dispatch = AllGatherDispatch(pc.dp_size, pc.dp_rank, pc.group)
         self.chunk_size = default_chunk_size()  # tokens per pass of the modular kernel
+        #: calls of up to this many tokens (CUDA, no autograd) replay CUDA graphs of the routed
+        #: part, one per power-of-two bucket (fusedmoe.modular.graphs); 0 turns that off
+        self.cuda_graph_max_tokens = DEFAULT_MAX_TOKENS
+        self._graph_state = None
         self.reset_parameters()
         self.backend, self._kernels = backend, {}
         if quant_config is not None:
@@ -256,6 +261,11 @@ class FusedMoE(nn.Module):
         all-reduce completes it."""
         pc = self.parallel_config
         return pc.use_ep and not pc.moves_tokens
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_graph_state"] = None  # CUDA graphs are not copied (a copy captures its own)
+        return state
 
     def _apply(self, fn, recurse=True):
         if self.quant_scheme is not None:
@@ -471,7 +481,13 @@ class FusedMoE(nn.Module):
             x_routed.requires_grad or any(p.requires_grad for p in self._expert_params())
         )
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
-        if choice.experts_cls.routes_inside:
+        replayed = None
+        graphed = input_ids is None and self._graph_safe(choice)
+        if graphed and may_replay(x_routed, self.cuda_graph_max_tokens):
+            replayed = self._forward_graphed(choice, x_routed, logits)
+        if replayed is not None:
+            y, zero_output = replayed
+        elif choice.experts_cls.routes_inside:
             y, zero_output = self._forward_monolithic(runner, x_routed, logits, input_ids)
         else:
             y, zero_output = self._forward_modular(choice, runner, x_routed, logits, input_ids)
@@ -488,6 +504,58 @@ class FusedMoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             y = y + shared
         return y.reshape(*lead, y.shape[-1])
+
+    # ---- decode calls from CUDA graphs (fusedmoe.modular.graphs) ----
+    def _graph_safe(self, choice: BackendChoice) -> bool:
+        """Whether the routed part of a call may be captured: a backend and router whose calls
+        launch the same kernels every time without reading device values, and no EP (its
+        dispatch exchanges counts on the host) or EPLB load counting (padding rows would count).
+        """
+        pc = self.parallel_config
+        return (
+            choice.experts_cls.cuda_graph_safe
+            and self.router.cuda_graph_safe
+            and pc.ep_size == 1
+            and pc.dp_size == 1
+            and not self.record_expert_load
+            and self.logical_to_physical is None
+        )
+
+    def _forward_graphed(self, choice: BackendChoice, x_routed, logits):
+        """(y, zero output) of the routed part replayed from a CUDA graph, or None where it
+        cannot be captured. The graphs belong to the current set of backends (_kernels): a new
+        set (set_backend, .to(), quantize_, a new placement) starts an empty cache."""
+        state = self._graph_state
+        if state is None or state[0] is not self._kernels:
+            state = self._graph_state = (self._kernels, GraphCache(), {})
+        _, graphs, runners = state
+        device, dtype = x_routed.device, x_routed.dtype
+        runner = runners.get((device, dtype))
+        if runner is None:
+            # its own modular kernel: workspaces that are never freed while a graph holds them
+            _, experts = self._kernel(device, dtype, False)
+            if not choice.experts_cls.routes_inside:
+                experts = FusedMoEModularKernel(
+                    _prepare_finalize(self.parallel_config, self.placement),
+                    experts.experts,
+                    chunk_size=self.chunk_size,
+                    retain_workspaces=True,
+                )
+            runner = runners[(device, dtype)] = experts
+
+        def routed(x, router_logits):
+            if choice.experts_cls.routes_inside:
+                return self._forward_monolithic(runner, x, router_logits, None)
+            return self._forward_modular(choice, runner, x, router_logits, None)
+
+        key = (device, dtype, logits.dtype, logits.shape[1], *self._graph_addresses())
+        return graphs.run(routed, (x_routed, logits), key)
+
+    def _graph_addresses(self) -> tuple[int, ...]:
+        """The addresses a captured call reads: every parameter and buffer of the layer's own
+        (not the shared experts')."""
+        tensors = (*self._parameters.values(), *self._buffers.values())
+        return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
 
     def _forward_modular(self, choice, kernel, x_routed, logits, input_ids):
         """Route, then run the modular kernel: -> (y [T, H], zero experts' output or None)."""

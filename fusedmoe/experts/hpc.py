@@ -47,6 +47,7 @@ def _hpc_scheme(quant_config) -> str | None:
 
 class HPCExperts(Experts):
     name = "hpc"
+    cuda_graph_safe = True
 
     def __init__(self, ep_rank: int = 0, ep_size: int = 1) -> None:
         for name, value in (("ep_rank", ep_rank), ("ep_size", ep_size)):

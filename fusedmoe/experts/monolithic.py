@@ -198,6 +198,7 @@ _DTYPE_KEY = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float3
 
 class MonolithicExperts(Experts):
     name = "monolithic"
+    cuda_graph_safe = True
     routes_inside = True
 
     @classmethod

@@ -59,6 +59,7 @@ def _modes(quant_config: FusedMoEQuantConfig | None) -> tuple[str, str, str, str
 
 class TritonExperts(Experts):
     name = "triton"
+    cuda_graph_safe = True
 
     @classmethod
     def is_available(cls):

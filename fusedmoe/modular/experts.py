@@ -49,6 +49,9 @@ class Experts(abc.ABC):
     #: takes router logits and routes inside (apply_monolithic) instead of running in the
     #: modular kernel on topk ids; refused where the caller has no logits
     routes_inside: ClassVar[bool] = False
+    #: a call launches the same kernels every time and reads no device value on the host, so
+    #: the layer may replay it from a CUDA graph (fusedmoe.modular.graphs)
+    cuda_graph_safe: ClassVar[bool] = False
 
     @classmethod
     def create(cls, *, requested: bool = False) -> Experts:

@@ -43,9 +43,14 @@ def default_chunk_size() -> int:
 
 @dataclass
 class WorkspaceCache:
-    """Grow-only buffers, one per role, reused across calls (no allocation at steady state)."""
+    """Grow-only buffers, one per role, reused across calls (no allocation at steady state).
+
+    retain: keep the buffers a larger one replaced (a CUDA graph captured with the smaller one
+    still writes to its address: it must never be freed and handed to someone else)."""
 
     buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    retain: bool = False
+    retired: list[torch.Tensor] = field(default_factory=list)
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         numel = 1
@@ -54,6 +59,8 @@ class WorkspaceCache:
         key = (role, device, dtype)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
+            if buf is not None and self.retain:
+                self.retired.append(buf)
             buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
             self.buffers[key] = buf
         return buf[:numel].view(shape)
@@ -66,13 +73,15 @@ class FusedMoEModularKernel:
         experts: Experts,
         *,
         chunk_size: int | None = None,
+        retain_workspaces: bool = False,
     ) -> None:
+        """retain_workspaces: never free a workspace (for a kernel that CUDA graphs capture)."""
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.chunk_size = default_chunk_size() if chunk_size is None else chunk_size
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
-        self.workspaces = WorkspaceCache()
+        self.workspaces = WorkspaceCache(retain=retain_workspaces)
 
     def forward(
         self,

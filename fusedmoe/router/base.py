@@ -96,6 +96,9 @@ class Router(abc.ABC):
 
     #: whether select_experts needs input_ids (hash routing)
     needs_input_ids = False
+    #: select_experts launches the same kernels every call and reads no device value on the
+    #: host (a CUDA graph may replay it); False for user functions and random simulation
+    cuda_graph_safe = True
 
     def __init__(
         self,

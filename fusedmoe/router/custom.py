@@ -26,6 +26,8 @@ CustomRoutingFunction = Callable[
 
 
 class CustomRoutingRouter(Router):
+    cuda_graph_safe = False
+
     def __init__(
         self, top_k: int, num_experts: int, *, custom_routing_function: CustomRoutingFunction, **kw
     ) -> None:

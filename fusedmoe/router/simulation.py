@@ -37,6 +37,8 @@ def expert_popularity(num_experts: int, strategy: str) -> torch.Tensor:
 
 
 class RoutingSimulatorRouter(Router):
+    cuda_graph_safe = False
+
     def __init__(self, top_k: int, num_experts: int, *, strategy: str, seed: int = 0, **kwargs):
         super().__init__(top_k, num_experts, **kwargs)
         if strategy not in STRATEGIES:

@@ -1,0 +1,134 @@
+"""Decode-sized eager calls replayed from CUDA graphs: the host work of a call, without a
+graph of the caller's own.
+
+An eager decode call of the layer launches four kernels (routing, two GEMMs, the top-k sum),
+and on the slow host CPUs of GPU servers each launch, with the Python around it, costs tens
+of microseconds: the call takes ~10x its GPU time. A CUDA graph replays the same launches for
+the cost of one. `GraphCache.run` captures the call once per (token bucket, signature) and
+replays it after:
+
+    bucket  = the smallest of 1, 2, 4, ..., max_tokens holding M tokens
+    first   : static inputs [bucket, ...] (outside the graph pool); warm-up on a side stream
+              (compiles kernels, grows workspaces); capture into a pool shared by every graph
+              of the process (one graph replays at a time on a stream, so their scratch can
+              overlap); a capture that fails marks the key and the call runs eagerly
+    later   : copy the inputs into rows [0, M) of the static ones, replay, clone rows [0, M)
+              of the static outputs (2-3 copies + one replay, whatever the pipeline launches)
+
+Rows [M, bucket) hold the inputs of an earlier call (zeros at first): they are computed and
+thrown away, and no row depends on another (every token is routed on its own).
+
+The caller decides when a graph may stand in for the call (fusedmoe.layer.FusedMoE: CUDA,
+no autograd, not tracing or capturing itself, a graph-safe backend and router, no EP) and
+keys the cache by everything the captured launches read by address: a tensor replaced
+(`.to()`, quantize_, a new Parameter) changes the key, an in-place write (load_weights) shows
+through. FUSEDMOE_CUDA_GRAPHS=0 turns the cache off for the process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+GRAPHS_ENV = "FUSEDMOE_CUDA_GRAPHS"
+DEFAULT_MAX_TOKENS = 64
+_MAX_GRAPHS = 512  # per cache, least recently used first out
+_POOLS: dict[int, object] = {}  # device index -> the graph memory pool all caches share
+
+
+def graphs_enabled() -> bool:
+    """FUSEDMOE_CUDA_GRAPHS (default on; 0 / false / off turns graph replay off)."""
+    return os.environ.get(GRAPHS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def may_replay(x: torch.Tensor, max_tokens: int) -> bool:
+    """Whether a call on x [M, ...] may run from a graph: CUDA, 1 <= M <= max_tokens, no
+    autograd, and neither torch.compile tracing nor a CUDA graph capture of the caller's own."""
+    num_tokens = x.shape[0]
+    if not (x.is_cuda and 0 < num_tokens <= max_tokens) or torch.is_grad_enabled():
+        return False
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return False
+    return graphs_enabled()
+
+
+def bucket_of(num_tokens: int) -> int:
+    return 1 << (num_tokens - 1).bit_length()
+
+
+class _Graph:
+    def __init__(self, graph, inputs: list[torch.Tensor], outputs: tuple) -> None:
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+
+
+class GraphCache:
+    """CUDA graphs of one computation, per token bucket and caller key (module docstring)."""
+
+    def __init__(self) -> None:
+        self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: not capturable
+        self.captures = 0
+        self.replays = 0
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    def __len__(self) -> int:
+        return sum(g is not None for g in self._graphs.values())
+
+    def run(
+        self,
+        fn: Callable[..., tuple],
+        inputs: Sequence[torch.Tensor],
+        key: tuple,
+    ) -> tuple | None:
+        """fn(*inputs) -> a tuple of tensors [M, ...] (or None entries), from a graph; None when
+        this key cannot be captured (the caller then runs fn eagerly)."""
+        num_tokens = inputs[0].shape[0]
+        bucket = bucket_of(num_tokens)
+        full_key = (bucket, *key)
+        entry = self._graphs.get(full_key, ())
+        if entry == ():
+            entry = self._capture(fn, inputs, bucket)
+            self._graphs[full_key] = entry
+            if len(self._graphs) > _MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(full_key)
+        if entry is None:
+            return None
+        for static, given in zip(entry.inputs, inputs, strict=True):
+            static[:num_tokens].copy_(given)
+        entry.graph.replay()
+        self.replays += 1
+        return tuple(None if out is None else out[:num_tokens].clone() for out in entry.outputs)
+
+    def _capture(self, fn, inputs, bucket) -> _Graph | None:
+        device = inputs[0].device
+        with torch.inference_mode(False), torch.no_grad():
+            statics = []
+            for given in inputs:
+                static = torch.zeros((bucket, *given.shape[1:]), dtype=given.dtype, device=device)
+                static[: given.shape[0]].copy_(given)
+                statics.append(static)
+            try:
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    fn(*statics)  # compiles, fills every cache, grows the workspaces
+                torch.cuda.current_stream(device).wait_stream(side)
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                pool = _POOLS.get(index)
+                if pool is None:
+                    pool = _POOLS[index] = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = fn(*statics)
+            except RuntimeError:
+                # something in the call cannot be captured (a host sync, a collective): it
+                # stays eager for this key
+                return None
+        self.captures += 1
+        return _Graph(graph, statics, tuple(outputs))
