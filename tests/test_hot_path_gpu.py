@@ -177,3 +177,53 @@ def test_transformers_paths_make_no_host_sync():
         assert torch.equal(first, first_expected), impl
         with torch.inference_mode():
             model(ids)  # the whole model runs too
+
+
+def test_graph_replay_matches_eager_and_follows_the_weights():
+    """Decode calls replay CUDA graphs (fusedmoe.modular.graphs): the same result as eager
+    launches for every token count of a bucket, in-place weight writes show through, a new
+    tensor (a new address) is a new graph, and calls above the bucket limit stay eager."""
+    layer = _layer(zero_expert_num=2, zero_expert_type="identity")
+    graphs_used = 0
+    with torch.inference_mode():
+        for num_tokens in (1, 3, 4, 5, 17, 64, 257):
+            x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device="cuda")
+            logits = torch.randn(num_tokens, E + 2, device="cuda")
+            out = layer(x, logits)
+            layer.cuda_graph_max_tokens = 0
+            eager = layer(x, logits)
+            layer.cuda_graph_max_tokens = 256
+            assert_close(out.float(), eager.float(), torch.bfloat16)
+        graphs = layer._graph_state[1]
+        assert graphs.captures == 5  # buckets 1, 4, 8, 32, 64; 257 tokens ran eagerly
+        graphs_used = graphs.replays
+        x = torch.randn(3, H, dtype=torch.bfloat16, device="cuda")
+        logits = torch.randn(3, E + 2, device="cuda")
+        before = layer(x, logits)
+        layer.w2_weight.mul_(-1)  # in place: the graph reads the new values
+        after = layer(x, logits)
+        assert graphs.replays == graphs_used + 2
+        layer.cuda_graph_max_tokens = 0
+        assert torch.equal(after, layer(x, logits))
+        layer.cuda_graph_max_tokens = 256
+        assert not torch.equal(before, after)
+        layer.w2_weight = torch.nn.Parameter(layer.w2_weight.detach().clone())  # a new address
+        assert torch.equal(layer(x, logits), after)
+        assert graphs.captures == 6
+
+
+def test_fused_experts_graphs_follow_the_weight_addresses():
+    torch.manual_seed(4)
+    x = torch.randn(5, H, dtype=torch.bfloat16, device="cuda")
+    weights, ids = random_routing(5, E, K, device="cuda")
+    w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, device="cuda") / 16
+    w2a = torch.randn(E, H, I, dtype=torch.bfloat16, device="cuda") / 16
+    w2b = torch.randn(E, H, I, dtype=torch.bfloat16, device="cuda") / 16
+    with torch.inference_mode():
+        a1, b1 = fused_experts(x, w13, w2a, weights, ids), fused_experts(x, w13, w2b, weights, ids)
+        a2, b2 = fused_experts(x, w13, w2a, weights, ids), fused_experts(x, w13, w2b, weights, ids)
+    assert torch.equal(a1, a2) and torch.equal(b1, b2) and not torch.equal(a1, b1)
+    expected = experts_ref(
+        x.cpu().double(), w13.cpu().double(), w2b.cpu().double(), weights.cpu(), ids.cpu()
+    )
+    assert_close(b2.cpu(), expected, torch.bfloat16)

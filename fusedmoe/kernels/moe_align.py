@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe._triton import launch
+
 __all__ = ["AlignedRouting", "aligned_sizes", "moe_align_block_size", "moe_align_block_size_torch"]
 
 _CHUNK = 4096  # slots per program: one program sorts them in registers
@@ -248,27 +250,36 @@ def moe_align_block_size(
     warps = max(1, min(16, chunk // 256))
     common = dict(HAS_MAP=expert_map is not None, CHUNK=chunk, E_PAD=e_pad)
     guard = torch.cuda.device(device) if topk_ids.is_cuda else contextlib.nullcontext()
+    on_cuda = topk_ids.is_cuda
     with guard:
         if num_programs == 1:
-            _align_single_kernel[(1,)](
-                ids, expert_map_arg, num_ids, counts, base, shift, sorted_ids, expert_ids, num_post,
-                num_slots, num_local_experts, max_padded, max_blocks,
-                BLOCK_M=block_m, BLOCKS_PER_STEP=blocks_per_step, num_warps=warps, **common,
+            args = (
+                ids, expert_map_arg, num_ids, counts, base, shift, sorted_ids, expert_ids,
+                num_post, num_slots, num_local_experts, max_padded, max_blocks,
             )  # fmt: skip
+            constexprs = dict(
+                BLOCK_M=block_m, BLOCKS_PER_STEP=blocks_per_step, num_warps=warps, **common
+            )
+            launch(_align_single_kernel, (1,), args, constexprs, on_cuda)
             return routing
         fill = triton.cdiv(max_padded, num_programs)
-        _count_kernel[(num_programs,)](
+        args = (
             ids, expert_map_arg, num_ids, counts, sorted_ids, num_slots, num_local_experts,
-            max_padded, fill, num_warps=warps, **common,
+            max_padded, fill,
         )  # fmt: skip
-        _scan_kernel[(1,)](
+        launch(_count_kernel, (num_programs,), args, dict(num_warps=warps, **common), on_cuda)
+        args = (
             counts, base, expert_ids, num_post, num_programs, num_local_experts, max_blocks,
-            BLOCK_M=block_m, E_PAD=e_pad, BLOCKS_PER_STEP=blocks_per_step, num_warps=4,
         )  # fmt: skip
-        _scatter_kernel[(num_programs,)](
+        constexprs = dict(
+            BLOCK_M=block_m, E_PAD=e_pad, BLOCKS_PER_STEP=blocks_per_step, num_warps=4
+        )
+        launch(_scan_kernel, (1,), args, constexprs, on_cuda)
+        args = (
             ids, expert_map_arg, num_ids, counts, base, shift, sorted_ids, num_slots,
-            num_local_experts, num_warps=warps, **common,
+            num_local_experts,
         )  # fmt: skip
+        launch(_scatter_kernel, (num_programs,), args, dict(num_warps=warps, **common), on_cuda)
     return routing
 
 

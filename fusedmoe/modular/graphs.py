@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 GRAPHS_ENV = "FUSEDMOE_CUDA_GRAPHS"
-DEFAULT_MAX_TOKENS = 64
+DEFAULT_MAX_TOKENS = 256
 _MAX_GRAPHS = 512  # per cache, least recently used first out
 _POOLS: dict[int, object] = {}  # device index -> the graph memory pool all caches share
 
