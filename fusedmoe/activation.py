@@ -105,9 +105,9 @@ _TAKES = {
     MoEActivation.SWIGLUSTEP: frozenset({"limit"}),
 }
 
-_OAI_ALPHA = 1.702
-_OAI_LIMIT = 7.0
-_STEP_LIMIT = 7.0
+OAI_ALPHA = 1.702
+OAI_LIMIT = 7.0
+STEP_LIMIT = 7.0
 
 
 def apply_activation(
@@ -139,14 +139,14 @@ def apply_activation(
     if act is MoEActivation.GELU_TANH:
         return F.gelu(g, approximate="tanh") * u
     if act in (MoEActivation.SWIGLUOAI, MoEActivation.SWIGLUOAI_UNINTERLEAVE):
-        alpha = _OAI_ALPHA if p.alpha is None else p.alpha
+        alpha = OAI_ALPHA if p.alpha is None else p.alpha
         beta = 1.0 if p.beta is None else p.beta
-        limit = _OAI_LIMIT if p.limit is None else p.limit
+        limit = OAI_LIMIT if p.limit is None else p.limit
         g = g.clamp(max=limit)
         u = u.clamp(-limit, limit)
         return (u + beta) * g * torch.sigmoid(alpha * g)
     if act is MoEActivation.SWIGLUSTEP:
-        limit = _STEP_LIMIT if p.limit is None else p.limit
+        limit = STEP_LIMIT if p.limit is None else p.limit
         return F.silu(g).clamp(max=limit) * u.clamp(-limit, limit)
     if act is MoEActivation.SILU_NO_MUL:
         return F.silu(h)

@@ -72,3 +72,10 @@ def test_import_does_not_need_triton_or_gpu():
     )
     assert result.returncode == 0, result.stderr
     assert "torch" in result.stdout
+
+
+def test_help_says_what_the_tool_is_for(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Mixture-of-Experts" in out and "argument parsing" not in out

@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -37,9 +38,11 @@ from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
 from fusedmoe.kernels.moe_align import aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
-from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
 from fusedmoe.quant.activation import quantize_mxfp8
 from fusedmoe.quant.formats import FP8_DTYPE
+
+if TYPE_CHECKING:  # annotations only: the modular layer sits above the kernels
+    from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
 from fusedmoe.quant.kernels import (
     act_mul_group_quant_fp8_impl,
     act_mul_group_quant_fp8_op,

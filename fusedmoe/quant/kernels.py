@@ -40,9 +40,9 @@ import triton.language as tl
 
 from fusedmoe._triton import op_or_impl, triton_runs_on
 from fusedmoe.activation import (
-    _OAI_ALPHA,
-    _OAI_LIMIT,
-    _STEP_LIMIT,
+    OAI_ALPHA,
+    OAI_LIMIT,
+    STEP_LIMIT,
     ActivationParams,
     MoEActivation,
 )
@@ -457,11 +457,11 @@ def resolve_params(
     if act is MoEActivation.SILU:
         return 0.0, 0.0, float(p.limit or 0.0), p.limit is not None
     if act is MoEActivation.SWIGLUSTEP:
-        return 0.0, 0.0, float(_STEP_LIMIT if p.limit is None else p.limit), True
+        return 0.0, 0.0, float(STEP_LIMIT if p.limit is None else p.limit), True
     if act in (MoEActivation.SWIGLUOAI, MoEActivation.SWIGLUOAI_UNINTERLEAVE):
-        alpha = float(_OAI_ALPHA if p.alpha is None else p.alpha)
+        alpha = float(OAI_ALPHA if p.alpha is None else p.alpha)
         beta = float(1.0 if p.beta is None else p.beta)  # SWIGLUOAI takes none: 1
-        return alpha, beta, float(_OAI_LIMIT if p.limit is None else p.limit), True
+        return alpha, beta, float(OAI_LIMIT if p.limit is None else p.limit), True
     return 0.0, 0.0, 0.0, False  # GELU takes no parameters
 
 

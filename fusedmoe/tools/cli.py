@@ -410,7 +410,15 @@ def _add_tune(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fusedmoe", description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fusedmoe",
+        description=(
+            "fusedmoe: the Mixture-of-Experts layer of large language models as one PyTorch "
+            "module. Run a real model's MoE layer and check it (demo), time the backends "
+            "against the roofline and torch._grouped_mm (bench), tune the Triton kernels for "
+            "this GPU (tune), or list what each backend supports (backends)."
+        ),
+    )
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="run one MoE layer of a real model's shape, checked")
     demo.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
