@@ -26,10 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fusedmoe.parallel.eplb import EXPERT_TENSORS
 from fusedmoe.parallel.placement import ExpertPlacement
 from fusedmoe.weights.names import WeightTarget, resolve_expert_weight, resolve_quantized_weight
 
 #: the expert tensors the record covers, in report order (those the layer holds)
+RECORDED = EXPERT_TENSORS
 RECORDED = (
     "w13_weight",
     "w2_weight",
