@@ -17,10 +17,11 @@ skips the rest once a kernel has been launched through Triton's normal path on t
     later launches             binder -> cache key -> the compiled kernel -> its launcher
 
 Anything unusual falls back to the normal path: the interpreter (CPU tensors), a key Triton has
-not compiled yet, or a Triton whose internals differ from what this module expects (then the
-fast path turns itself off for the process). Launch hooks (profilers) are passed through with
-their metadata, as run() does. The global values check is dropped on purpose: fusedmoe's
-kernels read only module constants.
+not compiled yet, a Triton whose internals differ from what this module expects (the fast path
+turns itself off for the process after three failed lookups in a row), or Triton's debug or
+instrumentation knobs changed since the kernel was learned (it is learned again). Launch hooks
+(profilers) are passed through with their metadata, as run() does. The global values check is
+dropped on purpose: fusedmoe's kernels read only module constants.
 
 `op_or_impl`: a torch.library custom op while torch.compile traces, its implementation
 otherwise (the dispatcher's round trip costs tens of microseconds on a slow host).
@@ -58,9 +59,10 @@ def triton_runs_on(t: torch.Tensor) -> bool:
 # ---- launching ----
 
 _STATS: dict[str, object] = {"fast": 0, "slow": 0}
-# (kernel, device index) -> (binder, kernel_cache, key_cache, extra binder kwargs)
+# (kernel, device index) -> (binder, kernel_cache, key_cache, extra binder kwargs, knob state)
 _LEARNED: dict[tuple[object, int], tuple] = {}
 _ENABLED = True
+_FAILURES = 0  # fast-path lookups that raised in a row
 
 
 def launch_stats() -> dict[str, object]:
@@ -76,47 +78,64 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, on_cuda
     and launch option (num_warps, num_stages) by keyword; on_cuda: the tensors are on a CUDA
     device (False: the interpreter, always the normal path).
     """
-    global _ENABLED
+    global _ENABLED, _FAILURES
     if not (on_cuda and _ENABLED):
         kernel[grid](*args, **constexprs)
         return
     device = torch.cuda.current_device()
     learned = _LEARNED.get((kernel, device))
-    if learned is None:
+    if learned is None or learned[4] != _knob_state():
+        # first launch, or Triton's debug / instrumentation knobs changed since: learn again
         _learn(kernel, device, grid, args, constexprs)
         return
     try:
         from triton import knobs
         from triton.runtime.jit import compute_cache_key
 
-        binder, kernel_cache, key_cache, extra = learned
+        binder, kernel_cache, key_cache, extra, _ = learned
         bound, specialization, options = binder(*args, **constexprs, **extra)
         compiled = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
-        if compiled is None or getattr(compiled, "function", None) is None:
-            _STATS["slow"] += 1
-            kernel[grid](*args, **constexprs)  # not compiled yet for this specialization
-            return
-        values = bound.values()
-        grid_x = grid[0]
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
-        stream = _raw_stream(device)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        metadata = None  # what profiling hooks read: built only when one listens
-        if enter is not None or leave is not None:
-            metadata = compiled.launch_metadata(grid, stream, *values)
-        compiled.run(
-            grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
-            metadata, enter, leave, *values,
-        )  # fmt: skip
-        _STATS["fast"] += 1
     except (AttributeError, ImportError, TypeError, ValueError) as exc:
-        # Triton's internals are not what this module knows: the normal path from now on.
-        # (The launcher parses its arguments before launching, so a mismatch raises here
-        # instead of running a kernel on wrong arguments.)
-        _ENABLED = False
-        _STATS["disabled"] = f"{type(exc).__name__}: {exc}"[:200]
-        kernel[grid](*args, **constexprs)
+        compiled = None
+        _FAILURES += 1
+        if _FAILURES >= 3:  # Triton's internals are not what this module knows: off for good
+            _ENABLED = False
+            _STATS["disabled"] = f"{type(exc).__name__}: {exc}"[:200]
+    if compiled is None or getattr(compiled, "function", None) is None:
+        _STATS["slow"] += 1
+        kernel[grid](*args, **constexprs)  # not compiled for this specialization, or unknown
+        return
+    _FAILURES = 0
+    values = bound.values()
+    grid_x = grid[0]
+    grid_y = grid[1] if len(grid) > 1 else 1
+    grid_z = grid[2] if len(grid) > 2 else 1
+    stream = _raw_stream(device)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    metadata = None  # what profiling hooks read: built only when one listens
+    if enter is not None or leave is not None:
+        metadata = compiled.launch_metadata(grid, stream, *values)
+    # The launcher parses every argument before it launches: a mismatch raises here, and is
+    # not retried (a hook that raised after the launch must not launch the kernel twice).
+    compiled.run(
+        grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+        metadata, enter, leave, *values,
+    )  # fmt: skip
+    _STATS["fast"] += 1
+
+
+def _knob_state() -> tuple:
+    """The process-wide Triton settings that change which binary run() picks or builds."""
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - an older Triton
+        return ()
+    runtime, compilation = knobs.runtime, knobs.compilation
+    return (
+        getattr(runtime, "debug", None),
+        getattr(compilation, "instrumentation_mode", None),
+        getattr(runtime, "add_stages_inspection_hook", None),
+    )
 
 
 def _learn(kernel, device: int, grid, args: tuple, constexprs: dict) -> None:
@@ -143,7 +162,7 @@ def _learn(kernel, device: int, grid, args: tuple, constexprs: dict) -> None:
     finally:
         kernel.device_caches[device] = caches
     extra = {k: v for k, v in seen.items() if k not in constexprs}
-    _LEARNED[(kernel, device)] = (binder, kernel_cache, key_cache, extra)
+    _LEARNED[(kernel, device)] = (binder, kernel_cache, key_cache, extra, _knob_state())
 
 
 def op_or_impl(op, impl):

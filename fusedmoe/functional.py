@@ -159,10 +159,11 @@ def _kernel_for(
     signature); least recently used first out."""
     key = (
         device, dtype, weights.hidden_size, weights.intermediate_size, num_global, top_k, spec,
-        weights.has_bias, has_map, grad, id(quant_config), backend, default_chunk_size(),
+        weights.has_bias, has_map, grad, None if quant_config is None else quant_config.cache_key(),
+        backend, default_chunk_size(),
     )  # fmt: skip
     entry = _KERNELS.get(key)
-    if entry is not None and entry[1] is quant_config:
+    if entry is not None:
         _KERNELS.move_to_end(key)
         return entry[0], entry[2]
     problem = MoEProblem(
@@ -182,7 +183,13 @@ def _kernel_for(
     experts = choice.create()
     kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
     graphs = None
-    if device.type == "cuda" and not grad and choice.experts_cls.cuda_graph_safe:
+    rows_independent = quant_config is None or quant_config.rows_independent
+    if (
+        device.type == "cuda"
+        and not grad
+        and choice.experts_cls.cuda_graph_safe
+        and rows_independent
+    ):
         graph_kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts, retain_workspaces=True)
         graphs = (graph_kernel, GraphCache())
     _KERNELS[key] = (kernel, quant_config, graphs)  # holding the config keeps its id from reuse

@@ -508,8 +508,9 @@ class FusedMoE(nn.Module):
     # ---- decode calls from CUDA graphs (fusedmoe.modular.graphs) ----
     def _graph_safe(self, choice: BackendChoice) -> bool:
         """Whether the routed part of a call may be captured: a backend and router whose calls
-        launch the same kernels every time without reading device values, and no EP (its
-        dispatch exchanges counts on the host) or EPLB load counting (padding rows would count).
+        launch the same kernels every time without reading device values, no EP (its dispatch
+        exchanges counts on the host) or EPLB load counting (padding rows would count), and no
+        activation scale taken over the whole batch (the padding rows would change it).
         """
         pc = self.parallel_config
         return (
@@ -519,6 +520,7 @@ class FusedMoE(nn.Module):
             and pc.dp_size == 1
             and not self.record_expert_load
             and self.logical_to_physical is None
+            and (self.quant_scheme is None or self._call_quant_config().rows_independent)
         )
 
     def _forward_graphed(self, choice: BackendChoice, x_routed, logits):

@@ -227,3 +227,15 @@ def test_fused_experts_graphs_follow_the_weight_addresses():
         x.cpu().double(), w13.cpu().double(), w2b.cpu().double(), weights.cpu(), ids.cpu()
     )
     assert_close(b2.cpu(), expected, torch.bfloat16)
+
+
+def test_batch_wide_scales_stay_off_graphs():
+    """Dynamic per-tensor FP8 takes its scale over the whole batch: the padding rows of a graph
+    bucket would change it, so such a layer runs eagerly (and equals itself call after call)."""
+    layer = _layer(quant_config="fp8_tensor")
+    x = torch.randn(3, H, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(3, E, device="cuda")
+    with torch.inference_mode():
+        first = layer(x, logits)
+        assert torch.equal(layer(x, logits), first)
+    assert layer._graph_state is None

@@ -11,7 +11,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from fusedmoe import FusedMoE
+from fusedmoe import FusedMoE, fused_experts
 from fusedmoe.experts.torch_ref import TorchExperts
 from fusedmoe.modular import (
     ActivationSpec,
@@ -331,3 +331,34 @@ def test_hidden_size_padding_sees_writes_through_data():
     weights, ids = softmax_topk_ref(logits, 2)
     experts = {"w13": new_w13, "w2": new_w2, "w13_bias": None, "w2_bias": None}
     assert_close(layer(x, logits), reference(x, experts, weights, ids))
+
+
+def test_fused_experts_after_inference_mode_then_no_grad():
+    """The cached kernel's workspaces are never inference tensors: a call under no_grad after
+    one under inference_mode writes them without error."""
+    experts = random_experts(4, 16, 8, dtype=torch.float32)
+    x = torch.randn(3, 16)
+    weights, ids = softmax_topk_ref(torch.randn(3, 4), 2)
+    with torch.inference_mode():
+        first = fused_experts(x, experts["w13"], experts["w2"], weights, ids.to(torch.int32))
+    with torch.no_grad():
+        second = fused_experts(x, experts["w13"], experts["w2"], weights, ids.to(torch.int32))
+    assert torch.equal(first, second)
+
+
+def test_rows_independent_says_which_schemes_take_a_batch_wide_scale():
+    """CUDA-graph replay pads a call to its bucket with stale rows: only schemes whose
+    activation scales are per token (or given) may replay."""
+    from fusedmoe.quant.config import quantize_experts
+
+    experts = random_experts(4, 64, 32, dtype=torch.float32)
+    expected = {"fp8_tensor": False, "nvfp4": False, "fp8_block": True, "int8": True}
+    for scheme, independent in expected.items():
+        _, _, qc = quantize_experts(experts["w13"], experts["w2"], scheme)
+        assert qc.rows_independent is independent, scheme
+    scale = torch.tensor([0.05])
+    _, _, static = quantize_experts(
+        experts["w13"], experts["w2"], "fp8_tensor", a1_scale=scale, a2_scale=scale
+    )
+    assert static.rows_independent
+    assert static.cache_key() != qc.cache_key() and static.cache_key() == static.cache_key()

@@ -47,7 +47,6 @@ _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 
 class DeepGemmExperts(Experts):
     name = "deep_gemm"
-    cuda_graph_safe = True
     #: rows each expert's run is padded to (the M alignment of DeepGEMM's contiguous layout)
     alignment: ClassVar[int] = 128
     #: scheme -> the activation keys it accepts

@@ -42,10 +42,11 @@ def local_expert_ids(
     ids = topk_ids.long()
     if expert_map is None:
         if num_local_experts is None:
-            return ids
-        return torch.where(ids < num_local_experts, ids, -1)
+            return ids.clamp(min=-1)
+        return torch.where((ids >= 0) & (ids < num_local_experts), ids, -1)
     in_range = (ids >= 0) & (ids < expert_map.shape[0])
     mapped = expert_map.long()[torch.where(in_range, ids, 0)]
+    in_range &= mapped >= 0
     if num_local_experts is not None:
         in_range &= mapped < num_local_experts
     return torch.where(in_range, mapped, -1)

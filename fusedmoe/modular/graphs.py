@@ -16,7 +16,13 @@ replays it after:
               of the static outputs (2-3 copies + one replay, whatever the pipeline launches)
 
 Rows [M, bucket) hold the inputs of an earlier call (zeros at first): they are computed and
-thrown away, and no row depends on another (every token is routed on its own).
+thrown away. No row may depend on another: every token is routed on its own, and the callers
+keep schemes with a batch-wide activation scale (dynamic per-tensor FP8, NVFP4) off graphs.
+Kernel configs are those of the bucket's token count (the same kernels, possibly other tiles).
+
+The graphs of a process share one memory pool per device and their callers' buffers: replays
+are meant to run one at a time, as a model's layers do on one stream; calls from several
+threads or streams at once should turn graphs off (FUSEDMOE_CUDA_GRAPHS=0).
 
 The caller decides when a graph may stand in for the call (fusedmoe.layer.FusedMoE: CUDA,
 no autograd, not tracing or capturing itself, a graph-safe backend and router, no EP) and
@@ -124,8 +130,11 @@ class GraphCache:
                 if pool is None:
                     pool = _POOLS[index] = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: a capture here does not break CUDA calls of other threads
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     outputs = fn(*statics)
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError:
                 # something in the call cannot be captured (a host sync, a collective): it
                 # stays eager for this key

@@ -61,7 +61,10 @@ class WorkspaceCache:
         if buf is None or buf.numel() < numel:
             if buf is not None and self.retain:
                 self.retired.append(buf)
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            # never an inference tensor: a buffer made under inference_mode could not be
+            # written by a later call under no_grad
+            with torch.inference_mode(False):
+                buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
             self.buffers[key] = buf
         return buf[:numel].view(shape)
 

@@ -99,6 +99,35 @@ class FusedMoEQuantConfig:
     gemm1_clamp_limit: float | None = None
 
     @property
+    def rows_independent(self) -> bool:
+        """Whether each token's quantized activations depend on that token alone: False where a
+        scale is taken over the whole batch at run time (dynamic per-tensor FP8, NVFP4's global
+        scale), so that other tokens in the batch change a token's result."""
+        for operand in (self.a1, self.a2):
+            key = operand.key
+            if key is None or key.static:
+                continue
+            if key.layout is ScaleLayout.TENSOR or key.scale_format is ScaleFormat.E4M3_GLOBAL:
+                return False
+        return True
+
+    def cache_key(self) -> tuple:
+        """What identifies this config for a cache of kernels: its scheme, keys and parameters,
+        and its tensors by identity (a holder of the key must hold the config too, so that
+        those ids are not reused)."""
+        tensors = (
+            t
+            for operand in (self.a1, self.a2, self.w1, self.w2)
+            for t in (operand.scale, operand.global_scale)
+        )
+        return (
+            self.scheme,
+            *((o.key, o.column_major_scales) for o in (self.a1, self.a2, self.w1, self.w2)),
+            self.gemm1_alpha, self.gemm1_beta, self.gemm1_clamp_limit,
+            *(None if t is None else id(t) for t in tensors),
+        )  # fmt: skip
+
+    @property
     def w1_scale(self) -> torch.Tensor | None:
         return self.w1.scale
 
