@@ -82,20 +82,25 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, on_cuda
     if not (on_cuda and _ENABLED):
         kernel[grid](*args, **constexprs)
         return
-    device = torch.cuda.current_device()
-    learned = _LEARNED.get((kernel, device))
-    if learned is None or learned[4] != _knob_state():
-        # first launch, or Triton's debug / instrumentation knobs changed since: learn again
-        _learn(kernel, device, grid, args, constexprs)
-        return
     try:
         from triton import knobs
         from triton.runtime.jit import compute_cache_key
-
+    except ImportError:  # an older Triton: the normal path for good
+        _ENABLED = False
+        kernel[grid](*args, **constexprs)
+        return
+    device = torch.cuda.current_device()
+    learned = _LEARNED.get((kernel, device))
+    knob_state = _knob_state(knobs)
+    if learned is None or learned[4] != knob_state:
+        # first launch, or Triton's debug / instrumentation knobs changed since: learn again
+        _learn(kernel, device, grid, args, constexprs, knob_state)
+        return
+    try:
         binder, kernel_cache, key_cache, extra, _ = learned
         bound, specialization, options = binder(*args, **constexprs, **extra)
         compiled = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
-    except (AttributeError, ImportError, TypeError, ValueError) as exc:
+    except (AttributeError, TypeError, ValueError) as exc:
         compiled = None
         _FAILURES += 1
         if _FAILURES >= 3:  # Triton's internals are not what this module knows: off for good
@@ -124,12 +129,9 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, on_cuda
     _STATS["fast"] += 1
 
 
-def _knob_state() -> tuple:
-    """The process-wide Triton settings that change which binary run() picks or builds."""
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - an older Triton
-        return ()
+def _knob_state(knobs) -> tuple:
+    """The process-wide Triton settings (triton.knobs) that change which binary run() picks or
+    builds."""
     runtime, compilation = knobs.runtime, knobs.compilation
     return (
         getattr(runtime, "debug", None),
@@ -138,7 +140,7 @@ def _knob_state() -> tuple:
     )
 
 
-def _learn(kernel, device: int, grid, args: tuple, constexprs: dict) -> None:
+def _learn(kernel, device: int, grid, args: tuple, constexprs: dict, knob_state: tuple) -> None:
     """Launch through Triton's normal path once, recording the keyword options run() hands
     its binder (debug and the like, process-wide knobs) beside ours."""
     global _ENABLED
@@ -162,7 +164,7 @@ def _learn(kernel, device: int, grid, args: tuple, constexprs: dict) -> None:
     finally:
         kernel.device_caches[device] = caches
     extra = {k: v for k, v in seen.items() if k not in constexprs}
-    _LEARNED[(kernel, device)] = (binder, kernel_cache, key_cache, extra, _knob_state())
+    _LEARNED[(kernel, device)] = (binder, kernel_cache, key_cache, extra, knob_state)
 
 
 def op_or_impl(op, impl):

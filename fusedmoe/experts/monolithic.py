@@ -41,6 +41,7 @@ from fusedmoe.activation import apply_activation
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.types import (
     ActivationSpec,
+    ExpertsCall,
     ExpertWeights,
     InsideRouting,
     MonolithicResult,
@@ -193,9 +194,6 @@ def _grouped_linear(
         start += count
 
 
-_DTYPE_KEY = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
 class MonolithicExperts(Experts):
     name = "monolithic"
     cuda_graph_safe = True
@@ -284,15 +282,12 @@ class MonolithicExperts(Experts):
         return MonolithicResult(out.to(x.dtype), topk_weights, topk_ids)
 
     def _experts_triton(self, x, weights, topk_weights, topk_ids, expert_start, activation):
-        """The experts of this rank through the fused Triton op (fusedmoe.kernels.fused_moe):
-        the EP shift becomes an expert_map over every routable id (zero experts included),
-        built once per (ids, shift, device)."""
-        from fusedmoe.kernels.fused_moe import fused_experts_triton
-        from fusedmoe.quant.kernels import resolve_params
+        """The experts of this rank through the triton backend's fused op: the EP shift becomes
+        an expert_map over every routable id (zero experts included), built once per
+        (ids, shift, device)."""
+        from fusedmoe.experts.triton import TritonExperts
 
-        num_tokens, top_k = topk_ids.shape
         num_local = weights.num_local_experts
-        out = torch.empty_like(x)
         key = (topk_ids.device, expert_start, num_local, self._num_ids)
         if self._shift_map is None or self._shift_map[0] != key:
             ids = torch.arange(self._num_ids, dtype=torch.int32, device=x.device) - expert_start
@@ -301,18 +296,27 @@ class MonolithicExperts(Experts):
         expert_map = self._shift_map[1]
         if expert_start == 0 and self._num_ids == num_local:
             expert_map = None  # every expert is here: the ids are the local ids
-        slots = num_tokens * top_k
-        workspace13 = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
-        width = activation.kind.output_size(weights.gemm1_out_size)
-        workspace2 = torch.empty(slots, width, dtype=x.dtype, device=x.device)
-        fused_experts_triton(
-            out, x, weights.w13, weights.w2, topk_weights, topk_ids,
-            activation=activation.kind,
-            params=resolve_params(activation.kind, activation.params),
-            workspace13=workspace13, workspace2=workspace2,
-            w13_bias=weights.w13_bias, w2_bias=weights.w2_bias, expert_map=expert_map,
-            dtype_key=_DTYPE_KEY[x.dtype],
+        triton_experts = TritonExperts()
+        num_tokens, top_k = topk_ids.shape
+        shapes = triton_experts.workspace_shapes(
+            num_tokens, weights.gemm1_out_size, weights.hidden_size, top_k, self._num_ids,
+            num_local, activation.kind,
         )  # fmt: skip
+        out = torch.empty_like(x)
+        triton_experts.apply(
+            ExpertsCall(
+                output=out,
+                hidden_states=x,
+                weights=weights,
+                topk_weights=topk_weights,
+                topk_ids=topk_ids,
+                activation=activation,
+                global_num_experts=self._num_ids,
+                workspace13=x.new_empty(shapes.workspace13),
+                workspace2=x.new_empty(shapes.workspace2),
+                expert_map=expert_map,
+            )
+        )
         return out
 
     # ---- the modular contract: never used, a monolithic backend runs from router logits ----

@@ -59,6 +59,7 @@ from fusedmoe.modular.types import MoEProblem
 from fusedmoe.oracle import select_backend
 from fusedmoe.tools.baselines import grouped_mm_experts, grouped_mm_unavailable
 from fusedmoe.tools.bench.inputs import make_routing
+from fusedmoe.tools.bench.report import format_table
 from fusedmoe.tools.bench.sweep import PLAIN_DTYPES, QUANTS, SCHEME_ACT, preset_label
 from fusedmoe.tools.presets import MoEPreset
 
@@ -385,21 +386,7 @@ _COLUMNS = (  # (header, row -> text, right-aligned)
 
 
 def format_eager_table(rows: Sequence[EagerRow]) -> str:
-    cells = [[fmt(r) for _, fmt, _ in _COLUMNS] for r in rows]
-    widths = [
-        max(len(header), *(len(c[i]) for c in cells)) if cells else len(header)
-        for i, (header, _, _) in enumerate(_COLUMNS)
-    ]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [
-            v.rjust(w) if right else v.ljust(w)
-            for v, w, (_, _, right) in zip(values, widths, _COLUMNS, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
-
-    out = [line([h for h, _, _ in _COLUMNS]), line(["-" * w for w in widths])]
-    return "\n".join(out + [line(c) for c in cells])
+    return format_table(rows, _COLUMNS)
 
 
 def _record(row: EagerRow, run_info: dict) -> dict:

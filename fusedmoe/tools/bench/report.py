@@ -44,22 +44,23 @@ _COLUMNS = (  # (header, row -> text, right-aligned)
 )
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """The rows as an aligned text table (a header line, a rule, one line per row)."""
-    cells = [[fmt(r) for _, fmt, _ in _COLUMNS] for r in rows]
+def format_table(rows: Sequence, columns: Sequence[tuple] = _COLUMNS) -> str:
+    """The rows as an aligned text table (a header line, a rule, one line per row); columns:
+    (header, row -> text, right-aligned) each, the bench's by default."""
+    cells = [[fmt(r) for _, fmt, _ in columns] for r in rows]
     widths = [
         max(len(header), *(len(c[i]) for c in cells)) if cells else len(header)
-        for i, (header, _, _) in enumerate(_COLUMNS)
+        for i, (header, _, _) in enumerate(columns)
     ]
 
     def line(values: Sequence[str]) -> str:
         parts = [
             v.rjust(w) if right else v.ljust(w)
-            for v, w, (_, _, right) in zip(values, widths, _COLUMNS, strict=True)
+            for v, w, (_, _, right) in zip(values, widths, columns, strict=True)
         ]
         return "  ".join(parts).rstrip()
 
-    out = [line([h for h, _, _ in _COLUMNS]), line(["-" * w for w in widths])]
+    out = [line([h for h, _, _ in columns]), line(["-" * w for w in widths])]
     return "\n".join(out + [line(c) for c in cells])
 
 
