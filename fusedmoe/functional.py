@@ -155,17 +155,21 @@ def _kernel_for(
     """The modular kernel of a call signature, built once: the oracle's choice, the experts
     object and its reusable workspaces; and, for a backend whose calls a CUDA graph may replay,
     a second kernel (workspaces never freed) with the graphs of decode-sized calls. The quant
-    config is keyed by identity (its tensors may change in place; a new config object is a new
-    signature); least recently used first out."""
-    key = (
-        device, dtype, weights.hidden_size, weights.intermediate_size, num_global, top_k, spec,
-        weights.has_bias, has_map, grad, None if quant_config is None else quant_config.cache_key(),
-        backend, default_chunk_size(),
-    )  # fmt: skip
-    entry = _KERNELS.get(key)
-    if entry is not None:
-        _KERNELS.move_to_end(key)
-        return entry[0], entry[2]
+    config is keyed by its content, its tensors by identity (they may change in place; the
+    entry holds the config, so their ids stay theirs); least recently used first out."""
+    # torch.compile traces this once into its graph: no cache there for dynamo to guard on
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        key = (
+            device, dtype, weights.hidden_size, weights.intermediate_size, num_global, top_k,
+            spec, weights.has_bias, has_map, grad,
+            None if quant_config is None else quant_config.cache_key(), backend,
+            default_chunk_size(),
+        )  # fmt: skip
+        entry = _KERNELS.get(key)
+        if entry is not None:
+            _KERNELS.move_to_end(key)
+            return entry[0], entry[2]
     problem = MoEProblem(
         device=device,
         dtype=dtype,
@@ -182,6 +186,8 @@ def _kernel_for(
     choice = select_backend(problem, backend=backend)
     experts = choice.create()
     kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
+    if compiling:
+        return kernel, None
     graphs = None
     rows_independent = quant_config is None or quant_config.rows_independent
     if (

@@ -41,6 +41,16 @@ def default_chunk_size() -> int:
     return size
 
 
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Never an inference tensor: a buffer made under inference_mode could not be written by a
+    later call under no_grad. (The context is entered only where it matters: torch.compile
+    does not trace it.)"""
+    if not torch.is_inference_mode_enabled():
+        return torch.empty(numel, dtype=dtype, device=device)
+    with torch.inference_mode(False):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
 @dataclass
 class WorkspaceCache:
     """Grow-only buffers, one per role, reused across calls (no allocation at steady state).
@@ -61,10 +71,7 @@ class WorkspaceCache:
         if buf is None or buf.numel() < numel:
             if buf is not None and self.retain:
                 self.retired.append(buf)
-            # never an inference tensor: a buffer made under inference_mode could not be
-            # written by a later call under no_grad
-            with torch.inference_mode(False):
-                buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            buf = _empty(max(numel, 1), dtype, device)
             self.buffers[key] = buf
         return buf[:numel].view(shape)
 
