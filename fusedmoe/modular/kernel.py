@@ -44,8 +44,8 @@ def default_chunk_size() -> int:
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Never an inference tensor: a buffer made under inference_mode could not be written by a
     later call under no_grad. (The context is entered only where it matters: torch.compile
-    does not trace it.)"""
-    if not torch.is_inference_mode_enabled():
+    traces neither it nor the inference-mode query.)"""
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
         return torch.empty(numel, dtype=dtype, device=device)
     with torch.inference_mode(False):
         return torch.empty(numel, dtype=dtype, device=device)
