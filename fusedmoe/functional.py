@@ -243,7 +243,7 @@ def fused_experts(
         )
     kernel, graphs = _kernel_for(
         x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
-        expert_map is not None, needs_grad(x, weights), backend,
+        expert_map is not None, needs_grad(x, weights, topk_weights), backend,
     )  # fmt: skip
     topk_weights = topk_weights.float()
 

@@ -478,7 +478,9 @@ class FusedMoE(nn.Module):
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
         self._check_routed_input(x_routed, x)
         grad = torch.is_grad_enabled() and (
-            x_routed.requires_grad or any(p.requires_grad for p in self._expert_params())
+            x_routed.requires_grad
+            or logits.requires_grad  # the router's gradient flows through the top-k weights
+            or any(p.requires_grad for p in self._expert_params())
         )
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
         replayed = None

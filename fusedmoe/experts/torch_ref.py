@@ -84,7 +84,7 @@ class TorchExperts(Experts):
         return True
 
     @classmethod
-    def supports_autograd(cls):
+    def supports_autograd(cls, quant_config=None):
         return True
 
     def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):

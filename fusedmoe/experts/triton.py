@@ -12,6 +12,10 @@ per-channel x per-token, 128 x 128 blocks x 1 x 128 groups (float32 or UE8M0 sca
 per-channel x per-token. Biases, expert_map, every activation. It reduces itself (finalize:
 NoOp), so its output is [M, H].
 
+A call that autograd records (training; unquantized only) runs the training op instead
+(fusedmoe.kernels.moe_train): GPU kernels forward and backward, differentiable in x, the
+weights, the biases and the router weights.
+
 On the CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1), when asked for by
 name: the tests check it there against the torch backend; the oracle never picks it there.
 """
@@ -23,7 +27,7 @@ import torch
 from fusedmoe._triton import INSTALL_HINT, has_triton, interpreting
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.reduce import TopKWeightAndReduceNoOp
-from fusedmoe.modular.types import WorkspaceShapes
+from fusedmoe.modular.types import WorkspaceShapes, needs_grad
 from fusedmoe.quant import keys
 from fusedmoe.quant.config import FusedMoEQuantConfig
 
@@ -93,6 +97,10 @@ class TritonExperts(Experts):
     def supports_expert_map(cls):
         return True
 
+    @classmethod
+    def supports_autograd(cls, quant_config=None):
+        return quant_config is None
+
     def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
         # workspace13: GEMM2's per-slot output; workspace2: a2 (GEMM1's activation output,
         # or its FP8 bytes and group scales). GEMM1's h never leaves the registers.
@@ -115,6 +123,9 @@ class TritonExperts(Experts):
             raise ValueError(f"the triton backend does not support {qc!r}")
         a_mode, w_mode, a2_mode, dtype_key = modes
         weights, activation = call.weights, call.activation
+        if needs_grad(call.hidden_states, weights, call.topk_weights):
+            self._apply_recorded(call)
+            return
         fused_experts_triton(
             call.output,
             call.hidden_states,
@@ -139,6 +150,33 @@ class TritonExperts(Experts):
             mul_routed_weight=not call.apply_router_weight_on_input,
             dtype_key=dtype_key or _DTYPE_KEY[call.output.dtype],
         )
+
+    def _apply_recorded(self, call) -> None:
+        """A call that autograd records: the training op (fusedmoe.kernels.moe_train), whose
+        backward runs on the GPU kernels too. Unquantized only (the oracle refuses the rest)."""
+        from fusedmoe.kernels.moe_train import experts_train
+        from fusedmoe.quant.kernels import resolve_params
+
+        if call.quant_config is not None:
+            raise ValueError(
+                "the triton backend trains unquantized weights only: quantized schemes are "
+                "inference only (run under torch.no_grad())"
+            )
+        weights, activation = call.weights, call.activation
+        out = experts_train(
+            call.hidden_states,
+            weights.w13,
+            weights.w2,
+            call.topk_weights.float(),
+            call.topk_ids,
+            activation=activation.kind,
+            params=resolve_params(activation.kind, activation.params),
+            w13_bias=weights.w13_bias,
+            w2_bias=weights.w2_bias,
+            expert_map=call.expert_map,
+            mul_routed_weight=not call.apply_router_weight_on_input,
+        )
+        call.output.copy_(out)
 
 
 __all__ = ["TritonExperts"]

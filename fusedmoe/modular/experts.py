@@ -115,8 +115,10 @@ class Experts(abc.ABC):
         return all2all_backend in (None, "naive") and not sequence_parallel
 
     @classmethod
-    def supports_autograd(cls) -> bool:
-        """Whether gradients flow through apply (for training and fine-tuning)."""
+    def supports_autograd(cls, quant_config: FusedMoEQuantConfig | None = None) -> bool:
+        """Whether gradients flow through apply (for training and fine-tuning) with this quant
+        config (None: unquantized). A call that autograd records gets empty workspaces: what
+        it saves for backward is its own."""
         return False
 
     @classmethod
@@ -163,8 +165,12 @@ class Experts(abc.ABC):
                 ),
             ),
             (
-                not problem.requires_grad or cls.supports_autograd(),
-                lambda: "no autograd (backward)",
+                not problem.requires_grad or cls.supports_autograd(problem.quant_config),
+                lambda: (
+                    "no autograd (backward)"
+                    if problem.quant_config is None or not cls.supports_autograd()
+                    else "trains unquantized weights only (quantized schemes are inference only)"
+                ),
             ),
         )
         for ok, reason in checks:

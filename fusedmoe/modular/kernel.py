@@ -14,6 +14,7 @@ its own, as backward needs them).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -168,8 +169,12 @@ class FusedMoEModularKernel:
         )
         dtype = experts.workspace_dtype(hidden_states.dtype)
         device = hidden_states.device
-        # Under autograd the buffers are saved for backward: a call gets its own, never reused.
-        workspaces = WorkspaceCache() if needs_grad(hidden_states, weights) else self.workspaces
+        # Under autograd a backend keeps what it saves for backward in tensors of its own: it
+        # gets empty workspaces, and an output buffer that is never reused.
+        recorded = needs_grad(hidden_states, weights, topk_weights)
+        if recorded:
+            shapes = dataclasses.replace(shapes, workspace13=(0,), workspace2=(0,))
+        workspaces = WorkspaceCache() if recorded else self.workspaces
         workspace13 = workspaces.get("workspace13", shapes.workspace13, dtype, device)
         workspace2 = workspaces.get("workspace2", shapes.workspace2, dtype, device)
         reduce = experts.finalize_weight_and_reduce_impl()

@@ -196,9 +196,12 @@ class MonolithicResult:
     topk_ids: torch.Tensor  # int32 [M, k], global ids (zero experts: ids >= E)
 
 
-def needs_grad(hidden_states: torch.Tensor, weights: ExpertWeights) -> bool:
-    """Whether autograd records this call (grad mode on and an input that requires grad)."""
+def needs_grad(
+    hidden_states: torch.Tensor, weights: ExpertWeights, *others: torch.Tensor | None
+) -> bool:
+    """Whether autograd records this call (grad mode on and an input that requires grad:
+    hidden_states, a weight or bias, or one of `others`, e.g. the router weights)."""
     if not torch.is_grad_enabled():
         return False
-    tensors = (hidden_states, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
+    tensors = (hidden_states, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias, *others)
     return any(t is not None and t.requires_grad for t in tensors)

@@ -70,10 +70,13 @@ _FUSED_ON_INTERPRETER = False
 def use_fused_routing(logits: torch.Tensor) -> bool:
     """Whether the routers route these logits with the fused Triton kernels
     (fusedmoe.router.fused, one launch) instead of the torch twins (about ten launches):
-    CUDA logits of bf16 / fp16 / fp32 with Triton installed. CPU logits take the torch path,
+    CUDA logits of bf16 / fp16 / fp32 with Triton installed, unless autograd records them
+    (training: the twins differentiate). CPU logits take the torch path,
     except inside `fused_routing_on_interpreter()` under TRITON_INTERPRET=1 (tests)."""
     if logits.dtype not in _FUSED_DTYPES or not has_triton():
         return False
+    if logits.requires_grad and torch.is_grad_enabled():
+        return False  # the kernels have no backward: the torch twins carry the router's gradient
     if logits.is_cuda:
         return True
     return _FUSED_ON_INTERPRETER and logits.device.type == "cpu" and interpreting()

@@ -1,0 +1,677 @@
+"""Training through the triton backend: the experts' forward that autograd records, and its
+backward, as GPU kernels. Two torch.library custom ops (`fusedmoe::experts_train_fwd`, its
+backward `fusedmoe::experts_train_bwd`) joined by register_autograd, so torch.compile sees one
+op with its backward.
+
+Legend: M tokens, k top-k, S = M * k slots (slot s: token t(s) = s // k, local expert e(s),
+router weight w_s), E_l local experts, H hidden, N_w rows of w13 per expert (2I gated, I
+otherwise), I the activation width.
+
+Forward:
+    h[s]     = x[t(s)] @ w13[e(s)].T + b13[e(s)]              GEMM1 -> [S, N_w]   (saved)
+    a[s]     = act(h[s])                                       act kernel -> [S, I]
+    y[s]     = (a[s] @ w2[e(s)].T + b2[e(s)]) * w_s            GEMM2 -> [S, H]
+    out[t]   = sum over the slots of t routed here of y[s]     moe_sum -> [M, H]
+
+Backward, from dout [M, H]:
+    g[s]     = dout[t(s)] @ w2[e(s)]                           dgrad GEMM (w2 read transposed)
+    dw_s     = <a[s], g[s]> + <b2[e(s)], dout[t(s)]>            = <y[s] / w_s, dout[t(s)]>
+    dh[s]    = act'(h[s]) * (w_s * g[s])                       act kernel (writes a over g)
+    dx[t]    = sum_j dh[s] @ w13[e(s)]                         dgrad GEMM (w13 transposed) + sum
+    dw2[e]   = sum_{s of e} (w_s * dout[t(s)]).T a[s]           wgrad kernel -> [E_l, H, I]
+    db2[e]   = sum_{s of e} w_s * dout[t(s)]
+    dw13[e]  = sum_{s of e} dh[s].T x[t(s)]                     wgrad kernel -> [E_l, N_w, H]
+    db13[e]  = sum_{s of e} dh[s]
+
+What the forward saves, and why: h [S, N_w], the one value the backward could only get back by
+redoing GEMM1. a is recomputed from h (one elementwise pass, which act' makes anyway), and y is
+never needed: dw_s only asks for <y[s] / w_s, dout>, which the identity above takes from a and
+g. So a recorded call keeps S * N_w elements alive (plus its inputs), where a torch pipeline
+keeps the gathered x, h, a and y. The slot alignment (moe_align) is recomputed in the backward:
+a launch or three, less than the memory it would hold.
+
+Slots not routed to this rank (expert_map -1, ids out of range) are skipped everywhere: their
+rows of h, g and dh are never written nor read, and their dw_s is 0. With
+apply_router_weight_on_input (mul_routed_weight False) the weight was applied to x before this
+op (prepare), so autograd differentiates that multiply and this op returns no dw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedmoe._triton import launch
+from fusedmoe.activation import MoEActivation
+from fusedmoe.kernels import moe_gemm as g
+from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, device_name, launch_gemm, moe_sum
+from fusedmoe.kernels.moe_align import moe_align_block_size
+from fusedmoe.kernels.moe_config import moe_kernel_config
+from fusedmoe.quant.kernels import ACTIVATION_CODE
+
+__all__ = ["TRAIN_DTYPES", "experts_train"]
+
+#: activation dtypes that train on the GPU kernels
+TRAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_CODES = {
+    **ACTIVATION_CODE,
+    MoEActivation.GELU_TANH: g.ACT_GELU_TANH,
+    MoEActivation.SILU_NO_MUL: g.ACT_SILU_NO_MUL,
+    MoEActivation.GELU_NO_MUL: g.ACT_GELU_NO_MUL,
+    MoEActivation.RELU2_NO_MUL: g.ACT_RELU2_NO_MUL,
+}
+_SILU, _GELU, _SWIGLUOAI, _SWIGLUOAI_UNINTERLEAVE, _SWIGLUSTEP = (
+    tl.constexpr(ACTIVATION_CODE[a])
+    for a in (
+        MoEActivation.SILU,
+        MoEActivation.GELU,
+        MoEActivation.SWIGLUOAI,
+        MoEActivation.SWIGLUOAI_UNINTERLEAVE,
+        MoEActivation.SWIGLUSTEP,
+    )
+)
+_GELU_TANH = tl.constexpr(g.ACT_GELU_TANH)
+_SILU_NO_MUL = tl.constexpr(g.ACT_SILU_NO_MUL)
+_GELU_NO_MUL = tl.constexpr(g.ACT_GELU_NO_MUL)
+_RELU2_NO_MUL = tl.constexpr(g.ACT_RELU2_NO_MUL)
+
+_ROWS_BLOCK_R = 16  # rows per program of the act kernel
+_ROWS_BLOCK_C = 128  # activation columns per step
+_WGRAD_BLOCK = 128  # wgrad output tile (BN = BK); the reduction step is the alignment's BM
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _gelu_erf_parts(z):
+    """(Phi(z), phi(z)): the normal CDF and density, for gelu(z) = z Phi(z), gelu' = Phi + z phi."""
+    cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+    return cdf, pdf
+
+
+@triton.jit
+def _act_and_grad(gate, up, da, alpha, beta, limit, ACTIVATION: tl.constexpr,
+                  HAS_LIMIT: tl.constexpr):  # fmt: skip
+    """fp32 (act(gate, up), d act / d gate * da, d act / d up * da), as fusedmoe.activation
+    defines act; a clamp passes the gradient where its input lies inside the clamp, bounds
+    included (as torch.clamp's backward). `up` and d_up are unused when non-gated. The forward
+    alone calls this with da = 0: the compiler drops the derivative."""
+    d_up = da * 0.0
+    if ACTIVATION == _SILU:
+        g_in = gate <= limit
+        u_in = (up >= -limit) & (up <= limit)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = _sigmoid(gate)
+        silu = gate * sig
+        out = silu * up
+        d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = da * silu
+        if HAS_LIMIT:
+            d_gate = tl.where(g_in, d_gate, 0.0)
+            d_up = tl.where(u_in, d_up, 0.0)
+    elif ACTIVATION == _GELU:
+        cdf, pdf = _gelu_erf_parts(gate)
+        out = gate * cdf * up
+        d_gate = da * up * (cdf + gate * pdf)
+        d_up = da * gate * cdf
+    elif ACTIVATION == _GELU_TANH:
+        c = 0.7978845608028654
+        inner = c * (gate + 0.044715 * gate * gate * gate)
+        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
+        gelu = 0.5 * gate * (1.0 + t)
+        out = gelu * up
+        d_gelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * c * (1.0 + 0.134145 * gate * gate)
+        d_gate = da * up * d_gelu
+        d_up = da * gelu
+    elif ACTIVATION == _SWIGLUSTEP:
+        sig = _sigmoid(gate)
+        silu = gate * sig
+        u_in = (up >= -limit) & (up <= limit)
+        up_c = tl.minimum(tl.maximum(up, -limit), limit)
+        step = tl.minimum(silu, limit)
+        out = step * up_c
+        d_gate = tl.where(silu <= limit, da * up_c * sig * (1.0 + gate * (1.0 - sig)), 0.0)
+        d_up = tl.where(u_in, da * step, 0.0)
+    elif (ACTIVATION == _SWIGLUOAI) | (ACTIVATION == _SWIGLUOAI_UNINTERLEAVE):
+        g_in = gate <= limit
+        u_in = (up >= -limit) & (up <= limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = _sigmoid(alpha * gate)
+        glu = gate * sig
+        out = (up + beta) * glu
+        d_gate = tl.where(g_in, da * (up + beta) * (sig + alpha * glu * (1.0 - sig)), 0.0)
+        d_up = tl.where(u_in, da * glu, 0.0)
+    elif ACTIVATION == _SILU_NO_MUL:
+        sig = _sigmoid(gate)
+        out = gate * sig
+        d_gate = da * sig * (1.0 + gate * (1.0 - sig))
+    elif ACTIVATION == _GELU_NO_MUL:
+        cdf, pdf = _gelu_erf_parts(gate)
+        out = gate * cdf
+        d_gate = da * (cdf + gate * pdf)
+    else:  # RELU2_NO_MUL
+        r = tl.maximum(gate, 0.0)
+        out = r * r
+        d_gate = da * 2.0 * r
+    return out, d_gate, d_up
+
+
+@triton.jit
+def _act_rows_kernel(
+    h_ptr, stride_hm, stride_hn,  # [S, N_w] GEMM1's output (the activation dtype)
+    ga_ptr, stride_gm, stride_gn,  # [S, I]: forward, a written; backward, g read and a written
+    dh_ptr, stride_dm, stride_dn,  # BACKWARD: [S, N_w] dL/dh
+    w_ptr,  # MUL_WEIGHT: float32 [S] router weights
+    dw_ptr,  # BACKWARD and MUL_WEIGHT: float32 [S] <a[s], g[s]>, 0 for slots not routed here
+    ids_ptr, map_ptr, num_ids, num_local,  # the slots routed here (as moe_align finds them)
+    S, N,  # N = I, the activation width
+    alpha, beta, limit,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,  # gate / up rows of w13 alternate (gpt-oss)
+    HAS_LIMIT: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """forward:  a = act(h);   backward: a = act(h), dh = act'(h) * (w * g), dw = <a, g>."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows64 = rows.to(tl.int64)
+    # rows of slots not routed here were never written by GEMM1: not read
+    ids = tl.load(ids_ptr + rows64, mask=rows < S, other=-1).to(tl.int32)
+    routed = (ids >= 0) & (ids < num_ids)
+    if HAS_MAP:
+        local = tl.load(map_ptr + ids, mask=routed, other=-1).to(tl.int32)
+        routed = (local >= 0) & (local < num_local)
+    row_mask = (rows < S) & routed
+    if BACKWARD and MUL_WEIGHT:
+        w = tl.load(w_ptr + rows64, mask=row_mask, other=0.0)
+    dot = tl.zeros((BLOCK_R,), tl.float32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        if INTERLEAVED:
+            gate_cols = 2 * cols
+            up_cols = 2 * cols + 1
+        else:
+            gate_cols = cols
+            up_cols = cols + N
+        h_row = h_ptr + rows64[:, None] * stride_hm
+        gate = tl.load(h_row + gate_cols[None, :] * stride_hn, mask=mask, other=0.0)
+        gate = gate.to(tl.float32)
+        if GATED:
+            up = tl.load(h_row + up_cols[None, :] * stride_hn, mask=mask, other=0.0)
+            up = up.to(tl.float32)
+        else:
+            up = gate
+        ga_ptrs = ga_ptr + rows64[:, None] * stride_gm + cols[None, :] * stride_gn
+        if BACKWARD:
+            grad_a = tl.load(ga_ptrs, mask=mask, other=0.0).to(tl.float32)
+            da = grad_a * w[:, None] if MUL_WEIGHT else grad_a
+            act, d_gate, d_up = _act_and_grad(
+                gate, up, da, alpha, beta, limit, ACTIVATION, HAS_LIMIT
+            )
+            act = act.to(ga_ptr.dtype.element_ty)  # a as GEMM2 read it
+            if MUL_WEIGHT:
+                dot += tl.sum(tl.where(mask, act.to(tl.float32) * grad_a, 0.0), axis=1)
+            dh_row = dh_ptr + rows64[:, None] * stride_dm
+            dh_ty = dh_ptr.dtype.element_ty
+            tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
+            if GATED:
+                tl.store(dh_row + up_cols[None, :] * stride_dn, d_up.to(dh_ty), mask=mask)
+        else:
+            act, _, _ = _act_and_grad(gate, up, 0.0, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+            act = act.to(ga_ptr.dtype.element_ty)
+        tl.store(ga_ptrs, act, mask=mask)
+    if BACKWARD and MUL_WEIGHT:  # 0 for the slots not routed here
+        tl.store(dw_ptr + rows64, dot, mask=rows < S)
+
+
+@triton.jit
+def _lower_bound(ptr, n, target, STEPS: tl.constexpr):
+    """The first index i in [0, n) with ptr[i] >= target (n if none), ptr ascending there."""
+    lo = n * 0
+    hi = n
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        value = tl.load(ptr + mid, mask=active, other=0)
+        right = active & (value < target)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (value >= target), mid, hi)
+    return lo
+
+
+@triton.jit
+def _moe_wgrad_kernel(
+    l_ptr, stride_lm, stride_ln,  # L [rows, N]: row of slot s is s // L_ROW_DIV
+    r_ptr, stride_rm, stride_rk,  # R [rows, K]: row of slot s is s // R_ROW_DIV
+    scale_ptr,  # L_SCALE: float32 [S], L's row of slot s is taken times scale[s]
+    out_ptr, stride_oe, stride_on, stride_ok,  # [E_l, N, K]
+    bias_ptr, stride_be, stride_bn,  # BIAS_GRAD: [E_l, N], the sum of L's rows over the slots
+    sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting (BM rows a block)
+    N, K, num_slots,
+    L_ROW_DIV: tl.constexpr,
+    R_ROW_DIV: tl.constexpr,
+    L_SCALE: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,  # binary-search steps over the block table
+    UPCAST: tl.constexpr,  # the interpreter: dot in fp32
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[e] = sum over the slots s of expert e of (scale[s] * L[row(s)]).T @ R[row(s)]:
+    the grouped weight gradient. One program per (expert, N tile, K tile); it reduces over its
+    expert's blocks of the aligned layout, found by binary search in the block -> expert table
+    (ascending up to num_post / BM). An expert with no slot gets zeros."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    e = pid // (num_n * num_k)
+    pid_n = (pid % (num_n * num_k)) // num_k
+    pid_k = pid % num_k
+    num_blocks = tl.load(num_post_ptr) // BLOCK_M
+    first = _lower_bound(expert_ids_ptr, num_blocks, e, SEARCH_STEPS)
+    last = _lower_bound(expert_ids_ptr, num_blocks, e + 1, SEARCH_STEPS)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    bias_acc = tl.zeros((BLOCK_N,), tl.float32)
+    for block in range(first, last):
+        slots = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = slots < num_slots
+        l_rows = (slots // L_ROW_DIV).to(tl.int64)
+        r_rows = (slots // R_ROW_DIV).to(tl.int64)
+        left = tl.load(
+            l_ptr + l_rows[:, None] * stride_lm + offs_n[None, :] * stride_ln,
+            mask=row_mask[:, None] & n_mask[None, :], other=0.0,
+        )  # fmt: skip
+        right = tl.load(
+            r_ptr + r_rows[:, None] * stride_rm + offs_k[None, :] * stride_rk,
+            mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+        )  # fmt: skip
+        if L_SCALE:
+            s = tl.load(scale_ptr + slots, mask=row_mask, other=0.0)
+            left = (left.to(tl.float32) * s[:, None]).to(left.dtype)
+        if BIAS_GRAD:
+            bias_acc += tl.sum(left.to(tl.float32), axis=0)
+        if UPCAST:
+            left = left.to(tl.float32)
+            right = right.to(tl.float32)
+        acc = tl.dot(tl.trans(left), right, acc, input_precision=DOT_PRECISION)
+    out_ptrs = (
+        out_ptr + e.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on
+        + offs_k[None, :] * stride_ok
+    )  # fmt: skip
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+    if BIAS_GRAD and pid_k == 0:
+        b_ptrs = bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn
+        tl.store(b_ptrs, bias_acc.to(bias_ptr.dtype.element_ty), mask=n_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Act:
+    """The activation of one call, as the kernels take it."""
+
+    kind: MoEActivation
+    alpha: float
+    beta: float
+    limit: float
+    has_limit: bool
+
+
+def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, weights=None,
+              dw=None) -> None:  # fmt: skip
+    """forward (dh None): ga = act(h). backward: ga holds g; a is written over it, dh and dw
+    filled (dw only with weights)."""
+    num_slots, width = ga.shape
+    backward = dh is not None
+    mul = backward and weights is not None
+    num_ids = num_local if expert_map is None else expert_map.shape[0]
+    ids = topk_ids.reshape(-1)
+    grid = (triton.cdiv(num_slots, _ROWS_BLOCK_R),)
+    args = (
+        h, h.stride(0), h.stride(1),
+        ga, ga.stride(0), ga.stride(1),
+        *((dh, dh.stride(0), dh.stride(1)) if backward else (h, 0, 0)),
+        weights if mul else ga,
+        dw if mul else ga,
+        ids, ids if expert_map is None else expert_map, num_ids, num_local,
+        num_slots, width,
+        act.alpha, act.beta, act.limit,
+    )  # fmt: skip
+    constexprs = dict(
+        ACTIVATION=_CODES[act.kind],
+        GATED=act.kind.is_gated,
+        INTERLEAVED=act.kind is MoEActivation.SWIGLUOAI,
+        HAS_LIMIT=act.has_limit,
+        HAS_MAP=expert_map is not None,
+        BACKWARD=backward,
+        MUL_WEIGHT=mul,
+        BLOCK_R=_ROWS_BLOCK_R,
+        BLOCK_C=min(_ROWS_BLOCK_C, triton.next_power_of_2(width)),
+        num_warps=4,
+    )
+    launch(_act_rows_kernel, grid, args, constexprs, h.is_cuda)
+
+
+def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, *, scale=None,
+           bias_out=None) -> None:  # fmt: skip
+    """out [E_l, N, K] = per expert, sum over its slots of (scale * left rows).T @ right rows;
+    bias_out [E_l, N] = the sum of the scaled left rows."""
+    num_local, n, k = out.shape
+    routing = rows.routing
+    block = _WGRAD_BLOCK
+    grid = (num_local * triton.cdiv(n, block) * triton.cdiv(k, block),)
+    exact = left.dtype == torch.float32 or not left.is_cuda
+    dummy = routing.expert_ids
+    args = (
+        left, left.stride(0), left.stride(1),
+        right, right.stride(0), right.stride(1),
+        dummy if scale is None else scale,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        *((bias_out, bias_out.stride(0), bias_out.stride(1)) if bias_out is not None
+          else (dummy, 0, 0)),
+        routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_post_padded,
+        n, k, num_slots,
+    )  # fmt: skip
+    constexprs = dict(
+        L_ROW_DIV=l_row_div,
+        R_ROW_DIV=r_row_div,
+        L_SCALE=scale is not None,
+        BIAS_GRAD=bias_out is not None,
+        SEARCH_STEPS=math.ceil(math.log2(routing.expert_ids.shape[0] + 1)) + 1,
+        UPCAST=not left.is_cuda,
+        DOT_PRECISION="ieee" if exact else "tf32",
+        BLOCK_M=rows.block_m,
+        BLOCK_N=block,
+        BLOCK_K=block,
+        num_warps=8,
+        num_stages=3,
+    )
+    launch(_moe_wgrad_kernel, grid, args, constexprs, left.is_cuda)
+
+
+def _config(x, topk_ids, w13, width):
+    num_tokens, top_k = topk_ids.shape
+    num_local, gemm1_rows, hidden = w13.shape
+    key = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    return moe_kernel_config(
+        num_tokens, top_k, num_local, gemm1_rows, hidden, width, key[x.dtype], device_name(x)
+    )
+
+
+def _aligned(topk_ids, expert_map, block_m, num_local) -> GemmRows:
+    """The aligned layout (never the direct one: the weight gradient reduces over its runs)."""
+    routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
+    ids = topk_ids.reshape(-1)
+    return GemmRows(block_m, routing.expert_ids.shape[0], routing, ids, expert_map, num_local)
+
+
+def _device_guard(x):
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _train_fwd_impl(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    alpha: float,
+    beta: float,
+    limit: float,
+    has_limit: bool,
+    mul_routed_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [M, H], h [S, N_w]): the experts' weighted sum, and GEMM1's output for backward."""
+    num_tokens, top_k = topk_ids.shape
+    num_slots = num_tokens * top_k
+    num_local, gemm1_rows, hidden = w13.shape
+    act = _Act(MoEActivation(activation), alpha, beta, limit, has_limit)
+    width = act.kind.output_size(gemm1_rows)
+    out = x.new_empty(num_tokens, hidden)
+    h = x.new_empty(num_slots, gemm1_rows)
+    if num_tokens == 0:
+        return out, h
+    config = _config(x, topk_ids, w13, width)
+    params = (alpha, beta, limit, has_limit)
+    h_dtype = TL_DTYPE[x.dtype]
+    with _device_guard(x):
+        rows = _aligned(topk_ids, expert_map, config.block_m, num_local)
+        launch_gemm(
+            x, None, g.A_NONE, top_k, w13, None, g.W_NONE, w13_bias, h, None, topk_weights,
+            rows, num_slots, config.gemm1, activation=None, params=params, out_mode=g.OUT_PLAIN,
+            mul_routed_weight=False, h_dtype=h_dtype,
+        )  # fmt: skip
+        a = x.new_empty(num_slots, width)
+        _act_rows(h, a, act, topk_ids, expert_map, num_local)
+        y = x.new_empty(num_slots, hidden)
+        launch_gemm(
+            a, None, g.A_NONE, 1, w2, None, g.W_NONE, w2_bias, y, None, topk_weights.reshape(-1),
+            rows, num_slots, config.gemm2, activation=None, params=params, out_mode=g.OUT_PLAIN,
+            mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
+        )  # fmt: skip
+        moe_sum(y, out, topk_ids, expert_map, num_local)
+    return out, h
+
+
+def _train_bwd_impl(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    h: torch.Tensor,
+    activation: str,
+    alpha: float,
+    beta: float,
+    limit: float,
+    has_limit: bool,
+    mul_routed_weight: bool,
+    need_x: bool,
+    need_weights: bool,
+    need_topk_weights: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [M, H], dw13, dw2, d topk_weights [M, k] float32, db13, db2); a gradient that was not
+    asked for (or has no input: no bias) is an empty tensor."""
+    num_tokens, top_k = topk_ids.shape
+    num_slots = num_tokens * top_k
+    num_local, gemm1_rows, hidden = w13.shape
+    act = _Act(MoEActivation(activation), alpha, beta, limit, has_limit)
+    width = act.kind.output_size(gemm1_rows)
+    mul = mul_routed_weight and need_topk_weights
+    # every element is written below (an expert without slots gets zeros from the wgrad
+    # kernel); a gradient not asked for is a distinct empty tensor (outputs may not alias)
+    grads = (
+        x.new_empty(num_tokens, hidden) if need_x else x.new_empty(0),
+        torch.empty_like(w13) if need_weights else x.new_empty(0),
+        torch.empty_like(w2) if need_weights else x.new_empty(0),
+        x.new_empty((num_tokens, top_k) if mul else (0,), dtype=torch.float32),
+        torch.empty_like(w13_bias) if need_bias and w13_bias is not None else x.new_empty(0),
+        torch.empty_like(w2_bias) if need_bias and w2_bias is not None else x.new_empty(0),
+    )
+    if num_tokens == 0:
+        return tuple(t.zero_() for t in grads)
+    dx, dw13, dw2, dweights, db13, db2 = grads
+    dout = dout.contiguous()
+    config = _config(x, topk_ids, w13, width)
+    params = (alpha, beta, limit, has_limit)
+    h_dtype = TL_DTYPE[x.dtype]
+    weights_flat = topk_weights.reshape(-1)
+    with _device_guard(x):
+        rows = _aligned(topk_ids, expert_map, config.block_m, num_local)
+        ga = x.new_empty(num_slots, width)  # g, then a
+        launch_gemm(
+            dout, None, g.A_NONE, top_k, w2.transpose(1, 2), None, g.W_NONE, None, ga, None,
+            weights_flat, rows, num_slots, config.gemm1, activation=None, params=params,
+            out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
+        )  # fmt: skip
+        dh = torch.empty_like(h)
+        dw_slots = dweights.view(-1) if mul else None
+        _act_rows(
+            h, ga, act, topk_ids, expert_map, num_local, dh=dh,
+            weights=weights_flat if mul_routed_weight else None, dw=dw_slots,
+        )  # fmt: skip
+        if mul and w2_bias is not None:  # <b2[e(s)], dout[t(s)]>: y's bias part
+            dweights += _bias_dot(dout, w2_bias, topk_ids, expert_map, num_local)
+        if need_x:
+            dx_slots = x.new_empty(num_slots, hidden)
+            launch_gemm(
+                dh, None, g.A_NONE, 1, w13.transpose(1, 2), None, g.W_NONE, None, dx_slots, None,
+                weights_flat, rows, num_slots, config.gemm2, activation=None, params=params,
+                out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
+            )  # fmt: skip
+            moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
+        scale = weights_flat if mul_routed_weight else None
+        if need_weights or (need_bias and w2_bias is not None):
+            _wgrad(
+                dout, top_k, ga, 1, rows, num_slots,
+                dw2 if need_weights else torch.empty_like(w2), scale=scale,
+                bias_out=db2 if db2.numel() else None,
+            )  # fmt: skip
+        if need_weights or (need_bias and w13_bias is not None):
+            _wgrad(
+                dh, 1, x, top_k, rows, num_slots,
+                dw13 if need_weights else torch.empty_like(w13),
+                bias_out=db13 if db13.numel() else None,
+            )  # fmt: skip
+    return dx, dw13, dw2, dweights, db13, db2
+
+
+def _bias_dot(dout, w2_bias, topk_ids, expert_map, num_local) -> torch.Tensor:
+    """float32 [M, k]: <b2[e], dout[t]> for each slot routed here, 0 for the others."""
+    per_expert = dout.float() @ w2_bias.float().t()  # [M, E_l]
+    ids = topk_ids.long()
+    num_ids = num_local if expert_map is None else expert_map.shape[0]
+    routed = (ids >= 0) & (ids < num_ids)
+    local = ids.clamp(0, num_ids - 1)
+    if expert_map is not None:
+        local = expert_map.long()[local]
+        routed &= (local >= 0) & (local < num_local)
+    picked = per_expert.gather(1, local.clamp(0, num_local - 1))
+    return torch.where(routed, picked, torch.zeros_like(picked))
+
+
+_train_fwd_op = torch.library.custom_op("fusedmoe::experts_train_fwd", mutates_args=())(
+    _train_fwd_impl
+)
+_train_bwd_op = torch.library.custom_op("fusedmoe::experts_train_bwd", mutates_args=())(
+    _train_bwd_impl
+)
+
+
+@_train_fwd_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activation, alpha,
+      beta, limit, has_limit, mul_routed_weight):  # fmt: skip
+    num_slots = topk_ids.shape[0] * topk_ids.shape[1]
+    return x.new_empty(topk_ids.shape[0], w13.shape[2]), x.new_empty(num_slots, w13.shape[1])
+
+
+@_train_bwd_op.register_fake
+def _(dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h, activation,
+      alpha, beta, limit, has_limit, mul_routed_weight, need_x, need_weights,
+      need_topk_weights, need_bias):  # fmt: skip
+    mul = mul_routed_weight and need_topk_weights
+    return (
+        torch.empty_like(x) if need_x else x.new_empty(0),
+        torch.empty_like(w13) if need_weights else x.new_empty(0),
+        torch.empty_like(w2) if need_weights else x.new_empty(0),
+        x.new_empty(topk_ids.shape if mul else (0,), dtype=torch.float32),
+        torch.empty_like(w13_bias) if need_bias and w13_bias is not None else x.new_empty(0),
+        torch.empty_like(w2_bias) if need_bias and w2_bias is not None else x.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *rest = inputs
+    ctx.save_for_backward(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
+                          output[1])  # fmt: skip
+    ctx.params = tuple(rest)  # activation, alpha, beta, limit, has_limit, mul_routed_weight
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dout, _dh):
+    x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    need_x, need_weights = needs[0], needs[1] or needs[2]
+    need_bias = needs[5] or needs[6]
+    dx, dw13, dw2, dweights, db13, db2 = _train_bwd_op(
+        dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h,
+        *ctx.params, need_x, need_weights, needs[3], need_bias,
+    )  # fmt: skip
+    return (
+        dx if needs[0] else None,
+        dw13 if needs[1] else None,
+        dw2 if needs[2] else None,
+        dweights if needs[3] and dweights.numel() else None,
+        None,
+        db13 if needs[5] else None,
+        db2 if needs[6] else None,
+        None, None, None, None, None, None, None,
+    )  # fmt: skip
+
+
+_train_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def experts_train(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: MoEActivation,
+    params: tuple[float, float, float, bool],
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    mul_routed_weight: bool = True,
+) -> torch.Tensor:
+    """out [M, H] = the experts' (weighted) top-k sum, differentiable in x, w13, w2, the
+    biases and topk_weights (float32 [M, k]) on the GPU kernels. Inputs are assumed checked by
+    the caller (TritonExperts); params are (alpha, beta, limit, has_limit), defaults resolved."""
+    alpha, beta, limit, has_limit = params
+    # the custom op always: autograd needs its registered backward (op_or_impl's shortcut
+    # would call the bare implementation, which records nothing)
+    out, _ = _train_fwd_op(
+        x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activation.value,
+        alpha, beta, limit, has_limit, mul_routed_weight,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,185 @@
+"""Training on the triton backend's kernels (fusedmoe.kernels.moe_train): the forward that
+autograd records and its backward, against autograd of an independent float64 reference.
+
+Without a GPU the kernels run on Triton's CPU interpreter (small shapes, float32); the `gpu`
+tests at the end run the compiled kernels in bf16 at larger sizes, under torch.compile too.
+Legend: M tokens, k top-k, E experts (E_l local), H hidden, I intermediate, N = 2I or I.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fusedmoe import FusedMoE, fused_experts, select_backend
+from fusedmoe.modular.types import MoEProblem
+from tests.helpers import assert_close
+from tests.reference import ALL_ACTIVATIONS, NON_GATED, activation_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I, E = 32, 24, 6  # I = 24: the act kernel's and the GEMMs' column tiles have masked tails
+
+
+def dense_ref(x, w13, w2, weights, ids, *, activation, params=None, w13_bias=None,
+              w2_bias=None, expert_map=None, weight_on_input=False):  # fmt: skip
+    """float64, differentiable in every input: out[m] = sum_j w[m, j] (act(x[m] @ w13[e].T +
+    b13[e]) @ w2[e].T + b2[e]) over the slots routed here (weight on x instead, on input)."""
+    ids = ids.long()
+    local = ids if expert_map is None else expert_map.long()[ids.clamp(min=0)]
+    routed = ((ids >= 0) & (local >= 0)).double()  # [M, k]
+    e = local.clamp(min=0)
+    w = weights.double()
+    xin = x.double()[:, None, :] * (w[..., None] if weight_on_input else 1.0)  # [M, k, H]
+    h = torch.einsum("mkh,mknh->mkn", xin, w13.double()[e])
+    if w13_bias is not None:
+        h = h + w13_bias.double()[e]
+    a = activation_ref(activation, h, **(params or {}))
+    y = torch.einsum("mki,mkhi->mkh", a, w2.double()[e])
+    if w2_bias is not None:
+        y = y + w2_bias.double()[e]
+    y = y * routed[..., None]
+    return y.sum(1) if weight_on_input else (y * w[..., None]).sum(1)
+
+
+def _leaves(num_tokens, top_k, activation, *, bias, dtype=torch.float32, num_experts=E):
+    n = I if activation in NON_GATED else 2 * I
+    leaves = {
+        "x": torch.randn(num_tokens, H),
+        "w13": torch.randn(num_experts, n, H) / H**0.5,
+        "w2": torch.randn(num_experts, H, I) / I**0.5,
+        "weights": torch.rand(num_tokens, top_k) + 0.1,
+    }
+    if bias:
+        leaves |= {"w13_bias": torch.randn(num_experts, n) * 0.3,
+                   "w2_bias": torch.randn(num_experts, H) * 0.3}  # fmt: skip
+    return {k: v.to(DEVICE, dtype) if k != "weights" else v.to(DEVICE) for k, v in leaves.items()}
+
+
+def _check_grads(leaves, ids, activation, *, dtype=torch.float32, params=None, expert_map=None,
+                 weight_on_input=False, backend="triton", frozen=()):  # fmt: skip
+    """fused_experts' output and the gradient of every leaf against dense_ref's."""
+    ours = {k: v.clone().requires_grad_(k not in frozen) for k, v in leaves.items()}
+    kwargs = dict(activation=activation, expert_map=expert_map)
+    out = fused_experts(
+        ours["x"], ours["w13"], ours["w2"], ours["weights"], ids, backend=backend,
+        w13_bias=ours.get("w13_bias"), w2_bias=ours.get("w2_bias"),
+        activation_params=params, apply_router_weight_on_input=weight_on_input, **kwargs,
+    )  # fmt: skip
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    expected = dense_ref(
+        ref["x"], ref["w13"], ref["w2"], ref["weights"], ids,
+        w13_bias=ref.get("w13_bias"), w2_bias=ref.get("w2_bias"),
+        params=None if params is None else {k: v for k, v in vars(params).items() if v is not None},
+        weight_on_input=weight_on_input, **kwargs,
+    )  # fmt: skip
+    expected.backward(grad_out.double())
+    assert_close(out, expected, dtype)
+    for name in leaves:
+        if name in frozen:
+            assert ours[name].grad is None
+            continue
+        assert ours[name].grad is not None, f"no gradient for {name}"
+        assert ours[name].grad.abs().sum() > 0 or ref[name].grad.abs().sum() == 0
+        assert_close(ours[name].grad, ref[name].grad, dtype, what=f"grad of {name}")
+
+
+def _ids(num_tokens, top_k, num_experts=E, *, generator_seed=1):
+    g = torch.Generator().manual_seed(generator_seed)
+    return torch.stack(
+        [torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)]
+    ).to(DEVICE, torch.int32)
+
+
+@pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
+def test_every_activation_trains(activation):
+    leaves = _leaves(13, 2, activation, bias=False)
+    if activation.startswith("swiglu"):  # values past the clamp limits: their gradient is 0
+        leaves["x"] = leaves["x"] * 6.0
+    _check_grads(leaves, _ids(13, 2), activation)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_biases_and_clamped_silu(activation):
+    from fusedmoe import ActivationParams
+
+    params = ActivationParams(limit=0.8) if activation == "silu" else None
+    leaves = _leaves(9, 3, activation, bias=True)
+    _check_grads(leaves, _ids(9, 3), activation, params=params)
+
+
+def test_expert_map_uneven_and_empty_experts():
+    """A rank holding 4 of 10 experts: slots of the others get no gradient and cost nothing;
+    one local expert takes most slots, one none."""
+    num_global, top_k, m = 10, 3, 17
+    expert_map = torch.full((num_global,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([2, 5, 7, 9])] = torch.arange(4, dtype=torch.int32)
+    ids = _ids(m, top_k, num_global)
+    ids[:12, 0] = 5  # expert 5 (local 1) takes most; expert 9 (local 3) none
+    ids[ids == 9] = 8
+    leaves = _leaves(m, top_k, "silu", bias=True, num_experts=4)
+    _check_grads(leaves, ids, "silu", expert_map=expert_map.to(DEVICE))
+
+
+def test_top1_weight_on_input_and_frozen_weights():
+    leaves = _leaves(11, 1, "silu", bias=False)
+    _check_grads(leaves, _ids(11, 1), "silu", weight_on_input=True)
+    leaves = _leaves(11, 2, "gelu_no_mul", bias=True)
+    _check_grads(leaves, _ids(11, 2), "gelu_no_mul", frozen=("w13", "w2"))
+
+
+def test_all_tokens_to_one_expert_and_zero_tokens():
+    leaves = _leaves(21, 1, "silu", bias=True)
+    _check_grads(leaves, torch.full((21, 1), 3, dtype=torch.int32, device=DEVICE), "silu")
+    empty = _leaves(0, 2, "silu", bias=True)
+    ours = {k: v.clone().requires_grad_() for k, v in empty.items()}
+    out = fused_experts(
+        ours["x"], ours["w13"], ours["w2"], ours["weights"],
+        torch.zeros(0, 2, dtype=torch.int32, device=DEVICE), backend="triton",
+        w13_bias=ours["w13_bias"], w2_bias=ours["w2_bias"],
+    )  # fmt: skip
+    (out.sum() + ours["w13"].sum()).backward()
+    assert out.shape == (0, H)
+    assert torch.equal(ours["w13"].grad, torch.ones_like(ours["w13"]))
+    assert ours["w2"].grad is None or not ours["w2"].grad.any()
+
+
+def test_layer_trains_on_triton_with_router_gradient():
+    """FusedMoE(backend="triton") under autograd: gradients reach x, the experts and the
+    router logits, equal to the torch backend's."""
+    grads = {}
+    for backend in ("triton", "torch"):
+        torch.manual_seed(3)
+        layer = FusedMoE(E, 2, H, I, params_dtype=torch.float32, backend=backend).to(DEVICE)
+        x = torch.randn(10, H, device=DEVICE, requires_grad=True)
+        logits = torch.randn(10, E, device=DEVICE, requires_grad=True)
+        layer(x, logits).square().sum().backward()
+        choice = layer.backend_choice(torch.device(DEVICE), torch.float32, requires_grad=True)
+        assert choice.name == backend
+        grads[backend] = (x.grad, logits.grad, layer.w13_weight.grad, layer.w2_weight.grad)
+    for ours, ref, name in zip(
+        grads["triton"], grads["torch"], ("x", "logits", "w13", "w2"), strict=True
+    ):
+        assert_close(ours, ref, torch.float32, tol=1e-4, what=f"grad of {name}")
+
+
+def test_oracle_trains_on_triton_on_cuda_only_unquantized():
+    problem = MoEProblem(
+        device=torch.device("cuda"), dtype=torch.bfloat16, hidden_size=H, intermediate_size=I,
+        num_experts=E, top_k=2, requires_grad=True,
+    )  # fmt: skip
+    choice = select_backend(problem)
+    if choice.name == "triton":  # with Triton installed: the GPU kernels train
+        assert "monolithic" in choice.refused
+    from fusedmoe.quant import make_quant_config
+
+    qc = make_quant_config("fp8_tensor", torch.ones(E), torch.ones(E))
+    quantized = MoEProblem(
+        device=torch.device("cuda"), dtype=torch.bfloat16, hidden_size=H, intermediate_size=I,
+        num_experts=E, top_k=2, requires_grad=True, quant_config=qc,
+    )  # fmt: skip
+    refused = select_backend(quantized).refused
+    assert "inference only" in refused["triton"]
