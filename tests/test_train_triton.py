@@ -183,3 +183,59 @@ def test_oracle_trains_on_triton_on_cuda_only_unquantized():
     )  # fmt: skip
     refused = select_backend(quantized).refused
     assert "inference only" in refused["triton"]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled kernels in bf16 at sizes with many blocks per expert
+# ---------------------------------------------------------------------------------------------
+def _gpu_leaves(m, top_k, num_experts, hidden, inter, *, bias=False):
+    leaves = {
+        "x": torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16),
+        "w13": (
+            torch.randn(num_experts, 2 * inter, hidden, device="cuda") / hidden**0.5
+        ).bfloat16(),
+        "w2": (torch.randn(num_experts, hidden, inter, device="cuda") / inter**0.5).bfloat16(),
+        "weights": torch.rand(m, top_k, device="cuda") + 0.1,
+    }
+    if bias:
+        leaves["w13_bias"] = (0.3 * torch.randn(num_experts, 2 * inter, device="cuda")).bfloat16()
+        leaves["w2_bias"] = (0.3 * torch.randn(num_experts, hidden, device="cuda")).bfloat16()
+    return leaves
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "top_k", "num_experts", "activation", "bias"),
+    [(333, 4, 32, "silu", False), (1, 2, 8, "swigluoai", True), (2048, 8, 64, "silu", True)],
+)
+def test_gpu_bf16_gradients(m, top_k, num_experts, activation, bias):
+    leaves = _gpu_leaves(m, top_k, num_experts, 512, 384, bias=bias)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(m)])
+    ids = ids.to("cuda", torch.int32)
+    if m > 100:
+        ids[: m // 2, 0] = 0  # one expert takes half the tokens
+    _check_grads(leaves, ids, activation, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_trains_under_torch_compile():
+    """One op and its backward under torch.compile (fullgraph): the same gradients as eager."""
+    torch.manual_seed(5)
+    layer = FusedMoE(16, 2, 256, 128, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(77, 256, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(77, 16, device="cuda", dtype=torch.bfloat16)
+
+    def step(x, logits):
+        return layer(x, logits).float().square().sum()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        layer.zero_grad()
+        xg, lg = x.clone().requires_grad_(), logits.clone().requires_grad_()
+        fn(xg, lg).backward()
+        results.append((xg.grad, lg.grad, layer.w13_weight.grad, layer.w2_weight.grad))
+    for eager, compiled in zip(*results, strict=True):
+        assert_close(compiled, eager, torch.bfloat16)
+    choice = layer.backend_choice(torch.device("cuda"), torch.bfloat16, requires_grad=True)
+    assert choice.name == "triton"

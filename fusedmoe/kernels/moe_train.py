@@ -50,7 +50,7 @@ from fusedmoe._triton import launch
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, device_name, launch_gemm, moe_sum
-from fusedmoe.kernels.moe_align import moe_align_block_size
+from fusedmoe.kernels.moe_align import AlignedRouting, aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
 from fusedmoe.quant.kernels import ACTIVATION_CODE
 
@@ -83,7 +83,9 @@ _RELU2_NO_MUL = tl.constexpr(g.ACT_RELU2_NO_MUL)
 
 _ROWS_BLOCK_R = 16  # rows per program of the act kernel
 _ROWS_BLOCK_C = 128  # activation columns per step
-_WGRAD_BLOCK = 128  # wgrad output tile (BN = BK); the reduction step is the alignment's BM
+#: wgrad output tile (BN, BK), warps, stages, L loaded transposed; the reduction step is the
+#: alignment's BM
+_WGRAD_TILE = (128, 128, 4, 2, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,10 +177,10 @@ def _act_and_grad(gate, up, da, alpha, beta, limit, ACTIVATION: tl.constexpr,
 @triton.jit
 def _act_rows_kernel(
     h_ptr, stride_hm, stride_hn,  # [S, N_w] GEMM1's output (the activation dtype)
-    ga_ptr, stride_gm, stride_gn,  # [S, I]: forward, a written; backward, g read and a written
+    ga_ptr, stride_gm, stride_gn,  # [S, I]: forward, a written; backward, g read, w * a written
     dh_ptr, stride_dm, stride_dn,  # BACKWARD: [S, N_w] dL/dh
     w_ptr,  # MUL_WEIGHT: float32 [S] router weights
-    dw_ptr,  # BACKWARD and MUL_WEIGHT: float32 [S] <a[s], g[s]>, 0 for slots not routed here
+    dw_ptr,  # STORE_DW: float32 [S] <a[s], g[s]>, 0 for slots not routed here
     ids_ptr, map_ptr, num_ids, num_local,  # the slots routed here (as moe_align finds them)
     S, N,  # N = I, the activation width
     alpha, beta, limit,
@@ -188,11 +190,13 @@ def _act_rows_kernel(
     HAS_LIMIT: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BACKWARD: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,  # backward: the router weight multiplied the expert's output
+    STORE_DW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """forward:  a = act(h);   backward: a = act(h), dh = act'(h) * (w * g), dw = <a, g>."""
+    """forward: a = act(h).  backward: dh = act'(h) * (w * g), dw = <a, g>, and w * a written
+    over g (the right operand of w2's weight gradient: the weight is applied once, here)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rows64 = rows.to(tl.int64)
     # rows of slots not routed here were never written by GEMM1: not read
@@ -229,19 +233,22 @@ def _act_rows_kernel(
             act, d_gate, d_up = _act_and_grad(
                 gate, up, da, alpha, beta, limit, ACTIVATION, HAS_LIMIT
             )
-            act = act.to(ga_ptr.dtype.element_ty)  # a as GEMM2 read it
+            act = act.to(ga_ptr.dtype.element_ty).to(tl.float32)  # a as GEMM2 read it
+            if STORE_DW:
+                dot += tl.sum(tl.where(mask, act * grad_a, 0.0), axis=1)
             if MUL_WEIGHT:
-                dot += tl.sum(tl.where(mask, act.to(tl.float32) * grad_a, 0.0), axis=1)
+                act = act * w[:, None]
             dh_row = dh_ptr + rows64[:, None] * stride_dm
             dh_ty = dh_ptr.dtype.element_ty
             tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
             if GATED:
                 tl.store(dh_row + up_cols[None, :] * stride_dn, d_up.to(dh_ty), mask=mask)
+            act = act.to(ga_ptr.dtype.element_ty)
         else:
             act, _, _ = _act_and_grad(gate, up, 0.0, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
             act = act.to(ga_ptr.dtype.element_ty)
         tl.store(ga_ptrs, act, mask=mask)
-    if BACKWARD and MUL_WEIGHT:  # 0 for the slots not routed here
+    if STORE_DW:  # 0 for the slots not routed here
         tl.store(dw_ptr + rows64, dot, mask=rows < S)
 
 
@@ -264,26 +271,23 @@ def _lower_bound(ptr, n, target, STEPS: tl.constexpr):
 def _moe_wgrad_kernel(
     l_ptr, stride_lm, stride_ln,  # L [rows, N]: row of slot s is s // L_ROW_DIV
     r_ptr, stride_rm, stride_rk,  # R [rows, K]: row of slot s is s // R_ROW_DIV
-    scale_ptr,  # L_SCALE: float32 [S], L's row of slot s is taken times scale[s]
     out_ptr, stride_oe, stride_on, stride_ok,  # [E_l, N, K]
-    bias_ptr, stride_be, stride_bn,  # BIAS_GRAD: [E_l, N], the sum of L's rows over the slots
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting (BM rows a block)
     N, K, num_slots,
     L_ROW_DIV: tl.constexpr,
     R_ROW_DIV: tl.constexpr,
-    L_SCALE: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,  # binary-search steps over the block table
-    UPCAST: tl.constexpr,  # the interpreter: dot in fp32
+    UPCAST: tl.constexpr,  # dot in fp32 (the interpreter; operands of two dtypes)
     DOT_PRECISION: tl.constexpr,
+    TRANS_LOAD: tl.constexpr,  # load L's tile as [BN, BM] (else [BM, BN], transposed for the dot)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[e] = sum over the slots s of expert e of (scale[s] * L[row(s)]).T @ R[row(s)]:
-    the grouped weight gradient. One program per (expert, N tile, K tile); it reduces over its
-    expert's blocks of the aligned layout, found by binary search in the block -> expert table
-    (ascending up to num_post / BM). An expert with no slot gets zeros."""
+    """out[e] = sum over the slots s of expert e of L[row(s)].T @ R[row(s)]: the grouped weight
+    gradient. One program per (expert, N tile, K tile); it reduces over its expert's blocks of
+    the aligned layout, found by binary search in the block -> expert table (ascending up to
+    num_post / BM). An expert with no slot gets zeros."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
@@ -299,37 +303,35 @@ def _moe_wgrad_kernel(
     n_mask = offs_n < N
     k_mask = offs_k < K
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    bias_acc = tl.zeros((BLOCK_N,), tl.float32)
     for block in range(first, last):
         slots = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         row_mask = slots < num_slots
         l_rows = (slots // L_ROW_DIV).to(tl.int64)
         r_rows = (slots // R_ROW_DIV).to(tl.int64)
-        left = tl.load(
-            l_ptr + l_rows[:, None] * stride_lm + offs_n[None, :] * stride_ln,
-            mask=row_mask[:, None] & n_mask[None, :], other=0.0,
-        )  # fmt: skip
+        if TRANS_LOAD:
+            left_t = tl.load(
+                l_ptr + l_rows[None, :] * stride_lm + offs_n[:, None] * stride_ln,
+                mask=row_mask[None, :] & n_mask[:, None], other=0.0,
+            )  # fmt: skip
+        else:
+            left = tl.load(
+                l_ptr + l_rows[:, None] * stride_lm + offs_n[None, :] * stride_ln,
+                mask=row_mask[:, None] & n_mask[None, :], other=0.0,
+            )  # fmt: skip
+            left_t = tl.trans(left)
         right = tl.load(
             r_ptr + r_rows[:, None] * stride_rm + offs_k[None, :] * stride_rk,
             mask=row_mask[:, None] & k_mask[None, :], other=0.0,
         )  # fmt: skip
-        if L_SCALE:
-            s = tl.load(scale_ptr + slots, mask=row_mask, other=0.0)
-            left = (left.to(tl.float32) * s[:, None]).to(left.dtype)
-        if BIAS_GRAD:
-            bias_acc += tl.sum(left.to(tl.float32), axis=0)
         if UPCAST:
-            left = left.to(tl.float32)
+            left_t = left_t.to(tl.float32)
             right = right.to(tl.float32)
-        acc = tl.dot(tl.trans(left), right, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(left_t, right, acc, input_precision=DOT_PRECISION)
     out_ptrs = (
         out_ptr + e.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on
         + offs_k[None, :] * stride_ok
     )  # fmt: skip
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
-    if BIAS_GRAD and pid_k == 0:
-        b_ptrs = bias_ptr + e.to(tl.int64) * stride_be + offs_n * stride_bn
-        tl.store(b_ptrs, bias_acc.to(bias_ptr.dtype.element_ty), mask=n_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,8 +350,8 @@ class _Act:
 
 def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, weights=None,
               dw=None) -> None:  # fmt: skip
-    """forward (dh None): ga = act(h). backward: ga holds g; a is written over it, dh and dw
-    filled (dw only with weights)."""
+    """forward (dh None): ga = act(h). backward: ga holds g, (w *) a is written over it, dh
+    filled, and dw when given."""
     num_slots, width = ga.shape
     backward = dh is not None
     mul = backward and weights is not None
@@ -361,7 +363,7 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, wei
         ga, ga.stride(0), ga.stride(1),
         *((dh, dh.stride(0), dh.stride(1)) if backward else (h, 0, 0)),
         weights if mul else ga,
-        dw if mul else ga,
+        ga if dw is None else dw,
         ids, ids if expert_map is None else expert_map, num_ids, num_local,
         num_slots, width,
         act.alpha, act.beta, act.limit,
@@ -374,6 +376,7 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, wei
         HAS_MAP=expert_map is not None,
         BACKWARD=backward,
         MUL_WEIGHT=mul,
+        STORE_DW=dw is not None,
         BLOCK_R=_ROWS_BLOCK_R,
         BLOCK_C=min(_ROWS_BLOCK_C, triton.next_power_of_2(width)),
         num_warps=4,
@@ -381,41 +384,50 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, wei
     launch(_act_rows_kernel, grid, args, constexprs, h.is_cuda)
 
 
-def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, *, scale=None,
-           bias_out=None) -> None:  # fmt: skip
-    """out [E_l, N, K] = per expert, sum over its slots of (scale * left rows).T @ right rows;
-    bias_out [E_l, N] = the sum of the scaled left rows."""
+def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out,
+           tile=None) -> None:  # fmt: skip
+    """out [E_l, N, K] = per local expert, the sum over its slots of left rows.T @ right rows
+    (row of slot s: s // l_row_div of left, s // r_row_div of right; a right with row stride 0
+    is one row for every slot, e.g. ones for a bias gradient)."""
     num_local, n, k = out.shape
     routing = rows.routing
-    block = _WGRAD_BLOCK
-    grid = (num_local * triton.cdiv(n, block) * triton.cdiv(k, block),)
-    exact = left.dtype == torch.float32 or not left.is_cuda
-    dummy = routing.expert_ids
+    block_n, block_k, warps, stages, trans = tile or _WGRAD_TILE
+    if k < block_k:  # a bias gradient: one narrow column tile
+        block_k, trans = max(16, triton.next_power_of_2(k)), False
+    grid = (num_local * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
+    upcast = not left.is_cuda or left.dtype != right.dtype
     args = (
         left, left.stride(0), left.stride(1),
         right, right.stride(0), right.stride(1),
-        dummy if scale is None else scale,
         out, out.stride(0), out.stride(1), out.stride(2),
-        *((bias_out, bias_out.stride(0), bias_out.stride(1)) if bias_out is not None
-          else (dummy, 0, 0)),
         routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_post_padded,
         n, k, num_slots,
     )  # fmt: skip
     constexprs = dict(
         L_ROW_DIV=l_row_div,
         R_ROW_DIV=r_row_div,
-        L_SCALE=scale is not None,
-        BIAS_GRAD=bias_out is not None,
         SEARCH_STEPS=math.ceil(math.log2(routing.expert_ids.shape[0] + 1)) + 1,
-        UPCAST=not left.is_cuda,
-        DOT_PRECISION="ieee" if exact else "tf32",
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast or left.dtype == torch.float32 else "tf32",
+        TRANS_LOAD=trans,
         BLOCK_M=rows.block_m,
-        BLOCK_N=block,
-        BLOCK_K=block,
-        num_warps=8,
-        num_stages=3,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
     )
     launch(_moe_wgrad_kernel, grid, args, constexprs, left.is_cuda)
+
+
+def _train_block_m(num_slots: int) -> int:
+    """Rows per block of a training call's alignment, shared by its forward and backward (the
+    weight gradient reduces in steps of it: 64 measured best on an H200, 16 for small calls,
+    where a block is mostly padding)."""
+    return 64 if num_slots >= 1024 else 16
+
+
+def _empty_routing(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.empty(n, dtype=torch.int32, device=device) for n in (0, 0, 1))
 
 
 def _config(x, topk_ids, w13, width):
@@ -453,8 +465,9 @@ def _train_fwd_impl(
     limit: float,
     has_limit: bool,
     mul_routed_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [M, H], h [S, N_w]): the experts' weighted sum, and GEMM1's output for backward."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [M, H], h [S, N_w], the aligned layout's three tensors): the experts' weighted sum,
+    and what the backward reads: GEMM1's output and the slot alignment."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     num_local, gemm1_rows, hidden = w13.shape
@@ -463,12 +476,12 @@ def _train_fwd_impl(
     out = x.new_empty(num_tokens, hidden)
     h = x.new_empty(num_slots, gemm1_rows)
     if num_tokens == 0:
-        return out, h
+        return out, h, *_empty_routing(x.device)
     config = _config(x, topk_ids, w13, width)
     params = (alpha, beta, limit, has_limit)
     h_dtype = TL_DTYPE[x.dtype]
     with _device_guard(x):
-        rows = _aligned(topk_ids, expert_map, config.block_m, num_local)
+        rows = _aligned(topk_ids, expert_map, _train_block_m(num_slots), num_local)
         launch_gemm(
             x, None, g.A_NONE, top_k, w13, None, g.W_NONE, w13_bias, h, None, topk_weights,
             rows, num_slots, config.gemm1, activation=None, params=params, out_mode=g.OUT_PLAIN,
@@ -483,7 +496,8 @@ def _train_fwd_impl(
             mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
         )  # fmt: skip
         moe_sum(y, out, topk_ids, expert_map, num_local)
-    return out, h
+    r = rows.routing
+    return out, h, r.sorted_token_ids, r.expert_ids, r.num_tokens_post_padded
 
 
 def _train_bwd_impl(
@@ -497,6 +511,9 @@ def _train_bwd_impl(
     w2_bias: torch.Tensor | None,
     expert_map: torch.Tensor | None,
     h: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
     activation: str,
     alpha: float,
     beta: float,
@@ -535,8 +552,14 @@ def _train_bwd_impl(
     h_dtype = TL_DTYPE[x.dtype]
     weights_flat = topk_weights.reshape(-1)
     with _device_guard(x):
-        rows = _aligned(topk_ids, expert_map, config.block_m, num_local)
-        ga = x.new_empty(num_slots, width)  # g, then a
+        routing = AlignedRouting(
+            sorted_token_ids, expert_ids, num_tokens_post_padded, _train_block_m(num_slots)
+        )
+        rows = GemmRows(
+            routing.block_m, expert_ids.shape[0], routing, topk_ids.reshape(-1), expert_map,
+            num_local,
+        )  # fmt: skip
+        ga = x.new_empty(num_slots, width)  # g, then w * a
         launch_gemm(
             dout, None, g.A_NONE, top_k, w2.transpose(1, 2), None, g.W_NONE, None, ga, None,
             weights_flat, rows, num_slots, config.gemm1, activation=None, params=params,
@@ -558,19 +581,17 @@ def _train_bwd_impl(
                 out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
             )  # fmt: skip
             moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
-        scale = weights_flat if mul_routed_weight else None
-        if need_weights or (need_bias and w2_bias is not None):
-            _wgrad(
-                dout, top_k, ga, 1, rows, num_slots,
-                dw2 if need_weights else torch.empty_like(w2), scale=scale,
-                bias_out=db2 if db2.numel() else None,
-            )  # fmt: skip
-        if need_weights or (need_bias and w13_bias is not None):
-            _wgrad(
-                dh, 1, x, top_k, rows, num_slots,
-                dw13 if need_weights else torch.empty_like(w13),
-                bias_out=db13 if db13.numel() else None,
-            )  # fmt: skip
+        if need_weights:
+            _wgrad(dout, top_k, ga, 1, rows, num_slots, dw2)  # ga holds w * a
+            _wgrad(dh, 1, x, top_k, rows, num_slots, dw13)
+        if db13.numel():  # the column sums of dh over each expert's slots
+            ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
+            _wgrad(dh, 1, ones, 1, rows, num_slots, db13.view(num_local, -1, 1))
+        if db2.numel():  # the sums of w * dout over each expert's slots
+            slot_weights = weights_flat.view(num_slots, 1)
+            if not mul_routed_weight:
+                slot_weights = torch.ones_like(slot_weights)
+            _wgrad(dout, top_k, slot_weights, 1, rows, num_slots, db2.view(num_local, -1, 1))
     return dx, dw13, dw2, dweights, db13, db2
 
 
@@ -600,13 +621,24 @@ _train_bwd_op = torch.library.custom_op("fusedmoe::experts_train_bwd", mutates_a
 def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activation, alpha,
       beta, limit, has_limit, mul_routed_weight):  # fmt: skip
     num_slots = topk_ids.shape[0] * topk_ids.shape[1]
-    return x.new_empty(topk_ids.shape[0], w13.shape[2]), x.new_empty(num_slots, w13.shape[1])
+    if num_slots == 0:
+        routing = _empty_routing(x.device)
+    else:
+        padded, blocks = aligned_sizes(num_slots, w13.shape[0], _train_block_m(num_slots))
+        routing = (
+            x.new_empty(padded, dtype=torch.int32),
+            x.new_empty(blocks, dtype=torch.int32),
+            x.new_empty(1, dtype=torch.int32),
+        )
+    out = x.new_empty(topk_ids.shape[0], w13.shape[2])
+    return out, x.new_empty(num_slots, w13.shape[1]), *routing
 
 
 @_train_bwd_op.register_fake
-def _(dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h, activation,
-      alpha, beta, limit, has_limit, mul_routed_weight, need_x, need_weights,
-      need_topk_weights, need_bias):  # fmt: skip
+def _(dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h,
+      sorted_token_ids, expert_ids, num_tokens_post_padded, activation, alpha, beta, limit,
+      has_limit, mul_routed_weight, need_x, need_weights, need_topk_weights,
+      need_bias):  # fmt: skip
     mul = mul_routed_weight and need_topk_weights
     return (
         torch.empty_like(x) if need_x else x.new_empty(0),
@@ -621,18 +653,18 @@ def _(dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h
 def _setup_context(ctx, inputs, output):
     x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *rest = inputs
     ctx.save_for_backward(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
-                          output[1])  # fmt: skip
+                          *output[1:])  # fmt: skip
     ctx.params = tuple(rest)  # activation, alpha, beta, limit, has_limit, mul_routed_weight
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, dout, _dh):
-    x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h = ctx.saved_tensors
+def _backward(ctx, dout, *_saved_outputs):
+    x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
     need_x, need_weights = needs[0], needs[1] or needs[2]
     need_bias = needs[5] or needs[6]
     dx, dw13, dw2, dweights, db13, db2 = _train_bwd_op(
-        dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h,
+        dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved,
         *ctx.params, need_x, need_weights, needs[3], need_bias,
     )  # fmt: skip
     return (
@@ -670,7 +702,7 @@ def experts_train(
     alpha, beta, limit, has_limit = params
     # the custom op always: autograd needs its registered backward (op_or_impl's shortcut
     # would call the bare implementation, which records nothing)
-    out, _ = _train_fwd_op(
+    out, *_ = _train_fwd_op(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activation.value,
         alpha, beta, limit, has_limit, mul_routed_weight,
     )  # fmt: skip
