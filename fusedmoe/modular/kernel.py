@@ -9,7 +9,8 @@ Every token's result depends on that token alone, so chunking changes nothing in
 it bounds the workspace memory for long prefills. Under EP the chunks follow the rank with the
 most tokens (PrepareFinalize.num_tokens_across_ranks), so every rank joins every collective.
 Workspaces are reused across calls, except when autograd records the call (each such call gets
-its own, as backward needs them).
+its own, as backward needs them; and the EP prepare/finalize is told, so its collectives take
+part in backward on every rank).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class FusedMoEModularKernel:
         if most == 0:
             return output
         step = self.chunk_size if self.experts.supports_chunking() else most
+        recorded = needs_grad(hidden_states, weights, topk_weights)
         for chunk_start in range(0, most, step):
             start, end = min(chunk_start, num_tokens), min(chunk_start + step, num_tokens)
             self._forward_chunk(
@@ -128,6 +130,7 @@ class FusedMoEModularKernel:
                 expert_map=expert_map,
                 apply_router_weight_on_input=apply_router_weight_on_input,
                 quant_config=quant_config,
+                recorded=recorded,
             )
         return output
 
@@ -144,6 +147,7 @@ class FusedMoEModularKernel:
         expert_map,
         apply_router_weight_on_input,
         quant_config,
+        recorded,
     ) -> None:
         experts = self.experts
         prepared = self.prepare_finalize.prepare(
@@ -155,6 +159,7 @@ class FusedMoEModularKernel:
             apply_router_weight_on_input,
             quant_config,
             defer_input_quant=experts.wants_unquantized_input(),
+            requires_grad=recorded,
         )
         num_tokens, top_k = prepared.topk_ids.shape
         shapes = experts.workspace_shapes(
@@ -169,7 +174,7 @@ class FusedMoEModularKernel:
         dtype = experts.workspace_dtype(hidden_states.dtype)
         device = hidden_states.device
         # Under autograd the buffers are saved for backward: a call gets its own, never reused.
-        workspaces = WorkspaceCache() if needs_grad(hidden_states, weights) else self.workspaces
+        workspaces = WorkspaceCache() if recorded else self.workspaces
         workspace13 = workspaces.get("workspace13", shapes.workspace13, dtype, device)
         workspace2 = workspaces.get("workspace2", shapes.workspace2, dtype, device)
         reduce = experts.finalize_weight_and_reduce_impl()

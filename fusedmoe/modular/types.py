@@ -196,9 +196,14 @@ class MonolithicResult:
     topk_ids: torch.Tensor  # int32 [M, k], global ids (zero experts: ids >= E)
 
 
-def needs_grad(hidden_states: torch.Tensor, weights: ExpertWeights) -> bool:
+def needs_grad(
+    hidden_states: torch.Tensor,
+    weights: ExpertWeights,
+    topk_weights: torch.Tensor | None = None,
+) -> bool:
     """Whether autograd records this call (grad mode on and an input that requires grad)."""
     if not torch.is_grad_enabled():
         return False
-    tensors = (hidden_states, weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
+    weight_tensors = (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
+    tensors = (hidden_states, topk_weights, *weight_tensors)
     return any(t is not None and t.requires_grad for t in tensors)
