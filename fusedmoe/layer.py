@@ -31,6 +31,9 @@ Parallelism (parallel_config; fusedmoe.parallel.config says how tokens and exper
                   experts (modular backends: parallel_config.all2all_backend, "naive"
                   all-gather or "all_to_all"; monolithic: all-gather) and each rank gets the
                   full output of its own tokens (sequence parallel: of every token).
+                  Modular backends train there too: backward runs the adjoint collectives
+                  (fusedmoe.parallel.comm); under sequence parallel the output's gradient must
+                  be the same on every rank, and each gets the whole gradient of its inputs.
     dp_size > 1, ep_size == 1: every rank holds every expert and its tokens stay local.
 EPLB (num_redundant_experts > 0): each token's logical ids pick one physical replica
 (fusedmoe.parallel.eplb.map_to_physical); expert_load counts the logical experts' tokens;
@@ -389,12 +392,6 @@ class FusedMoE(nn.Module):
             if choice.experts_cls.routes_inside:  # handed the logits: no modular kernel
                 self._kernels[key] = (choice, choice.create())
             else:
-                if requires_grad and pc.moves_tokens:
-                    raise ValueError(
-                        "a forward that autograd records (training) with an EP token dispatch: "
-                        "the dispatch and combine are inference only; run under "
-                        "torch.no_grad() or without dp_size / sequence_parallel"
-                    )
                 kernel = FusedMoEModularKernel(
                     _prepare_finalize(pc, self.placement),
                     choice.create(),

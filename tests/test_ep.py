@@ -216,16 +216,17 @@ def test_oracle_reasons_under_ep():
     assert TritonExperts.supports_ep(4)
 
 
-def test_ep_dispatch_refuses_autograd_and_needs_a_group():
+def test_ep_dispatch_needs_a_group():
+    """(Training through the dispatch: tests/test_ep_autograd.py.)"""
     pc = ParallelConfig(ep_size=2, ep_rank=0, dp_size=2, dp_rank=0)
     layer = full_layer(parallel_config=pc)
     x = torch.randn(3, H, requires_grad=True)
-    with pytest.raises(ValueError, match="inference only"):
-        layer(x, torch.randn(3, E))
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is already initialized here")
-    with torch.no_grad(), pytest.raises(ValueError, match=r"needs torch\.distributed initialized"):
-        layer(x, torch.randn(3, E))
+    match = r"needs torch\.distributed initialized"
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=match):
+            layer(x, torch.randn(3, E))
 
 
 # ---- distributed: sharded == unsharded over gloo -----------------------------------------------
@@ -381,12 +382,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, cases, data: dict, timeout_s: int = 150) -> list[dict]:
+def run_ranks(world: int, cases, data: dict, timeout_s: int = 150, worker=_ep_worker) -> list[dict]:
+    """Spawn `world` gloo ranks running worker(rank, world, port, path) on the cases and data
+    saved at path; -> what each rank saved at f"{path}.rank{rank}"."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ep.pt")
         torch.save({**data, "cases": [case.name for case in cases]}, path)
         context = mp.start_processes(
-            _ep_worker, args=(world, _free_port(), path), nprocs=world, join=False,
+            worker, args=(world, _free_port(), path), nprocs=world, join=False,
             start_method="spawn",
         )  # fmt: skip
         for _ in range(timeout_s):

@@ -9,7 +9,8 @@ Every token's result depends on that token alone, so chunking changes nothing in
 it bounds the workspace memory for long prefills. Under EP the chunks follow the rank with the
 most tokens (PrepareFinalize.num_tokens_across_ranks), so every rank joins every collective.
 Workspaces are reused across calls, except when autograd records the call (each such call gets
-its own, as backward needs them).
+its own, as backward needs them; and the EP prepare/finalize is told, so its collectives take
+part in backward on every rank).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class FusedMoEModularKernel:
         if most == 0:
             return output
         step = self.chunk_size if self.experts.supports_chunking() else most
+        recorded = needs_grad(hidden_states, weights, topk_weights)
         for chunk_start in range(0, most, step):
             start, end = min(chunk_start, num_tokens), min(chunk_start + step, num_tokens)
             self._forward_chunk(
@@ -129,6 +131,7 @@ class FusedMoEModularKernel:
                 expert_map=expert_map,
                 apply_router_weight_on_input=apply_router_weight_on_input,
                 quant_config=quant_config,
+                recorded=recorded,
             )
         return output
 
@@ -145,6 +148,7 @@ class FusedMoEModularKernel:
         expert_map,
         apply_router_weight_on_input,
         quant_config,
+        recorded,
     ) -> None:
         experts = self.experts
         prepared = self.prepare_finalize.prepare(
@@ -156,6 +160,7 @@ class FusedMoEModularKernel:
             apply_router_weight_on_input,
             quant_config,
             defer_input_quant=experts.wants_unquantized_input(),
+            requires_grad=recorded,
         )
         num_tokens, top_k = prepared.topk_ids.shape
         shapes = experts.workspace_shapes(
@@ -171,7 +176,6 @@ class FusedMoEModularKernel:
         device = hidden_states.device
         # Under autograd a backend keeps what it saves for backward in tensors of its own: it
         # gets empty workspaces, and an output buffer that is never reused.
-        recorded = needs_grad(hidden_states, weights, topk_weights)
         if recorded:
             shapes = dataclasses.replace(shapes, workspace13=(0,), workspace2=(0,))
         workspaces = WorkspaceCache() if recorded else self.workspaces

@@ -46,7 +46,11 @@ class PrepareFinalize(abc.ABC):
         apply_router_weight_on_input: bool,
         quant_config: FusedMoEQuantConfig | None,
         defer_input_quant: bool = False,
-    ) -> PrepareResult: ...
+        requires_grad: bool = False,
+    ) -> PrepareResult:
+        """requires_grad: autograd records this call (the expert weights, x or topk_weights
+        require grad), the same on every rank of an EP group; the EP dispatch then keeps its
+        collectives in the graph of every rank (fusedmoe.parallel.naive_ep)."""
 
     @abc.abstractmethod
     def finalize(
@@ -110,6 +114,7 @@ class NoEPPrepareFinalize(PrepareFinalize):
         apply_router_weight_on_input,
         quant_config,
         defer_input_quant=False,
+        requires_grad=False,
     ):
         if apply_router_weight_on_input:
             a1 = apply_weight_on_input(a1, topk_weights)

@@ -12,7 +12,8 @@ n token copies received, H hidden.
     experts:  every received row carries all k of its ids; the expert_map of the receiving rank
               keeps the slots of its own experts (a slot's expert lives on exactly one rank)
     combine:  partial sums [n, H] -> all_to_all_single back with the splits swapped -> [S, H]
-              in send order -> out[m] = sum of the copies of token m (float32 index_add)
+              in send order -> out[m] = sum of the copies of token m (float32 index_add;
+              float64 for float64)
 
 A token with its k experts on one rank travels once, not R - 1 times as in the naive
 all-gather: the bytes moved follow the routing. The price: two count exchanges (one host sync
@@ -95,8 +96,9 @@ class AllToAllEPPrepareFinalize(EPPrepareFinalize):
     def _combine(self, partial, state, num_tokens):
         comm = self.comm
         back = comm.all_to_all_rows(partial, state.recv_counts, state.send_counts)  # [S, H]
-        out = torch.zeros(num_tokens, partial.shape[1], dtype=torch.float32, device=partial.device)
-        out.index_add_(0, state.token_of_row, back.float())
+        acc = torch.promote_types(partial.dtype, torch.float32)  # float32, float64 for float64
+        out = torch.zeros(num_tokens, partial.shape[1], dtype=acc, device=partial.device)
+        out.index_add_(0, state.token_of_row, back.to(acc))
         me, per_row = comm.rank, row_bytes(partial)
         self.stats.add(
             combine_bytes_sent=(sum(state.recv_counts) - state.recv_counts[me]) * per_row,

@@ -16,6 +16,16 @@ n rows received, H hidden, k top-k, G scale columns of a row (per-token / per-gr
 Every rank must call prepare and finalize the same number of times (a rank with no tokens
 too): the modular kernel loops over the chunks of the largest rank (num_tokens_across_ranks).
 One call is in flight at a time: prepare leaves what finalize needs on the object.
+
+Training: where autograd records the call (prepare's requires_grad, the same on every rank),
+the float tensors travel through the differentiable collectives of fusedmoe.parallel.comm, so
+backward runs the adjoint collectives: the gradients of the expert outputs go back to the
+tokens' ranks, those of x and topk_weights (the router's) to where the tokens came from. The
+dispatched tensors are tied into the combine's graph (comm.tie), so that every rank's backward
+reaches every collective, with no token on its experts too. Sequence parallel: hidden_states,
+router logits and the output are replicated, and so must be the output's gradient (every
+rank computes the same loss); each rank gets the whole gradient of hidden_states and logits.
+Quantized dispatch stays inference only.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch
 
 from fusedmoe.modular.prepare_finalize import PrepareFinalize, apply_weight_on_input
 from fusedmoe.modular.types import PrepareResult
-from fusedmoe.parallel.comm import EPCommStats, EPGroup, row_bytes
+from fusedmoe.parallel.comm import EPCommStats, EPGroup, row_bytes, tie
 from fusedmoe.quant import keys
 from fusedmoe.quant.activation import quantize_input
 from fusedmoe.quant.config import FusedMoEQuantConfig
@@ -64,6 +74,9 @@ class _InFlight:
 
     dispatch: object  # the subclass's state (what its combine needs)
     sp_counts: tuple[int, ...] | None  # sequence parallel: the slice sizes of every rank
+    #: autograd records the call: the dispatched tensors to tie into the combine's graph
+    #: (those that require grad; maybe none); None when not recorded
+    tied: tuple[torch.Tensor, ...] | None = None
 
 
 def quantizes_before_dispatch(quant_config: FusedMoEQuantConfig | None) -> bool:
@@ -146,16 +159,26 @@ class EPPrepareFinalize(PrepareFinalize):
         apply_router_weight_on_input,
         quant_config,
         defer_input_quant=False,
+        requires_grad=False,
     ):
         self.comm.check()
         if self._in_flight is not None:
             raise RuntimeError(f"{type(self).__name__}: prepare called twice without finalize")
+        requires_grad = requires_grad or (
+            torch.is_grad_enabled() and (a1.requires_grad or topk_weights.requires_grad)
+        )
+        if requires_grad and quant_config is not None:
+            raise ValueError(
+                "a forward that autograd records (training) through an EP dispatch of a "
+                "quantized layer: the quantized dispatch is inference only; run under "
+                "torch.no_grad() or train the unquantized layer"
+            )
         sp_counts = None
-        if self.sequence_parallel:
+        if self.sequence_parallel:  # the tokens are replicated: keep this rank's slice
             sp_counts = even_split(a1.shape[0], self.comm.size)
-            start = sum(sp_counts[: self.comm.rank])
-            rows = slice(start, start + sp_counts[self.comm.rank])
-            a1, topk_weights, topk_ids = a1[rows], topk_weights[rows], topk_ids[rows]
+            a1, topk_weights, topk_ids = (
+                self.comm.own_rows(t, sp_counts) for t in (a1, topk_weights, topk_ids)
+            )
         if apply_router_weight_on_input:
             a1 = apply_weight_on_input(a1, topk_weights)
         qc = None if defer_input_quant else quant_config
@@ -173,7 +196,8 @@ class EPPrepareFinalize(PrepareFinalize):
             row_scale = row_scale.contiguous()
         batch = TokenBatch(x, row_scale, topk_ids.to(torch.int32), topk_weights.float())
         received, state = self._dispatch(batch)
-        self._in_flight = _InFlight(state, sp_counts)
+        tied = (received.x, received.topk_weights) if requires_grad else None
+        self._in_flight = _InFlight(state, sp_counts, tied)
         self.stats.add(calls=1)
 
         a1q, a1q_scale = received.x, received.scale if row_scale is not None else scale_here
@@ -210,12 +234,17 @@ class EPPrepareFinalize(PrepareFinalize):
             partial = reduce.apply(  # [n, H]
                 None, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input
             )
+        if in_flight.tied is not None:  # every rank's backward must reach every collective
+            partial = tie(partial, in_flight.tied)
         if in_flight.sp_counts is None:
             output.copy_(self._combine(partial, in_flight.dispatch, output.shape[0]))
             return
         counts = in_flight.sp_counts
         mine = self._combine(partial, in_flight.dispatch, counts[self.comm.rank])
-        gathered = self.comm.all_gather_rows(mine.to(output.dtype), max(counts))  # [R*max, H]
+        # [R*max, H]; every rank goes on with every token: the output's gradient is replicated
+        gathered = self.comm.all_gather_rows(
+            mine.to(output.dtype), max(counts), replicated_grad=True
+        )
         peer_bytes = (self.comm.size - 1) * max(counts) * row_bytes(gathered)
         self.stats.add(combine_bytes_sent=peer_bytes, combine_bytes_received=peer_bytes)
         start = 0
