@@ -39,7 +39,6 @@ op (prepare), so autograd differentiates that multiply and this op returns no dw
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -253,30 +252,15 @@ def _act_rows_kernel(
 
 
 @triton.jit
-def _lower_bound(ptr, n, target, STEPS: tl.constexpr):
-    """The first index i in [0, n) with ptr[i] >= target (n if none), ptr ascending there."""
-    lo = n * 0
-    hi = n
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        value = tl.load(ptr + mid, mask=active, other=0)
-        right = active & (value < target)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (value >= target), mid, hi)
-    return lo
-
-
-@triton.jit
 def _moe_wgrad_kernel(
     l_ptr, stride_lm, stride_ln,  # L [rows, N]: row of slot s is s // L_ROW_DIV
     r_ptr, stride_rm, stride_rk,  # R [rows, K]: row of slot s is s // R_ROW_DIV
     out_ptr, stride_oe, stride_on, stride_ok,  # [E_l, N, K]
-    sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting (BM rows a block)
+    sorted_ids_ptr,  # moe_align's sorted slot ids (BM rows a block)
+    bounds_ptr,  # int32 [E_l + 1]: expert e owns blocks bounds[e] .. bounds[e + 1]
     N, K, num_slots,
     L_ROW_DIV: tl.constexpr,
     R_ROW_DIV: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,  # binary-search steps over the block table
     UPCAST: tl.constexpr,  # dot in fp32 (the interpreter; operands of two dtypes)
     DOT_PRECISION: tl.constexpr,
     TRANS_LOAD: tl.constexpr,  # load L's tile as [BN, BM] (else [BM, BN], transposed for the dot)
@@ -286,17 +270,15 @@ def _moe_wgrad_kernel(
 ):  # fmt: skip
     """out[e] = sum over the slots s of expert e of L[row(s)].T @ R[row(s)]: the grouped weight
     gradient. One program per (expert, N tile, K tile); it reduces over its expert's blocks of
-    the aligned layout, found by binary search in the block -> expert table (ascending up to
-    num_post / BM). An expert with no slot gets zeros."""
+    the aligned layout. An expert with no slot gets zeros."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
     e = pid // (num_n * num_k)
     pid_n = (pid % (num_n * num_k)) // num_k
     pid_k = pid % num_k
-    num_blocks = tl.load(num_post_ptr) // BLOCK_M
-    first = _lower_bound(expert_ids_ptr, num_blocks, e, SEARCH_STEPS)
-    last = _lower_bound(expert_ids_ptr, num_blocks, e + 1, SEARCH_STEPS)
+    first = tl.load(bounds_ptr + e)
+    last = tl.load(bounds_ptr + e + 1)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -384,7 +366,18 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, wei
     launch(_act_rows_kernel, grid, args, constexprs, h.is_cuda)
 
 
-def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out,
+def expert_block_bounds(rows: GemmRows) -> torch.Tensor:
+    """int32 [E_l + 1]: local expert e owns blocks bounds[e] .. bounds[e + 1] of the aligned
+    layout (the block table is ascending up to its end, then -1). Found once per backward, so
+    that each weight-gradient program reads two numbers instead of searching the table (a
+    chain of dependent loads that cost more than its tile's math at small expert loads)."""
+    expert_ids = rows.routing.expert_ids
+    table = torch.where(expert_ids >= 0, expert_ids, rows.num_local)
+    experts = torch.arange(rows.num_local + 1, device=table.device, dtype=table.dtype)
+    return torch.searchsorted(table, experts, out_int32=True)
+
+
+def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bounds,
            tile=None) -> None:  # fmt: skip
     """out [E_l, N, K] = per local expert, the sum over its slots of left rows.T @ right rows
     (row of slot s: s // l_row_div of left, s // r_row_div of right; a right with row stride 0
@@ -400,13 +393,12 @@ def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out,
         left, left.stride(0), left.stride(1),
         right, right.stride(0), right.stride(1),
         out, out.stride(0), out.stride(1), out.stride(2),
-        routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_post_padded,
+        routing.sorted_token_ids, bounds,
         n, k, num_slots,
     )  # fmt: skip
     constexprs = dict(
         L_ROW_DIV=l_row_div,
         R_ROW_DIV=r_row_div,
-        SEARCH_STEPS=math.ceil(math.log2(routing.expert_ids.shape[0] + 1)) + 1,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast or left.dtype == torch.float32 else "tf32",
         TRANS_LOAD=trans,
@@ -581,17 +573,20 @@ def _train_bwd_impl(
                 out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
             )  # fmt: skip
             moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
+        bounds = expert_block_bounds(rows) if need_weights or need_bias else None
         if need_weights:
-            _wgrad(dout, top_k, ga, 1, rows, num_slots, dw2)  # ga holds w * a
-            _wgrad(dh, 1, x, top_k, rows, num_slots, dw13)
+            _wgrad(dout, top_k, ga, 1, rows, num_slots, dw2, bounds)  # ga holds w * a
+            _wgrad(dh, 1, x, top_k, rows, num_slots, dw13, bounds)
         if db13.numel():  # the column sums of dh over each expert's slots
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
-            _wgrad(dh, 1, ones, 1, rows, num_slots, db13.view(num_local, -1, 1))
+            _wgrad(dh, 1, ones, 1, rows, num_slots, db13.view(num_local, -1, 1), bounds)
         if db2.numel():  # the sums of w * dout over each expert's slots
             slot_weights = weights_flat.view(num_slots, 1)
             if not mul_routed_weight:
                 slot_weights = torch.ones_like(slot_weights)
-            _wgrad(dout, top_k, slot_weights, 1, rows, num_slots, db2.view(num_local, -1, 1))
+            _wgrad(
+                dout, top_k, slot_weights, 1, rows, num_slots, db2.view(num_local, -1, 1), bounds
+            )
     return dx, dw13, dw2, dweights, db13, db2
 
 
