@@ -23,7 +23,7 @@ from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
 from fusedmoe.oracle import select_backend
-from fusedmoe.quant.config import FusedMoEQuantConfig
+from fusedmoe.quant.config import FusedMoEQuantConfig, check_inference_only
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
 
 
@@ -241,9 +241,11 @@ def fused_experts(
         raise ValueError(
             f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}"
         )
+    grad = needs_grad(x, weights, topk_weights)
+    check_inference_only(None if quant_config is None else quant_config.scheme, grad)
     kernel, graphs = _kernel_for(
         x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
-        expert_map is not None, needs_grad(x, weights, topk_weights), backend,
+        expert_map is not None, grad, backend,
     )  # fmt: skip
     topk_weights = topk_weights.float()
 

@@ -64,7 +64,7 @@ from fusedmoe.oracle import BackendChoice, get_backend, select_backend
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
-from fusedmoe.quant.config import FusedMoEQuantConfig, check_scheme
+from fusedmoe.quant.config import FusedMoEQuantConfig, check_inference_only, check_scheme
 from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
 from fusedmoe.weights import loading, quantize
 
@@ -479,6 +479,7 @@ class FusedMoE(nn.Module):
             or logits.requires_grad  # the router's gradient flows through the top-k weights
             or any(p.requires_grad for p in self._expert_params())
         )
+        check_inference_only(self.quant_scheme, grad)  # before any backend is chosen
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
         replayed = None
         graphed = input_ids is None and self._graph_safe(choice)

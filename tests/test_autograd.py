@@ -73,3 +73,25 @@ def test_layer_trains_across_two_recorded_calls():
     assert_close(grad_two_calls, layer.w13_weight.grad, torch.float32)
     assert layer.w13_weight.grad.abs().sum() > 0
     copy.deepcopy(layer)  # no graph tensor is left inside the layer
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "int8", "mxfp4_w4a16"])
+def test_quantized_experts_are_inference_only(scheme):
+    """A recorded forward of quantized experts is refused before any backend runs; under
+    no_grad the same call runs, and quantize_ freezes the biases with the weights."""
+    layer = FusedMoE(4, 2, 256, 128, has_bias=True, quant_config=scheme)
+    assert not any(p.requires_grad for p in layer.parameters())
+    x, logits = torch.randn(5, 256, dtype=torch.bfloat16), torch.randn(5, 4)
+    layer(x, logits)  # nothing requires grad: autograd records nothing
+    refused = rf"{scheme}-quantized experts are inference only.*torch.no_grad\(\)"
+    with pytest.raises(ValueError, match=refused):
+        layer(x.requires_grad_(), logits)
+    with torch.no_grad():
+        assert layer(x, logits).shape == (5, 256)
+    layer.w2_bias.requires_grad_(True)  # training a bias is training the layer
+    with pytest.raises(ValueError, match="inference only"):
+        layer(x.detach(), logits)
+    qc = layer.quant_config
+    with pytest.raises(ValueError, match="inference only"):
+        fused_experts(x, layer.w13_weight, layer.w2_weight, *softmax_topk_ref(logits, 2),
+                      quant_config=qc)  # fmt: skip

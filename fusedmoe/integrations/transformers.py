@@ -587,9 +587,35 @@ def _build_layer(spec: BlockSpec, backend: str, quant: str | None) -> FusedMoE:
             w2_bias = layout.w2.new_zeros(layout.w2.shape[:2])
         weights += [("experts.gate_up_proj_bias", w13_bias), ("experts.down_proj_bias", w2_bias)]
     moe.load_weights(weights)
+    _share_parameters(moe, layout)
     if quant is not None:
         moe.quantize_(quant)
     return moe
+
+
+def _share_parameters(moe: FusedMoE, layout: ExpertsLayout) -> None:
+    """Make the layer's expert parameters the experts module's own Parameter objects wherever
+    the layouts agree (a transposed view, gpt-oss's weights, stays the copy just loaded).
+
+    Training then updates the model's own tensors: an optimizer built before patch() keeps
+    them, a frozen parameter (requires_grad=False) stays frozen, and no second copy of the
+    experts stays in memory. The values are the ones load_weights copied, so nothing changes.
+    """
+    for name, theirs in (
+        ("w13_weight", layout.w13),
+        ("w2_weight", layout.w2),
+        ("w13_bias", layout.w13_bias),
+        ("w2_bias", layout.w2_bias),
+    ):
+        ours = getattr(moe, name)
+        if (
+            isinstance(theirs, nn.Parameter)
+            and ours is not None
+            and theirs.shape == ours.shape
+            and theirs.dtype == ours.dtype
+            and theirs.device == ours.device
+        ):
+            setattr(moe, name, theirs)
 
 
 #: the transformers release whose modeling code the block adapters were written and tested on
@@ -639,10 +665,12 @@ def patch(model: nn.Module, backend: str = "auto", quant: str | None = None) -> 
     the reason. backend goes to FusedMoE(backend=...); quant ("fp8_block", ...) quantizes the
     experts online (layer.quantize_).
 
-    The expert weights are copied into the FusedMoE layers (load_weights), and the replaced
-    experts modules are released with their blocks; the router and shared experts are the
-    block's own modules, moved over. The experts' state-dict names change (`moe.w13_weight`,
-    ...): save checkpoints from an unpatched model.
+    The FusedMoE layers hold the experts' own Parameter objects (gate_up_proj, down_proj and
+    their biases), so training updates the model's tensors and an optimizer built before
+    patch() still holds them; gpt-oss's transposed weights are copied instead (build the
+    optimizer after patch() there). The router and shared experts are the block's own
+    modules, moved over. The experts' state-dict names change (`moe.w13_weight`, ...): save
+    checkpoints from an unpatched model.
     """
     if not (isinstance(backend, str) and backend == "auto"):
         get_backend(backend)  # an unknown name fails here, not once per block

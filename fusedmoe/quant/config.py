@@ -73,6 +73,20 @@ def check_scheme(scheme: object) -> str:
     return scheme
 
 
+def check_inference_only(scheme: str | None, records_autograd: bool) -> None:
+    """Refuse a forward that autograd records on quantized experts: every scheme is inference
+    only (no backward through quantized weights)."""
+    if scheme is None or not records_autograd:
+        return
+    raise ValueError(
+        f"{scheme}-quantized experts are inference only: this forward is recorded by autograd "
+        "(grad mode is on and the input or a parameter requires grad), and FP8 and the other "
+        "quantized schemes (MXFP8, MXFP4, NVFP4, INT8) have no backward. Run it under "
+        "torch.no_grad() or torch.inference_mode(), or train an unquantized (bf16 / fp16 / "
+        "fp32) layer and quantize it afterwards (quantize_)."
+    )
+
+
 @dataclass(frozen=True)
 class OperandQuant:
     """How one operand is quantized. key None: the operand stays in the activation dtype."""

@@ -16,6 +16,12 @@ Both run in the weights' dtype (bf16 throughout for SiLU, as a plain PyTorch lay
 activations through fusedmoe.apply_activation in float32, then back); topk_ids in [0, E).
 `grouped_gemm(..., loop=True)` is the twin of torch._grouped_mm (one matmul per expert), used
 where torch._grouped_mm does not run (`grouped_mm_unavailable` says why).
+
+grouped_mm_experts is differentiable (every op is out of place or an autograd-aware index
+copy): under autograd it is what transformers' "grouped_mm" experts implementation runs when
+training, gradients to x, the weights, their biases and topk_weights included. torch._grouped_mm
+has a backward on Hopper; `grouped_mm_backward_unavailable` says where it has none (the CPU),
+and the loop twin differentiates there.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ import torch.nn.functional as F
 
 from fusedmoe.activation import MoEActivation, apply_activation
 
-__all__ = ["eager_experts", "grouped_gemm", "grouped_mm_experts", "grouped_mm_unavailable"]
+__all__ = [
+    "eager_experts",
+    "grouped_gemm",
+    "grouped_mm_backward_unavailable",
+    "grouped_mm_experts",
+    "grouped_mm_unavailable",
+]
 
 
 def _activation(h: torch.Tensor, activation: MoEActivation | str) -> torch.Tensor:
@@ -67,14 +79,18 @@ def grouped_mm_experts(
     topk_ids: torch.Tensor,
     activation: MoEActivation | str = "silu",
     loop: bool = False,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts around torch._grouped_mm. x [M, H], w13 [E, N, H], w2 [E, H, I] -> [M, H].
 
     order        = argsort(topk_ids.flatten())          [S] slots sorted by expert
     expert_ends  = #slots with id <= e, for each e      [E] int32
-    h            = grouped_mm(x[order // k], w13)       [S, N]
+    h            = grouped_mm(x[order // k], w13)       [S, N]   (+ w13_bias [E, N] per row)
     a            = act(h)                               [S, I]
-    y            = grouped_mm(a, w2) * topk_weights     [S, H], in sorted order
+    y            = grouped_mm(a, w2) * topk_weights     [S, H], in sorted order (+ w2_bias [E, H]
+                                                                 per row, before the weight)
     out[m]       = sum_j y[slot (m, j)]                 [M, H]
     """
     num_tokens, top_k = topk_ids.shape
@@ -86,8 +102,12 @@ def grouped_mm_experts(
     expert_ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)  # [E]
     x_sorted = x.index_select(0, order // top_k)  # [S, H]
     h = grouped_gemm(x_sorted, w13, expert_ends, loop)  # [S, N]
+    if w13_bias is not None:
+        h = h + w13_bias.index_select(0, sorted_ids)
     a = _activation(h, activation)  # [S, I]
     y = grouped_gemm(a, w2, expert_ends, loop)  # [S, H]
+    if w2_bias is not None:
+        y = y + w2_bias.index_select(0, sorted_ids)
     y = y * topk_weights.flatten()[order].to(y.dtype).unsqueeze(1)
     y_slots = torch.empty_like(y).index_copy_(0, order, y)  # back to slot order (m, j)
     return y_slots.view(num_tokens, top_k, -1).sum(dim=1)
@@ -140,3 +160,27 @@ def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | No
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     return _probe(device.type, device.index, dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_backward(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    a = torch.ones(4, 32, dtype=dtype, device=device, requires_grad=True)
+    w = torch.ones(2, 16, 32, dtype=dtype, device=device, requires_grad=True)
+    ends = torch.tensor([2, 4], dtype=torch.int32, device=device)
+    try:
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=ends)
+        torch.autograd.grad(out, (a, w), torch.ones_like(out))
+    except (RuntimeError, AttributeError, NotImplementedError, TypeError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+    return None
+
+
+def grouped_mm_backward_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when torch._grouped_mm runs forward and backward on `device` with `dtype`
+    operands (gradients to both), else why not."""
+    why = grouped_mm_unavailable(device, dtype)
+    if why is not None:
+        return why
+    why = _probe_backward(device.type, device.index, dtype)
+    return None if why is None else f"no backward: {why}"

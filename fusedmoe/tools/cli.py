@@ -5,6 +5,8 @@ fusedmoe bench     [--preset a,b | --experts E --top-k k --hidden H --intermedia
                    [--quant bf16,fp8_block] [--tokens 1,8,64] [--routing uniform,skewed]
                    [--backends triton,...] [--json F] [--csv F] [--plot F.png]     (tools.bench)
                    [--eager]: eager vs CUDA-graph time, host us, launches, syncs per call
+                   [--backward]: forward + backward vs grouped_mm under autograd: time,
+                   peak memory, roofline, gradients checked
 fusedmoe tune      [--preset a,b | custom shape] [--dtype bf16,fp8_block] [--tokens ...]
                    [--out DIR | --ship] [--budget-s S]                             (tools.tune)
 fusedmoe backends  [--json]                                              (tools.capabilities)
@@ -354,6 +356,15 @@ def _add_bench(sub) -> None:
         help="time host cost per call instead: the FusedMoE layer, fused_experts and the "
         "grouped_mm pipeline, eager (N calls, one sync) beside CUDA-graph replay, with host "
         "time, launches and syncs per call (fusedmoe.tools.bench.eager)",
+    )
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="time a training step instead: forward + backward of the layer (router gate, "
+        "routing, experts; x, gate and expert weights require grad) beside the "
+        "torch._grouped_mm pipeline under autograd, with peak memory, percent of the "
+        "3x-forward floor and the gradients compared (default tokens 4096,16384 on a GPU; "
+        "bf16/fp16/fp32 only; fusedmoe.tools.bench.backward)",
     )
     ep = p.add_argument_group("expert parallelism (under torchrun: one process per rank)")
     ep.add_argument("--ep", type=int, default=1, help="ranks: time the EP layer (tokens per rank)")

@@ -51,7 +51,10 @@ def quantize_(layer, scheme: str, **config_kwargs):
     w13_q, w2_q, config = quantize_experts(w13, w2, scheme, **config_kwargs)
     writes = expert_writes(layer)  # of the float weights: the quantized ones inherit it
     if w13_bias is not None and w13_bias.shape != layer.w13_bias.shape:
-        layer.w13_bias = nn.Parameter(w13_bias, requires_grad=layer.w13_bias.requires_grad)
+        layer.w13_bias = nn.Parameter(w13_bias)
+    for bias in (layer.w13_bias, layer.w2_bias):
+        if bias is not None:  # quantized experts are inference only: nothing of theirs trains
+            bias.requires_grad_(False)
     layer.padded_intermediate_size = padded
     layer.w13_weight = nn.Parameter(w13_q, requires_grad=False)
     layer.w2_weight = nn.Parameter(w2_q, requires_grad=False)

@@ -2,7 +2,8 @@
 
 Shapes: presets (real sizes on a GPU; on the CPU divided by --scale, default 16, and labelled
 "(scaled 1/16)") or one custom --experts --top-k --hidden --intermediate shape, as given.
---eager times host cost per call instead (fusedmoe.tools.bench.eager).
+--eager times host cost per call instead (fusedmoe.tools.bench.eager); --backward a training
+step, forward and backward, against grouped_mm under autograd (fusedmoe.tools.bench.backward).
 """
 
 from __future__ import annotations
@@ -82,10 +83,21 @@ def run_bench_command(args: argparse.Namespace) -> int:
         unknown = [b for b in args.backends if b not in known]
         if unknown:
             return _fail(f"unknown backend(s) {unknown}; expected names of {known}")
+    eager, backward = getattr(args, "eager", False), getattr(args, "backward", False)
+    if eager and backward:
+        return _fail("--eager and --backward are two modes: give one")
+    if backward:
+        from fusedmoe.tools.bench import backward as backward_mode
+
+        if args.plot is not None:
+            return _fail("--backward writes --json and --csv, not --plot")
+        cpu = device.type == "cpu"
+        tokens = args.tokens or list(backward_mode.CPU_TOKENS if cpu else backward_mode.GPU_TOKENS)
+        return backward_mode.run_backward_command(args, device, shapes, tokens)
     if args.plot is not None and (why := plot_available()) is not None:
         return _fail(why)
     tokens = args.tokens or list(CPU_TOKENS if device.type == "cpu" else GPU_TOKENS)
-    if getattr(args, "eager", False):
+    if eager:
         from fusedmoe.tools.bench.eager import run_eager_command
 
         return run_eager_command(args, device, shapes, tokens)
