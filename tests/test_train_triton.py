@@ -239,3 +239,16 @@ def test_gpu_layer_trains_under_torch_compile():
         assert_close(compiled, eager, torch.bfloat16)
     choice = layer.backend_choice(torch.device("cuda"), torch.bfloat16, requires_grad=True)
     assert choice.name == "triton"
+
+
+def test_weight_gradient_steps_within_taller_blocks(monkeypatch):
+    """The GEMMs' blocks (64 rows here) hold several weight-gradient steps (16 rows): runs
+    whose padding fills whole steps skip them, and the gradients are unchanged."""
+    from fusedmoe.kernels import moe_train
+
+    monkeypatch.setattr(moe_train, "_train_block_m", lambda num_slots: 64)
+    monkeypatch.setattr(moe_train, "_WGRAD_STEP", 16)
+    leaves = _leaves(29, 2, "silu", bias=True)
+    ids = _ids(29, 2)
+    ids[:20, 0] = 1  # expert 1: > 20 slots (two blocks), the others a few (one block, padding)
+    _check_grads(leaves, ids, "silu")
