@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import launch
+from fusedmoe._triton import launch, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, device_name, launch_gemm, moe_sum
@@ -577,6 +577,19 @@ def _train_bwd_impl(
         )  # fmt: skip
         if mul and w2_bias is not None:  # <b2[e(s)], dout[t(s)]>: y's bias part
             dweights += _bias_dot(dout, w2_bias, topk_ids, expert_map, num_local)
+        # In the order that frees each buffer soonest (the peak memory of a step): w2's
+        # gradients while w * a is alive, then dx, then w13's from dh.
+        bounds = expert_block_bounds(rows) if need_weights or need_bias else None
+        if need_weights:
+            _wgrad(dout, top_k, ga, 1, rows, num_slots, dw2, bounds)  # ga holds w * a
+        del ga
+        if db2.numel():  # the sums of w * dout over each expert's slots
+            slot_weights = weights_flat.view(num_slots, 1)
+            if not mul_routed_weight:
+                slot_weights = torch.ones_like(slot_weights)
+            _wgrad(
+                dout, top_k, slot_weights, 1, rows, num_slots, db2.view(num_local, -1, 1), bounds
+            )
         if need_x:
             dx_slots = x.new_empty(num_slots, hidden)
             launch_gemm(
@@ -585,20 +598,12 @@ def _train_bwd_impl(
                 out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
             )  # fmt: skip
             moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
-        bounds = expert_block_bounds(rows) if need_weights or need_bias else None
+            del dx_slots
         if need_weights:
-            _wgrad(dout, top_k, ga, 1, rows, num_slots, dw2, bounds)  # ga holds w * a
             _wgrad(dh, 1, x, top_k, rows, num_slots, dw13, bounds)
         if db13.numel():  # the column sums of dh over each expert's slots
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
             _wgrad(dh, 1, ones, 1, rows, num_slots, db13.view(num_local, -1, 1), bounds)
-        if db2.numel():  # the sums of w * dout over each expert's slots
-            slot_weights = weights_flat.view(num_slots, 1)
-            if not mul_routed_weight:
-                slot_weights = torch.ones_like(slot_weights)
-            _wgrad(
-                dout, top_k, slot_weights, 1, rows, num_slots, db2.view(num_local, -1, 1), bounds
-            )
     return dx, dw13, dw2, dweights, db13, db2
 
 
@@ -670,7 +675,7 @@ def _backward(ctx, dout, *_saved_outputs):
     needs = ctx.needs_input_grad
     need_x, need_weights = needs[0], needs[1] or needs[2]
     need_bias = needs[5] or needs[6]
-    dx, dw13, dw2, dweights, db13, db2 = _train_bwd_op(
+    dx, dw13, dw2, dweights, db13, db2 = op_or_impl(_train_bwd_op, _train_bwd_impl)(
         dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved,
         *ctx.params, need_x, need_weights, needs[3], need_bias,
     )  # fmt: skip
@@ -687,6 +692,24 @@ def _backward(ctx, dout, *_saved_outputs):
 
 
 _train_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _ExpertsTrain(torch.autograd.Function):
+    """The same forward and backward as the registered op, for eager mode: the custom op's
+    dispatch (Python -> C++ -> Python, dynamo's disable wrapper, its autograd wrapper) cost
+    about 0.25 ms a call on the lent GPU's host, and a training step makes two."""
+
+    @staticmethod
+    def forward(*inputs):
+        return _train_fwd_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
 
 
 def experts_train(
@@ -707,9 +730,10 @@ def experts_train(
     biases and topk_weights (float32 [M, k]) on the GPU kernels. Inputs are assumed checked by
     the caller (TritonExperts); params are (alpha, beta, limit, has_limit), defaults resolved."""
     alpha, beta, limit, has_limit = params
-    # the custom op always: autograd needs its registered backward (op_or_impl's shortcut
-    # would call the bare implementation, which records nothing)
-    out, *_ = _train_fwd_op(
+    # torch.compile traces the registered op (one op and its backward); eager mode calls the
+    # autograd.Function twin (same implementation, no dispatcher round trip)
+    train = _train_fwd_op if torch.compiler.is_compiling() else _ExpertsTrain.apply
+    out, *_ = train(
         x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activation.value,
         alpha, beta, limit, has_limit, mul_routed_weight,
     )  # fmt: skip
