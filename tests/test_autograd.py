@@ -95,3 +95,31 @@ def test_quantized_experts_are_inference_only(scheme):
     with pytest.raises(ValueError, match="inference only"):
         fused_experts(x, layer.w13_weight, layer.w2_weight, *softmax_topk_ref(logits, 2),
                       quant_config=qc)  # fmt: skip
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_no_mul"])
+def test_reference_backward_passes_gradcheck(activation):
+    """torch.autograd.gradcheck (float64 finite differences) through the reference backend:
+    x, both weights and both biases. (The router weights are float32 by convention, too coarse
+    for finite differences; tests/test_train_triton.py checks their gradient analytically.)"""
+    gated = activation != "gelu_no_mul"
+    n = 2 * 5 if gated else 5
+    num_tokens, hidden, num_experts = 4, 6, 3
+    inputs = (
+        torch.randn(num_tokens, hidden, dtype=torch.float64),
+        torch.randn(num_experts, n, hidden, dtype=torch.float64) * 0.5,
+        torch.randn(num_experts, hidden, 5, dtype=torch.float64) * 0.5,
+        torch.randn(num_experts, n, dtype=torch.float64) * 0.1,
+        torch.randn(num_experts, hidden, dtype=torch.float64) * 0.1,
+    )
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2]], dtype=torch.int32)
+    weights = torch.rand(num_tokens, 2) + 0.1
+
+    def experts(x, w13, w2, b13, b2):
+        return fused_experts(
+            x, w13, w2, weights, ids, activation=activation, w13_bias=b13, w2_bias=b2,
+            backend="torch",
+        )  # fmt: skip
+
+    leaves = tuple(t.requires_grad_() for t in inputs)
+    assert torch.autograd.gradcheck(experts, leaves, eps=1e-6, atol=1e-5)

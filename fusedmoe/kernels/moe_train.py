@@ -1,13 +1,15 @@
 """Training through the triton backend: the experts' forward that autograd records, and its
-backward, as GPU kernels. Two torch.library custom ops (`fusedmoe::experts_train_fwd`, its
-backward `fusedmoe::experts_train_bwd`) joined by register_autograd, so torch.compile sees one
-op with its backward.
+backward, as GPU kernels. Under torch.compile: two torch.library custom ops
+(`fusedmoe::experts_train_fwd`, its backward `fusedmoe::experts_train_bwd`) joined by
+register_autograd, so the graph holds one op with its backward. In eager mode: an
+autograd.Function over the same implementations (the dispatcher's round trip cost about 0.25 ms
+a call on the lent GPU's host).
 
 Legend: M tokens, k top-k, S = M * k slots (slot s: token t(s) = s // k, local expert e(s),
 router weight w_s), E_l local experts, H hidden, N_w rows of w13 per expert (2I gated, I
 otherwise), I the activation width.
 
-Forward:
+Forward (the slots aligned into 128-row blocks per expert for large calls, as inference does):
     h[s]     = x[t(s)] @ w13[e(s)].T + b13[e(s)]              GEMM1 -> [S, N_w]   (saved)
     a[s]     = act(h[s])                                       act kernel -> [S, I]
     y[s]     = (a[s] @ w2[e(s)].T + b2[e(s)]) * w_s            GEMM2 -> [S, H]
@@ -16,19 +18,27 @@ Forward:
 Backward, from dout [M, H]:
     g[s]     = dout[t(s)] @ w2[e(s)]                           dgrad GEMM (w2 read transposed)
     dw_s     = <a[s], g[s]> + <b2[e(s)], dout[t(s)]>            = <y[s] / w_s, dout[t(s)]>
-    dh[s]    = act'(h[s]) * (w_s * g[s])                       act kernel (writes a over g)
+    dh[s]    = act'(h[s]) * (w_s * g[s])                       act kernel, which also writes
+                                                               w_s * a[s] over g
+    dw2[e]   = sum_{s of e} dout[t(s)].T (w_s * a[s])           wgrad kernel -> [E_l, H, I]
+    db2[e]   = sum_{s of e} w_s * dout[t(s)]                    wgrad kernel, one column
     dx[t]    = sum_j dh[s] @ w13[e(s)]                         dgrad GEMM (w13 transposed) + sum
-    dw2[e]   = sum_{s of e} (w_s * dout[t(s)]).T a[s]           wgrad kernel -> [E_l, H, I]
-    db2[e]   = sum_{s of e} w_s * dout[t(s)]
     dw13[e]  = sum_{s of e} dh[s].T x[t(s)]                     wgrad kernel -> [E_l, N_w, H]
-    db13[e]  = sum_{s of e} dh[s]
+    db13[e]  = sum_{s of e} dh[s]                               wgrad kernel, one column
+
+The weight gradient (wgrad) is one program per (expert, 128 x 128 tile of dW), reducing over
+the expert's run of the aligned layout 64 rows a step; each reads its run's bounds from a
+table made once per backward. Nothing in its loop but the gathers and the dot: the router
+weight is folded into w * a by the act kernel, and the bias gradients are one-column weight
+gradients (right operand w or 1) rather than sums in every tile.
 
 What the forward saves, and why: h [S, N_w], the one value the backward could only get back by
-redoing GEMM1. a is recomputed from h (one elementwise pass, which act' makes anyway), and y is
+redoing GEMM1, and the slot alignment (a few int32 per slot; recomputing it cost launches on
+the host). a is recomputed from h (one elementwise pass, which act' makes anyway), and y is
 never needed: dw_s only asks for <y[s] / w_s, dout>, which the identity above takes from a and
 g. So a recorded call keeps S * N_w elements alive (plus its inputs), where a torch pipeline
-keeps the gathered x, h, a and y. The slot alignment (moe_align) is recomputed in the backward:
-a launch or three, less than the memory it would hold.
+keeps the gathered x, h, a and y. The backward frees each of its buffers (g / w * a, the
+per-slot dx) as soon as it is consumed.
 
 Slots not routed to this rank (expert_map -1, ids out of range) are skipped everywhere: their
 rows of h, g and dh are never written nor read, and their dw_s is 0. With
