@@ -324,4 +324,4 @@ def test_adjoints_of_the_row_collectives(spawned):
 def test_quantized_dispatch_stays_inference_only(spawned):
     world, (_, results) = spawned
     for r in range(world):
-        assert "quantized dispatch is inference only" in results[r]["quantized_refused"]
+        assert "inference only" in results[r]["quantized_refused"]

@@ -188,34 +188,39 @@ def test_oracle_trains_on_triton_on_cuda_only_unquantized():
 # ---------------------------------------------------------------------------------------------
 # GPU: the compiled kernels in bf16 at sizes with many blocks per expert
 # ---------------------------------------------------------------------------------------------
-def _gpu_leaves(m, top_k, num_experts, hidden, inter, *, bias=False):
+def _gpu_leaves(m, top_k, num_experts, hidden, inter, *, bias=False, dtype=torch.bfloat16):
     leaves = {
-        "x": torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16),
-        "w13": (
-            torch.randn(num_experts, 2 * inter, hidden, device="cuda") / hidden**0.5
-        ).bfloat16(),
-        "w2": (torch.randn(num_experts, hidden, inter, device="cuda") / inter**0.5).bfloat16(),
-        "weights": torch.rand(m, top_k, device="cuda") + 0.1,
+        "x": torch.randn(m, hidden, device="cuda"),
+        "w13": torch.randn(num_experts, 2 * inter, hidden, device="cuda") / hidden**0.5,
+        "w2": torch.randn(num_experts, hidden, inter, device="cuda") / inter**0.5,
     }
     if bias:
-        leaves["w13_bias"] = (0.3 * torch.randn(num_experts, 2 * inter, device="cuda")).bfloat16()
-        leaves["w2_bias"] = (0.3 * torch.randn(num_experts, hidden, device="cuda")).bfloat16()
+        leaves["w13_bias"] = 0.3 * torch.randn(num_experts, 2 * inter, device="cuda")
+        leaves["w2_bias"] = 0.3 * torch.randn(num_experts, hidden, device="cuda")
+    leaves = {k: v.to(dtype) for k, v in leaves.items()}
+    leaves["weights"] = torch.rand(m, top_k, device="cuda") + 0.1  # float32, as routers give
     return leaves
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("m", "top_k", "num_experts", "activation", "bias"),
-    [(333, 4, 32, "silu", False), (1, 2, 8, "swigluoai", True), (2048, 8, 64, "silu", True)],
+    ("m", "top_k", "num_experts", "activation", "bias", "dtype"),
+    [
+        (333, 4, 32, "silu", False, torch.bfloat16),
+        (1, 2, 8, "swigluoai", True, torch.bfloat16),
+        (2048, 8, 64, "silu", True, torch.bfloat16),  # 128-row blocks, 64-row wgrad steps
+        (5000, 2, 8, "gelu_tanh", False, torch.float16),
+        (600, 3, 16, "swiglustep", True, torch.float32),
+    ],
 )
-def test_gpu_bf16_gradients(m, top_k, num_experts, activation, bias):
-    leaves = _gpu_leaves(m, top_k, num_experts, 512, 384, bias=bias)
+def test_gpu_gradients(m, top_k, num_experts, activation, bias, dtype):
+    leaves = _gpu_leaves(m, top_k, num_experts, 512, 384, bias=bias, dtype=dtype)
     g = torch.Generator().manual_seed(2)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(m)])
     ids = ids.to("cuda", torch.int32)
     if m > 100:
         ids[: m // 2, 0] = 0  # one expert takes half the tokens
-    _check_grads(leaves, ids, activation, dtype=torch.bfloat16)
+    _check_grads(leaves, ids, activation, dtype=dtype)
 
 
 @pytest.mark.gpu
