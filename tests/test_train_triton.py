@@ -166,6 +166,25 @@ def test_layer_trains_on_triton_with_router_gradient():
         assert_close(ours, ref, torch.float32, tol=1e-4, what=f"grad of {name}")
 
 
+def test_layer_trains_under_torch_compile_tracing():
+    """AOTAutograd traces the registered op and its backward with fake tensors (aot_eager: no
+    code generation, so it runs on the CPU interpreter): same gradients as eager."""
+    layer = FusedMoE(E, 2, H, I, params_dtype=torch.float32, backend="triton").to(DEVICE)
+    x, logits = torch.randn(9, H, device=DEVICE), torch.randn(9, E, device=DEVICE)
+
+    def step(x, logits):
+        return layer(x, logits).square().sum()
+
+    grads = []
+    for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+        layer.zero_grad()
+        xg, lg = x.clone().requires_grad_(), logits.clone().requires_grad_()
+        fn(xg, lg).backward()
+        grads.append((xg.grad, lg.grad, layer.w13_weight.grad, layer.w2_weight.grad))
+    for eager, compiled in zip(*grads, strict=True):
+        assert_close(compiled, eager, torch.float32)
+
+
 def test_oracle_trains_on_triton_on_cuda_only_unquantized():
     problem = MoEProblem(
         device=torch.device("cuda"), dtype=torch.bfloat16, hidden_size=H, intermediate_size=I,

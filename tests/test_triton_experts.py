@@ -36,6 +36,7 @@ from fusedmoe.kernels.moe_config import (
     table_path,
     use_moe_kernel_config,
 )
+from fusedmoe.modular.types import MoEProblem
 from fusedmoe.quant import make_quant_config, quantize_experts
 from fusedmoe.quant.kernels import resolve_params
 from fusedmoe.tools.presets import PRESETS
@@ -513,7 +514,7 @@ def test_oracle_on_cpu_never_picks_triton(dtype, activation):
         assert why
 
 
-def test_oracle_refuses_float64_and_autograd():
+def test_oracle_refuses_float64_and_quantized_autograd():
     choice = select_backend(device=DEVICE, dtype=torch.float64, **PROBLEM)
     assert choice.name == "torch" and "float64" in choice.refused["triton"]
     experts = _experts(E, H, I, dtype=torch.float64)
@@ -521,9 +522,13 @@ def test_oracle_refuses_float64_and_autograd():
     weights, ids = _routing(3, E, 2)
     with pytest.raises(ValueError, match=r"backend 'triton' cannot run.*float64"):
         _run(x, experts, weights, ids, "triton")
-    experts = _experts(E, H, I, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"backend 'triton' cannot run.*autograd"):
-        _run(x.float().requires_grad_(), experts, weights, ids, "triton")
+    # training: unquantized runs (tests/test_train_triton.py), quantized is inference only
+    qc = make_quant_config("fp8_tensor", torch.ones(E), torch.ones(E))
+    problem = MoEProblem(
+        device=torch.device(DEVICE), dtype=torch.bfloat16, **PROBLEM, quant_config=qc,
+        requires_grad=True,
+    )  # fmt: skip
+    assert "inference only" in select_backend(problem).refused["triton"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -885,7 +890,7 @@ def test_gpu_layer_picks_triton(monkeypatch):
     layer = spec.build(dtype=torch.bfloat16, device="cuda")
     choice = layer.backend_choice()
     assert choice.name == "triton", choice.explain()
-    assert layer.backend_choice(requires_grad=True).name == "torch"  # training: no backward
+    assert layer.backend_choice(requires_grad=True).name == "triton"  # training: GPU kernels
     calls = []
     real_apply = TritonExperts.apply
 

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import launch, op_or_impl
+from fusedmoe._triton import launch
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, device_name, launch_gemm, moe_sum
@@ -680,12 +680,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, dout, *_saved_outputs):
+def _backward(ctx, dout, *_saved_outputs, eager: bool = False):
     x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
     need_x, need_weights = needs[0], needs[1] or needs[2]
     need_bias = needs[5] or needs[6]
-    dx, dw13, dw2, dweights, db13, db2 = op_or_impl(_train_bwd_op, _train_bwd_impl)(
+    # the registered op's backward runs the registered backward op: AOTAutograd traces it with
+    # fake tensors (where torch.compiler.is_compiling() may be False)
+    bwd = _train_bwd_impl if eager else _train_bwd_op
+    dx, dw13, dw2, dweights, db13, db2 = bwd(
         dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved,
         *ctx.params, need_x, need_weights, needs[3], need_bias,
     )  # fmt: skip
@@ -719,7 +722,7 @@ class _ExpertsTrain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+        return _backward(ctx, *grads, eager=True)
 
 
 def experts_train(
