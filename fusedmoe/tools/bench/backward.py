@@ -35,8 +35,9 @@ Columns:
     out_err, dx_err, dW_err      max |fusedmoe - grouped_mm| / max |grouped_mm| of the output,
                                  of dx, and the largest over the weights (gate, w13, w2, biases;
                                  each one is in the JSON's grad_errs). A gradient above the
-                                 dtype's bound (GRAD_TOLERANCE) is flagged in the note and the
-                                 command exits 1.
+                                 dtype's bound (GRAD_TOLERANCE; BIAS_GRAD_TOLERANCE for the
+                                 biases, where the baseline's own bf16 sums are the coarser
+                                 side) is flagged in the note and the command exits 1.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ CPU_TOKENS = (8, 64)
 #: bound on out_err, dx_err and dW_err: a few roundings of the dtype apart (both contenders
 #: round); a wrong gradient is off by its own size (error ~1)
 GRAD_TOLERANCE = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-2}
+#: the bound for the bias gradients: the baseline sums each expert's S / E rows into its bias
+#: gradient with atomic adds in the activation dtype (index_select's backward), so in bf16 its
+#: own error grows with the expert load (5e-2 at gpt-oss-120b, 16384 tokens). fusedmoe's sum
+#: in float32 and are checked against float64 in tests/test_train_triton.py.
+BIAS_GRAD_TOLERANCE = {"bf16": 1.5e-1, "fp16": 2e-2, "fp32": 1e-2}
 #: the fwd+bwd floor is this many times the forward's
 BACKWARD_FLOOR_FACTOR = 3
 
@@ -350,10 +356,15 @@ def _bench_case(preset, dtype_name, routing, layer, inputs, backend, baseline, l
         dx_err = grad_errs["x"]
         dw_err = max(v for k, v in grad_errs.items() if k != "x")
         bound = GRAD_TOLERANCE[dtype_name]
-        worst = {k: v for k, v in {"out": out_err, **grad_errs}.items() if not v <= bound}
+
+        def bound_of(name: str) -> float:
+            return BIAS_GRAD_TOLERANCE[dtype_name] if name.endswith("_bias") else bound
+
+        errors = {"out": out_err, **grad_errs}
+        worst = {k: v for k, v in errors.items() if not v <= bound_of(k)}
         if worst:
-            listed = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
-            notes.append(f"GRADIENT MISMATCH: {listed} above {bound:.0e}")
+            listed = ", ".join(f"{k} {v:.1e} (bound {bound_of(k):.0e})" for k, v in worst.items())
+            notes.append(f"GRADIENT MISMATCH: {listed}")
     floor = moe_floor(
         dtype_name,
         num_distinct=num_distinct,
