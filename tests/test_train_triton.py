@@ -276,3 +276,20 @@ def test_weight_gradient_steps_within_taller_blocks(monkeypatch):
     ids = _ids(29, 2)
     ids[:20, 0] = 1  # expert 1: > 20 slots (two blocks), the others a few (one block, padding)
     _check_grads(leaves, ids, "silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_training_step_makes_no_host_sync(bias):
+    """A recorded forward and its backward read no device value on the host."""
+    layer = FusedMoE(16, 2, 256, 128, params_dtype=torch.bfloat16, has_bias=bias).cuda()
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.randn(300, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    layer(x, logits).backward(grad_out)  # compiles the kernels, fills the caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x, logits).backward(grad_out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
