@@ -77,24 +77,35 @@ def test_layer_trains_across_two_recorded_calls():
 
 @pytest.mark.parametrize("scheme", ["fp8_block", "int8", "mxfp4_w4a16"])
 def test_quantized_experts_are_inference_only(scheme):
-    """A recorded forward of quantized experts is refused before any backend runs; under
-    no_grad the same call runs, and quantize_ freezes the biases with the weights."""
+    """Training quantized experts is refused before any backend runs; with the experts frozen
+    (quantize_ freezes the biases with the weights) a recorded forward runs, and the gradient
+    reaches the input and the router logits through the dequantized weights."""
     layer = FusedMoE(4, 2, 256, 128, has_bias=True, quant_config=scheme)
     assert not any(p.requires_grad for p in layer.parameters())
     x, logits = torch.randn(5, 256, dtype=torch.bfloat16), torch.randn(5, 4)
-    layer(x, logits)  # nothing requires grad: autograd records nothing
+    logits.requires_grad_(True)
+    layer(x, logits).float().square().sum().backward()  # the router trains through them
+    assert logits.grad.abs().sum() > 0
+    x.requires_grad_(True)
+    if layer.quant_config.a1.quantized:  # rounding x would cut its gradient
+        with pytest.raises(ValueError, match="quantizes it"):
+            layer(x, logits)
+    else:  # frozen weight-only experts: what lies around them trains
+        layer(x, logits).float().square().sum().backward()
+        assert x.grad.abs().sum() > 0
+    layer.w2_bias.requires_grad_(True)  # training a bias is training the layer
     refused = rf"{scheme}-quantized experts are inference only.*torch.no_grad\(\)"
     with pytest.raises(ValueError, match=refused):
-        layer(x.requires_grad_(), logits)
+        layer(x.detach(), logits.detach())
     with torch.no_grad():
         assert layer(x, logits).shape == (5, 256)
-    layer.w2_bias.requires_grad_(True)  # training a bias is training the layer
-    with pytest.raises(ValueError, match="inference only"):
-        layer(x.detach(), logits)
     qc = layer.quant_config
-    with pytest.raises(ValueError, match="inference only"):
-        fused_experts(x, layer.w13_weight, layer.w2_weight, *softmax_topk_ref(logits, 2),
-                      quant_config=qc)  # fmt: skip
+    weights, ids = softmax_topk_ref(logits.detach(), 2)
+    w13 = layer.w13_weight.detach().clone()
+    if w13.is_floating_point():
+        w13.requires_grad_(True)
+        with pytest.raises(ValueError, match="inference only"):
+            fused_experts(x.detach(), w13, layer.w2_weight, weights, ids, quant_config=qc)
 
 
 @pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_no_mul"])

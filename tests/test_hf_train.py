@@ -155,6 +155,9 @@ def test_patch_keeps_the_models_own_parameters():
 
 
 def test_a_quantized_patched_model_refuses_to_train():
+    """FP8 rounds the hidden states that reach the experts: their gradient would be cut, so a
+    training forward is refused (tests/test_autograd.py: weight-only schemes with frozen
+    experts let the model around them train)."""
     model = build(FAMILY["qwen3_moe"]).train()
     assert len(hf.patch(model, quant="fp8_block").replaced) == 2
     ids = batch()

@@ -362,3 +362,38 @@ def test_rows_independent_says_which_schemes_take_a_batch_wide_scale():
     )
     assert static.rows_independent
     assert static.cache_key() != qc.cache_key() and static.cache_key() == static.cache_key()
+
+
+def test_extensions_written_before_training_keep_working():
+    """A PrepareFinalize whose prepare takes no requires_grad runs inference calls, and an
+    Experts whose supports_autograd takes no quant config is asked for unquantized calls."""
+    from fusedmoe.modular.experts import _supports_autograd
+
+    class OldPrepare(NoEPPrepareFinalize):
+        def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                    apply_router_weight_on_input, quant_config,
+                    defer_input_quant=False):  # fmt: skip
+            return super().prepare(
+                a1, topk_weights, topk_ids, num_experts, expert_map,
+                apply_router_weight_on_input, quant_config, defer_input_quant,
+            )  # fmt: skip
+
+    class OldExperts(TorchExperts):
+        @classmethod
+        def supports_autograd(cls):
+            return True
+
+    experts = random_experts(E, H, I)
+    x = torch.randn(7, H)
+    weights, ids = random_routing(7, 3)
+    spec = ActivationSpec.make("silu")
+    kernel = FusedMoEModularKernel(OldPrepare(), TorchExperts())
+    out = kernel.forward(
+        x, as_weights(experts), weights, ids, activation=spec, global_num_experts=E
+    )
+    expected = FusedMoEModularKernel(NoEPPrepareFinalize(), TorchExperts()).forward(
+        x, as_weights(experts), weights, ids, activation=spec, global_num_experts=E
+    )
+    assert_equal(out, expected, what="old-style prepare")
+    assert _supports_autograd(OldExperts, None)
+    assert not _supports_autograd(OldExperts, object())

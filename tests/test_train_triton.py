@@ -131,6 +131,31 @@ def test_top1_weight_on_input_and_frozen_weights():
     _check_grads(leaves, _ids(11, 2), "gelu_no_mul", frozen=("w13", "w2"))
 
 
+@pytest.mark.parametrize(
+    "frozen",
+    [("x", "w13", "weights", "w13_bias", "w2_bias"), ("x", "w13", "w2", "w13_bias", "w2_bias"),
+     ("w13", "w2"), ("x", "w2", "weights", "w2_bias")],
+    ids=["w2-only", "router-only", "x-weights-biases", "w13-b13"],
+)  # fmt: skip
+def test_partial_gradients(frozen):
+    """Only some inputs require grad: those get theirs, the others none (and their work is
+    skipped)."""
+    leaves = _leaves(15, 2, "swigluoai_uninterleave", bias=True)
+    _check_grads(leaves, _ids(15, 2), "swigluoai_uninterleave", frozen=frozen)
+
+
+def test_double_backward_is_refused():
+    """create_graph=True would need the backward's own backward: an error, never first-order
+    gradients that silently drop the rest."""
+    leaves = {k: v.clone().requires_grad_() for k, v in _leaves(6, 2, "silu", bias=False).items()}
+    out = fused_experts(
+        leaves["x"], leaves["w13"], leaves["w2"], leaves["weights"], _ids(6, 2), backend="triton"
+    )
+    (grad_x,) = torch.autograd.grad(out.square().sum(), leaves["x"], create_graph=True)
+    with pytest.raises(RuntimeError, match=r"once_differentiable|does not require grad"):
+        grad_x.square().sum().backward()
+
+
 def test_all_tokens_to_one_expert_and_zero_tokens():
     leaves = _leaves(21, 1, "silu", bias=True)
     _check_grads(leaves, torch.full((21, 1), 3, dtype=torch.int32, device=DEVICE), "silu")

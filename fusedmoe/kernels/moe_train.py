@@ -188,7 +188,7 @@ def _act_and_grad(gate, up, da, alpha, beta, limit, ACTIVATION: tl.constexpr,
 def _act_rows_kernel(
     h_ptr, stride_hm, stride_hn,  # [S, N_w] GEMM1's output (the activation dtype)
     ga_ptr, stride_gm, stride_gn,  # [S, I]: forward, a written; backward, g read, w * a written
-    dh_ptr, stride_dm, stride_dn,  # BACKWARD: [S, N_w] dL/dh
+    dh_ptr, stride_dm, stride_dn,  # STORE_DH: [S, N_w] dL/dh
     w_ptr,  # MUL_WEIGHT: float32 [S] router weights
     dw_ptr,  # STORE_DW: float32 [S] <a[s], g[s]>, 0 for slots not routed here
     ids_ptr, map_ptr, num_ids, num_local,  # the slots routed here (as moe_align finds them)
@@ -202,6 +202,7 @@ def _act_rows_kernel(
     BACKWARD: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,  # backward: the router weight multiplied the expert's output
     STORE_DW: tl.constexpr,
+    STORE_DH: tl.constexpr,  # backward: dh is wanted (dx, dw13 or db13 asked for)
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
@@ -248,11 +249,12 @@ def _act_rows_kernel(
                 dot += tl.sum(tl.where(mask, act * grad_a, 0.0), axis=1)
             if MUL_WEIGHT:
                 act = act * w[:, None]
-            dh_row = dh_ptr + rows64[:, None] * stride_dm
-            dh_ty = dh_ptr.dtype.element_ty
-            tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
-            if GATED:
-                tl.store(dh_row + up_cols[None, :] * stride_dn, d_up.to(dh_ty), mask=mask)
+            if STORE_DH:
+                dh_row = dh_ptr + rows64[:, None] * stride_dm
+                dh_ty = dh_ptr.dtype.element_ty
+                tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
+                if GATED:
+                    tl.store(dh_row + up_cols[None, :] * stride_dn, d_up.to(dh_ty), mask=mask)
             act = act.to(ga_ptr.dtype.element_ty)
         else:
             act, _, _ = _act_and_grad(gate, up, 0.0, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
@@ -349,12 +351,11 @@ class _Act:
     has_limit: bool
 
 
-def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, weights=None,
-              dw=None) -> None:  # fmt: skip
-    """forward (dh None): ga = act(h). backward: ga holds g, (w *) a is written over it, dh
-    filled, and dw when given."""
+def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, backward=False, dh=None,
+              weights=None, dw=None) -> None:  # fmt: skip
+    """forward: ga = act(h). backward: ga holds g, (w *) a is written over it, and dh and dw
+    filled when given."""
     num_slots, width = ga.shape
-    backward = dh is not None
     mul = backward and weights is not None
     num_ids = num_local if expert_map is None else expert_map.shape[0]
     ids = topk_ids.reshape(-1)
@@ -362,7 +363,7 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, wei
     args = (
         h, h.stride(0), h.stride(1),
         ga, ga.stride(0), ga.stride(1),
-        *((dh, dh.stride(0), dh.stride(1)) if backward else (h, 0, 0)),
+        *((dh, dh.stride(0), dh.stride(1)) if dh is not None else (h, 0, 0)),
         weights if mul else ga,
         ga if dw is None else dw,
         ids, ids if expert_map is None else expert_map, num_ids, num_local,
@@ -378,6 +379,7 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, dh=None, wei
         BACKWARD=backward,
         MUL_WEIGHT=mul,
         STORE_DW=dw is not None,
+        STORE_DH=dh is not None,
         BLOCK_R=_ROWS_BLOCK_R,
         BLOCK_C=min(_ROWS_BLOCK_C, triton.next_power_of_2(width)),
         num_warps=4,
@@ -535,12 +537,14 @@ def _train_bwd_impl(
     has_limit: bool,
     mul_routed_weight: bool,
     need_x: bool,
-    need_weights: bool,
+    need_w13: bool,
+    need_w2: bool,
     need_topk_weights: bool,
-    need_bias: bool,
+    need_b13: bool,
+    need_b2: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, H], dw13, dw2, d topk_weights [M, k] float32, db13, db2); a gradient that was not
-    asked for (or has no input: no bias) is an empty tensor."""
+    asked for (or has no input: no bias) is an empty tensor, and costs nothing."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     num_local, gemm1_rows, hidden = w13.shape
@@ -551,11 +555,11 @@ def _train_bwd_impl(
     # kernel); a gradient not asked for is a distinct empty tensor (outputs may not alias)
     grads = (
         x.new_empty(num_tokens, hidden) if need_x else x.new_empty(0),
-        torch.empty_like(w13) if need_weights else x.new_empty(0),
-        torch.empty_like(w2) if need_weights else x.new_empty(0),
+        torch.empty_like(w13) if need_w13 else x.new_empty(0),
+        torch.empty_like(w2) if need_w2 else x.new_empty(0),
         x.new_empty((num_tokens, top_k) if mul else (0,), dtype=torch.float32),
-        torch.empty_like(w13_bias) if need_bias and w13_bias is not None else x.new_empty(0),
-        torch.empty_like(w2_bias) if need_bias and w2_bias is not None else x.new_empty(0),
+        torch.empty_like(w13_bias) if need_b13 and w13_bias is not None else x.new_empty(0),
+        torch.empty_like(w2_bias) if need_b2 and w2_bias is not None else x.new_empty(0),
     )
     if num_tokens == 0:
         return tuple(t.zero_() for t in grads)
@@ -579,18 +583,23 @@ def _train_bwd_impl(
             weights_flat, rows, num_slots, config.gemm1, activation=None, params=params,
             out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
         )  # fmt: skip
-        dh = torch.empty_like(h)
+        # dh feeds dx, dw13 and db13 only
+        dh = torch.empty_like(h) if need_x or need_w13 or db13.numel() else None
         dw_slots = dweights.view(-1) if mul else None
         _act_rows(
-            h, ga, act, topk_ids, expert_map, num_local, dh=dh,
+            h, ga, act, topk_ids, expert_map, num_local, dh=dh, backward=True,
             weights=weights_flat if mul_routed_weight else None, dw=dw_slots,
         )  # fmt: skip
         if mul and w2_bias is not None:  # <b2[e(s)], dout[t(s)]>: y's bias part
             dweights += _bias_dot(dout, w2_bias, topk_ids, expert_map, num_local)
         # In the order that frees each buffer soonest (the peak memory of a step): w2's
         # gradients while w * a is alive, then dx, then w13's from dh.
-        bounds = expert_block_bounds(rows) if need_weights or need_bias else None
-        if need_weights:
+        bounds = (
+            expert_block_bounds(rows)
+            if dw13.numel() + dw2.numel() + db13.numel() + db2.numel()
+            else None
+        )
+        if need_w2:
             _wgrad(dout, top_k, ga, 1, rows, num_slots, dw2, bounds)  # ga holds w * a
         del ga
         if db2.numel():  # the sums of w * dout over each expert's slots
@@ -609,7 +618,7 @@ def _train_bwd_impl(
             )  # fmt: skip
             moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
             del dx_slots
-        if need_weights:
+        if need_w13:
             _wgrad(dh, 1, x, top_k, rows, num_slots, dw13, bounds)
         if db13.numel():  # the column sums of dh over each expert's slots
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
@@ -659,16 +668,16 @@ def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activat
 @_train_bwd_op.register_fake
 def _(dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h,
       sorted_token_ids, expert_ids, num_tokens_post_padded, activation, alpha, beta, limit,
-      has_limit, mul_routed_weight, need_x, need_weights, need_topk_weights,
-      need_bias):  # fmt: skip
+      has_limit, mul_routed_weight, need_x, need_w13, need_w2, need_topk_weights, need_b13,
+      need_b2):  # fmt: skip
     mul = mul_routed_weight and need_topk_weights
     return (
-        torch.empty_like(x) if need_x else x.new_empty(0),
-        torch.empty_like(w13) if need_weights else x.new_empty(0),
-        torch.empty_like(w2) if need_weights else x.new_empty(0),
+        x.new_empty(x.shape) if need_x else x.new_empty(0),  # contiguous, as the real one
+        torch.empty_like(w13) if need_w13 else x.new_empty(0),
+        torch.empty_like(w2) if need_w2 else x.new_empty(0),
         x.new_empty(topk_ids.shape if mul else (0,), dtype=torch.float32),
-        torch.empty_like(w13_bias) if need_bias and w13_bias is not None else x.new_empty(0),
-        torch.empty_like(w2_bias) if need_bias and w2_bias is not None else x.new_empty(0),
+        torch.empty_like(w13_bias) if need_b13 and w13_bias is not None else x.new_empty(0),
+        torch.empty_like(w2_bias) if need_b2 and w2_bias is not None else x.new_empty(0),
     )
 
 
@@ -683,14 +692,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, *_saved_outputs, eager: bool = False):
     x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    need_x, need_weights = needs[0], needs[1] or needs[2]
-    need_bias = needs[5] or needs[6]
     # the registered op's backward runs the registered backward op: AOTAutograd traces it with
     # fake tensors (where torch.compiler.is_compiling() may be False)
     bwd = _train_bwd_impl if eager else _train_bwd_op
     dx, dw13, dw2, dweights, db13, db2 = bwd(
         dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved,
-        *ctx.params, need_x, need_weights, needs[3], need_bias,
+        *ctx.params, needs[0], needs[1], needs[2], needs[3], needs[5], needs[6],
     )  # fmt: skip
     return (
         dx if needs[0] else None,
@@ -721,7 +728,10 @@ class _ExpertsTrain(torch.autograd.Function):
         _setup_context(ctx, inputs, output)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
+        # no double backward (the registered op has none either): create_graph=True raises
+        # rather than returning first-order gradients that silently drop the second order
         return _backward(ctx, *grads, eager=True)
 
 

@@ -20,6 +20,7 @@ Capabilities are declared once, here, as class-level predicates; the oracle read
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -165,7 +166,7 @@ class Experts(abc.ABC):
                 ),
             ),
             (
-                not problem.requires_grad or cls.supports_autograd(problem.quant_config),
+                not problem.requires_grad or _supports_autograd(cls, problem.quant_config),
                 lambda: (
                     "no autograd (backward)"
                     if problem.quant_config is None or not cls.supports_autograd()
@@ -233,3 +234,15 @@ class Experts(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _supports_autograd(cls: type[Experts], quant_config: FusedMoEQuantConfig | None) -> bool:
+    """cls.supports_autograd(quant_config), or for a backend written when it took no argument,
+    supports_autograd() for unquantized calls only."""
+    try:
+        takes_config = len(inspect.signature(cls.supports_autograd).parameters) > 0
+    except (TypeError, ValueError):  # pragma: no cover - a builtin or odd callable
+        takes_config = True
+    if takes_config:
+        return cls.supports_autograd(quant_config)
+    return quant_config is None and cls.supports_autograd()

@@ -160,7 +160,8 @@ class FusedMoEModularKernel:
             apply_router_weight_on_input,
             quant_config,
             defer_input_quant=experts.wants_unquantized_input(),
-            requires_grad=recorded,
+            # only when set: a PrepareFinalize written before this keyword still runs inference
+            **({"requires_grad": True} if recorded else {}),
         )
         num_tokens, top_k = prepared.topk_ids.shape
         shapes = experts.workspace_shapes(

@@ -73,17 +73,30 @@ def check_scheme(scheme: object) -> str:
     return scheme
 
 
-def check_inference_only(scheme: str | None, records_autograd: bool) -> None:
-    """Refuse a forward that autograd records on quantized experts: every scheme is inference
-    only (no backward through quantized weights)."""
-    if scheme is None or not records_autograd:
+def check_inference_only(
+    quant_config: FusedMoEQuantConfig | None, trains_experts: bool, input_requires_grad: bool
+) -> None:
+    """Refuse a recorded forward that quantized experts cannot differentiate: no scheme has a
+    backward through its quantized weights, and a scheme that quantizes the activations cuts
+    the input's gradient (rounding has none). What remains runs on the reference backend, which
+    differentiates through the dequantized weights: frozen experts of a weight-only scheme with
+    gradients for the input and the router (adapters trained around the layer), or any scheme
+    with a gradient for the router logits alone."""
+    if quant_config is None:
+        return
+    scheme = quant_config.scheme
+    if trains_experts:
+        why = "a weight or bias of the experts requires grad"
+    elif input_requires_grad and quant_config.a1.quantized:
+        why = f"the input requires grad, and {scheme} quantizes it (rounding has no gradient)"
+    else:
         return
     raise ValueError(
-        f"{scheme}-quantized experts are inference only: this forward is recorded by autograd "
-        "(grad mode is on and the input or a parameter requires grad), and FP8 and the other "
-        "quantized schemes (MXFP8, MXFP4, NVFP4, INT8) have no backward. Run it under "
-        "torch.no_grad() or torch.inference_mode(), or train an unquantized (bf16 / fp16 / "
-        "fp32) layer and quantize it afterwards (quantize_)."
+        f"{scheme}-quantized experts are inference only: {why}. FP8 and the other quantized "
+        "schemes (MXFP8, MXFP4, NVFP4, INT8) have no backward. Run under torch.no_grad() or "
+        "torch.inference_mode(), freeze the experts of a weight-only scheme to train what lies "
+        "around them, or train an unquantized (bf16 / fp16 / fp32) layer and quantize it "
+        "afterwards (quantize_)."
     )
 
 
