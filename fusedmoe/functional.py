@@ -242,12 +242,9 @@ def fused_experts(
             f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}"
         )
     grad = needs_grad(x, weights, topk_weights)
-    if grad and quant_config is not None:
-        trains = any(
-            t is not None and t.requires_grad
-            for t in (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
-        )
-        check_inference_only(quant_config, trains, x.requires_grad)
+    if grad:
+        experts = (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
+        check_inference_only(quant_config, experts, x)
     kernel, graphs = _kernel_for(
         x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
         expert_map is not None, grad, backend,

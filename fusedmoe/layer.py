@@ -480,8 +480,7 @@ class FusedMoE(nn.Module):
             or any(p.requires_grad for p in self._expert_params())
         )
         if grad and self.quant_scheme is not None:  # before any backend is chosen
-            trains = any(p.requires_grad for p in self._expert_params())
-            check_inference_only(self._call_quant_config(), trains, x_routed.requires_grad)
+            check_inference_only(self._call_quant_config(), self._expert_params(), x_routed)
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
         replayed = None
         graphed = input_ids is None and self._graph_safe(choice)

@@ -458,8 +458,13 @@ def _config(x, topk_ids, w13, width):
 def _aligned(topk_ids, expert_map, block_m, num_local) -> GemmRows:
     """The aligned layout (never the direct one: the weight gradient reduces over its runs)."""
     routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
+    return _rows(routing, topk_ids, expert_map, num_local)
+
+
+def _rows(routing: AlignedRouting, topk_ids, expert_map, num_local) -> GemmRows:
     ids = topk_ids.reshape(-1)
-    return GemmRows(block_m, routing.expert_ids.shape[0], routing, ids, expert_map, num_local)
+    return GemmRows(routing.block_m, routing.expert_ids.shape[0], routing, ids, expert_map,
+                    num_local)  # fmt: skip
 
 
 def _device_guard(x):
@@ -516,6 +521,25 @@ def _train_fwd_impl(
     return out, h, r.sorted_token_ids, r.expert_ids, r.num_tokens_post_padded
 
 
+def _grad_buffers(x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, need_w2,
+                  need_topk_weights, need_b13, need_b2) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The backward op's outputs, uninitialised (the real op and its fake): (dx [M, H], dw13,
+    dw2, d topk_weights float32 [M, k], db13, db2); a gradient not asked for (or without an
+    input: no bias) is a distinct empty tensor (a custom op's outputs may not alias)."""
+
+    def like(t, needed):
+        return torch.empty_like(t) if needed and t is not None else x.new_empty(0)
+
+    return (
+        x.new_empty(x.shape) if need_x else x.new_empty(0),  # contiguous, whatever x's strides
+        like(w13, need_w13),
+        like(w2, need_w2),
+        x.new_empty(topk_ids.shape if need_topk_weights else (0,), dtype=torch.float32),
+        like(w13_bias, need_b13),
+        like(w2_bias, need_b2),
+    )
+
+
 def _train_bwd_impl(
     dout: torch.Tensor,
     x: torch.Tensor,
@@ -551,16 +575,11 @@ def _train_bwd_impl(
     act = _Act(MoEActivation(activation), alpha, beta, limit, has_limit)
     width = act.kind.output_size(gemm1_rows)
     mul = mul_routed_weight and need_topk_weights
-    # every element is written below (an expert without slots gets zeros from the wgrad
-    # kernel); a gradient not asked for is a distinct empty tensor (outputs may not alias)
-    grads = (
-        x.new_empty(num_tokens, hidden) if need_x else x.new_empty(0),
-        torch.empty_like(w13) if need_w13 else x.new_empty(0),
-        torch.empty_like(w2) if need_w2 else x.new_empty(0),
-        x.new_empty((num_tokens, top_k) if mul else (0,), dtype=torch.float32),
-        torch.empty_like(w13_bias) if need_b13 and w13_bias is not None else x.new_empty(0),
-        torch.empty_like(w2_bias) if need_b2 and w2_bias is not None else x.new_empty(0),
-    )
+    # every element is written below (an expert without slots gets zeros from the wgrad kernel)
+    grads = _grad_buffers(
+        x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, need_w2, mul, need_b13,
+        need_b2,
+    )  # fmt: skip
     if num_tokens == 0:
         return tuple(t.zero_() for t in grads)
     dx, dw13, dw2, dweights, db13, db2 = grads
@@ -573,10 +592,7 @@ def _train_bwd_impl(
         routing = AlignedRouting(
             sorted_token_ids, expert_ids, num_tokens_post_padded, _train_block_m(num_slots)
         )
-        rows = GemmRows(
-            routing.block_m, expert_ids.shape[0], routing, topk_ids.reshape(-1), expert_map,
-            num_local,
-        )  # fmt: skip
+        rows = _rows(routing, topk_ids, expert_map, num_local)
         ga = x.new_empty(num_slots, width)  # g, then w * a
         launch_gemm(
             dout, None, g.A_NONE, top_k, w2.transpose(1, 2), None, g.W_NONE, None, ga, None,
@@ -671,14 +687,10 @@ def _(dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h
       has_limit, mul_routed_weight, need_x, need_w13, need_w2, need_topk_weights, need_b13,
       need_b2):  # fmt: skip
     mul = mul_routed_weight and need_topk_weights
-    return (
-        x.new_empty(x.shape) if need_x else x.new_empty(0),  # contiguous, as the real one
-        torch.empty_like(w13) if need_w13 else x.new_empty(0),
-        torch.empty_like(w2) if need_w2 else x.new_empty(0),
-        x.new_empty(topk_ids.shape if mul else (0,), dtype=torch.float32),
-        torch.empty_like(w13_bias) if need_b13 and w13_bias is not None else x.new_empty(0),
-        torch.empty_like(w2_bias) if need_b2 and w2_bias is not None else x.new_empty(0),
-    )
+    return _grad_buffers(
+        x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, need_w2, mul, need_b13,
+        need_b2,
+    )  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):

@@ -170,9 +170,9 @@ class EPGroup:
         [start, start + counts[rank]), start = sum(counts[:rank]). No communication; under
         autograd the adjoint all-gathers the slices' gradients (every rank gets the whole,
         replicated gradient)."""
-        start = sum(counts[: self.rank])
         if _records(replicated):
             return _OwnRows.apply(replicated, self, tuple(counts))
+        start = sum(counts[: self.rank])
         return replicated[start : start + counts[self.rank]]
 
     # ---- the plain collectives (no autograd) ----

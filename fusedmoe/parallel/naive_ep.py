@@ -164,9 +164,6 @@ class EPPrepareFinalize(PrepareFinalize):
         self.comm.check()
         if self._in_flight is not None:
             raise RuntimeError(f"{type(self).__name__}: prepare called twice without finalize")
-        requires_grad = requires_grad or (
-            torch.is_grad_enabled() and (a1.requires_grad or topk_weights.requires_grad)
-        )
         if requires_grad and quant_config is not None:
             raise ValueError(
                 "a forward that autograd records (training) through an EP dispatch of a "

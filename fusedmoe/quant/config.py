@@ -21,6 +21,7 @@ Schemes (weights x activations), each a name for `quantize_experts` and `FusedMo
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,9 @@ def check_scheme(scheme: object) -> str:
 
 
 def check_inference_only(
-    quant_config: FusedMoEQuantConfig | None, trains_experts: bool, input_requires_grad: bool
+    quant_config: FusedMoEQuantConfig | None,
+    expert_tensors: Iterable[torch.Tensor | None],
+    x: torch.Tensor,
 ) -> None:
     """Refuse a recorded forward that quantized experts cannot differentiate: no scheme has a
     backward through its quantized weights, and a scheme that quantizes the activations cuts
@@ -82,12 +85,12 @@ def check_inference_only(
     differentiates through the dequantized weights: frozen experts of a weight-only scheme with
     gradients for the input and the router (adapters trained around the layer), or any scheme
     with a gradient for the router logits alone."""
-    if quant_config is None:
+    if quant_config is None or not torch.is_grad_enabled():
         return
     scheme = quant_config.scheme
-    if trains_experts:
+    if any(t is not None and t.requires_grad for t in expert_tensors):
         why = "a weight or bias of the experts requires grad"
-    elif input_requires_grad and quant_config.a1.quantized:
+    elif x.requires_grad and quant_config.a1.quantized:
         why = f"the input requires grad, and {scheme} quantizes it (rounding has no gradient)"
     else:
         return

@@ -143,13 +143,15 @@ def eager_experts(
 
 
 @functools.lru_cache(maxsize=16)
-def _probe(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
+def _probe(device_type: str, index: int | None, dtype: torch.dtype, backward: bool) -> str | None:
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    a = torch.ones(4, 32, dtype=dtype, device=device)
-    w = torch.ones(2, 16, 32, dtype=dtype, device=device)
+    a = torch.ones(4, 32, dtype=dtype, device=device, requires_grad=backward)
+    w = torch.ones(2, 16, 32, dtype=dtype, device=device, requires_grad=backward)
     ends = torch.tensor([2, 4], dtype=torch.int32, device=device)
     try:
-        torch._grouped_mm(a, w.transpose(-2, -1), offs=ends)
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=ends)
+        if backward:
+            torch.autograd.grad(out, (a, w), torch.ones_like(out))
     except (RuntimeError, AttributeError, NotImplementedError, TypeError) as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
     return None
@@ -159,21 +161,7 @@ def grouped_mm_unavailable(device: torch.device, dtype: torch.dtype) -> str | No
     """None when torch._grouped_mm runs on `device` with `dtype` operands, else why not."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
-    return _probe(device.type, device.index, dtype)
-
-
-@functools.lru_cache(maxsize=16)
-def _probe_backward(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
-    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    a = torch.ones(4, 32, dtype=dtype, device=device, requires_grad=True)
-    w = torch.ones(2, 16, 32, dtype=dtype, device=device, requires_grad=True)
-    ends = torch.tensor([2, 4], dtype=torch.int32, device=device)
-    try:
-        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=ends)
-        torch.autograd.grad(out, (a, w), torch.ones_like(out))
-    except (RuntimeError, AttributeError, NotImplementedError, TypeError) as exc:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
-    return None
+    return _probe(device.type, device.index, dtype, False)
 
 
 def grouped_mm_backward_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -182,5 +170,5 @@ def grouped_mm_backward_unavailable(device: torch.device, dtype: torch.dtype) ->
     why = grouped_mm_unavailable(device, dtype)
     if why is not None:
         return why
-    why = _probe_backward(device.type, device.index, dtype)
+    why = _probe(device.type, device.index, dtype, True)
     return None if why is None else f"no backward: {why}"
