@@ -56,7 +56,6 @@ from tests.reference import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 H, I, E = 64, 48, 8  # I = 48: GEMM1's and GEMM2's tiles have masked tails
 
 QUANT_TOL = quant_tol(DEVICE)
@@ -579,21 +578,7 @@ def test_op_traces_under_torch_compile():
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-@pytest.mark.parametrize(
-    "entry",
-    [
-        pytest.param(
-            "fused_experts",
-            marks=pytest.mark.xfail(
-                TORCH_VERSION < (2, 13),
-                reason="torch 2.11's Dynamo cannot build MoEProblem's ActivationSpec "
-                "(functional.py) inside one graph",
-                strict=True,
-            ),
-        ),
-        "layer",
-    ],
-)
+@pytest.mark.parametrize("entry", ["fused_experts", "layer"])
 def test_fused_experts_fullgraph(entry):
     """fused_experts and FusedMoE with the triton backend compile in one graph: the id range
     check is skipped while tracing, the backend choice is host code, the op is opaque."""
@@ -864,8 +849,7 @@ def test_gpu_cuda_graph_replay(scheme):
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_gpu_torch_compile():
-    """Inductor: the custom op in one graph; fused_experts around it (in one graph from
-    torch 2.13, see test_fused_experts_fullgraph)."""
+    """Inductor: the custom op, and fused_experts around it, each in one graph."""
     spec, x, experts, weights, ids, _ = preset_problem("qwen3-30b-a3b", 64, None)
 
     def op(x, weights, ids):
@@ -876,7 +860,7 @@ def test_gpu_torch_compile():
 
     torch._dynamo.reset()
     compiled_op = torch.compile(op, fullgraph=True)
-    compiled_moe = torch.compile(moe, fullgraph=TORCH_VERSION >= (2, 13))
+    compiled_moe = torch.compile(moe, fullgraph=True)
     new_ids = torch.rand(64, spec.num_experts, device="cuda").argsort(1)[:, : spec.top_k].int()
     for routing in (ids, new_ids):  # same shapes, new routing: no stale specialisation
         eager = moe(x, weights, routing)

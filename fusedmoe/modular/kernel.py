@@ -65,6 +65,11 @@ class WorkspaceCache:
     retired: list[torch.Tensor] = field(default_factory=list)
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        if torch.compiler.is_compiling():
+            # A buffer kept across compiled calls would be a graph input the op mutates (CUDA
+            # graph trees then skip the whole graph) or, stored from inside the graph, an output
+            # the next replay overwrites. Inside a graph the allocator plans the memory anyway.
+            return torch.empty(shape, dtype=dtype, device=device)
         numel = 1
         for size in shape:
             numel *= size

@@ -141,7 +141,7 @@ class MoEProblem:
     intermediate_size: int
     num_experts: int  # global
     top_k: int
-    activation: ActivationSpec = ActivationSpec()
+    activation: ActivationSpec = field(default_factory=ActivationSpec)
     quant_config: FusedMoEQuantConfig | None = None
     has_bias: bool = False
     has_expert_map: bool = False
