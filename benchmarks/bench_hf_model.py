@@ -31,7 +31,10 @@ from CUDA graphs, the prompt's forward eager); the first generate() (compilation
 recording) is not timed. experts_graph_breaks: torch._dynamo.explain(module)(...) on the
 first MoE layer's experts module (fusedmoe, grouped_mm) or FusedMoEBlock (patched) with a
 one-token input: its graph_break_count, the number of breaks torch.compile takes inside that
-call (0: the experts compile into the decode graph); the first reason goes in the note.
+call, at least 1 when a fullgraph compile of the call fails (a break Dynamo cannot resume
+from skips the whole frame, and explain() does not count it); 0: the experts compile into
+the decode graph. The first reason goes in the note. Decode rows are the median of
+--repeats generate() calls after a warm-up one.
 An impl that fails writes its error in the note column; the others still run.
 """
 
@@ -184,17 +187,30 @@ def experts_graph_breaks(model: torch.nn.Module, impl: str) -> tuple[int | None,
     device = next(model.parameters()).device
     x = torch.randn(1, hidden, device=device, dtype=model.dtype)
     torch._dynamo.reset()
+    if impl == "patched":
+        call_args = (x.view(1, 1, hidden),)
+    else:
+        k = model.config.num_experts_per_tok
+        ids = torch.randperm(module.num_experts, device=device)[:k].view(1, k)
+        weights = torch.full((1, k), 1.0 / k, device=device, dtype=model.dtype)
+        call_args = (x, ids, weights)
     with torch.no_grad():
-        if impl == "patched":
-            explain = torch._dynamo.explain(module)(x.view(1, 1, hidden))
-        else:
-            k = model.config.num_experts_per_tok
-            ids = torch.randperm(module.num_experts, device=device)[:k].view(1, k)
-            weights = torch.full((1, k), 1.0 / k, device=device, dtype=model.dtype)
-            explain = torch._dynamo.explain(module)(x, ids, weights)
+        explain = torch._dynamo.explain(module)(*call_args)
+        # explain() does not count a break Dynamo cannot resume from (it then skips the whole
+        # frame): a fullgraph compile of the same call is the check that sees those too
+        torch._dynamo.reset()
+        try:
+            torch.compile(module, fullgraph=True, backend="eager")(*call_args)
+            fullgraph_error = ""
+        except Exception as exc:  # a graph break, whatever its kind
+            fullgraph_error = str(exc).strip().splitlines()[0][:160] if str(exc) else repr(exc)
     torch._dynamo.reset()
     reasons = [str(getattr(r, "reason", r)).splitlines()[0][:160] for r in explain.break_reasons]
-    return explain.graph_break_count, (f"first break: {reasons[0]}" if reasons else "")
+    breaks = explain.graph_break_count
+    if fullgraph_error:
+        breaks = max(breaks, 1)
+        reasons = reasons or [fullgraph_error]
+    return breaks, (f"first break: {reasons[0]}" if reasons else "")
 
 
 def run_eager_row(base, impl: str, args, prefill_ids, prompt, reference: dict) -> dict:
@@ -209,7 +225,7 @@ def run_eager_row(base, impl: str, args, prefill_ids, prompt, reference: dict) -
             model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
                            do_sample=False)  # fmt: skip
 
-        decode_ms = timed(generate, 1) / args.decode
+        decode_ms = timed(generate, args.repeats) / args.decode
     return dict(
         prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
         decode_ms_per_token=round(decode_ms, 3), max_abs_logit_diff_vs_eager=diff, note=note,
@@ -232,7 +248,7 @@ def run_compiled_row(base, impl: str, args, prompt) -> dict:
             model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
                            do_sample=False)  # fmt: skip
 
-        decode_ms = timed(generate, 2) / args.decode
+        decode_ms = timed(generate, args.repeats) / args.decode
     return dict(decode_ms_per_token=round(decode_ms, 3), experts_graph_breaks=breaks, note=note)
 
 

@@ -249,11 +249,11 @@ def fused_experts(
         x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
         expert_map is not None, grad, backend,
     )  # fmt: skip
-    topk_weights = topk_weights.float()
 
     def experts(kernel, x, topk_weights, topk_ids):
+        # float32 weights: under a graph the cast is one of its launches, not a host call
         out = kernel.forward(
-            x, weights, topk_weights, topk_ids,
+            x, weights, topk_weights.float(), topk_ids,
             activation=spec, global_num_experts=num_global, expert_map=expert_map,
             apply_router_weight_on_input=apply_router_weight_on_input, quant_config=quant_config,
         )  # fmt: skip
@@ -264,7 +264,7 @@ def fused_experts(
         # the captured launches read the weights, the map and the scales by address
         tensors = (w13, w2, w13_bias, w2_bias, expert_map)
         key = (
-            topk_ids.dtype, apply_router_weight_on_input,
+            topk_weights.dtype, topk_ids.dtype, apply_router_weight_on_input,
             *(0 if t is None else t.data_ptr() for t in tensors),
         )  # fmt: skip
         replayed = cache.run(

@@ -179,6 +179,73 @@ def test_transformers_paths_make_no_host_sync():
             model(ids)  # the whole model runs too
 
 
+def _tiny_hf_model(transformers, name: str):
+    torch.manual_seed(5)
+    if name == "qwen3":
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=128, hidden_size=H, intermediate_size=512, moe_intermediate_size=I,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+        )  # fmt: skip
+        cls = transformers.Qwen3MoeForCausalLM
+    else:  # grouped top-k, correction bias, shared expert
+        config = transformers.DeepseekV3Config(
+            vocab_size=128, hidden_size=H, intermediate_size=512, moe_intermediate_size=I,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+            n_routed_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2,
+            n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=0,
+            norm_topk_prob=True,
+        )  # fmt: skip
+        cls = transformers.DeepseekV3ForCausalLM
+    model = cls(config).to("cuda", torch.bfloat16).eval()
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            module.e_score_correction_bias = 0.1 * torch.randn_like(bias, dtype=torch.float32)
+    return model
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("impl", ["registered", "patched"])
+def test_transformers_generate_compiles_into_cuda_graphs(name, impl):
+    """generate() with a static cache compiles the decode step (fullgraph, reduce-overhead):
+    the experts compile into that one graph (a graph break raises under fullgraph), CUDA graph
+    trees take it (no skip), and the replayed steps give eager's tokens and logits."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    import fusedmoe.integrations.transformers as hf
+
+    model = _tiny_hf_model(transformers, name)
+    if impl == "patched":
+        report = hf.patch(model)
+        assert report.replaced and not report.skipped, report
+    else:
+        model.set_experts_implementation("fusedmoe")
+    ids = torch.randint(0, 128, (1, 7), device="cuda")
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    with torch.inference_mode():
+        eager = model.generate(ids, **kwargs)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = transformers.CompileConfig(
+        fullgraph=True, mode="reduce-overhead"
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch.inference_mode():
+            for _ in range(3):  # compile, record, replay
+                compiled = model.generate(ids, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for step_compiled, step_eager in zip(compiled.logits, eager.logits, strict=True):
+        assert_close(step_compiled.float(), step_eager.float(), torch.bfloat16)
+
+
 def test_graph_replay_matches_eager_and_follows_the_weights():
     """Decode calls replay CUDA graphs (fusedmoe.modular.graphs): the same result as eager
     launches for every token count of a bucket, in-place weight writes show through, a new

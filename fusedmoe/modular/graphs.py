@@ -12,8 +12,9 @@ replays it after:
               (compiles kernels, grows workspaces); capture into a pool shared by every graph
               of the process (one graph replays at a time on a stream, so their scratch can
               overlap); a capture that fails marks the key and the call runs eagerly
-    later   : copy the inputs into rows [0, M) of the static ones, replay, clone rows [0, M)
-              of the static outputs (2-3 copies + one replay, whatever the pipeline launches)
+    later   : copy the inputs into rows [0, M) of the static ones (one foreach copy), replay,
+              clone rows [0, M) of the static outputs: three host calls, whatever the
+              pipeline launches
 
 Rows [M, bucket) hold the inputs of an earlier call (zeros at first): they are computed and
 thrown away. No row may depend on another: every token is routed on its own, and the callers
@@ -68,6 +69,18 @@ def bucket_of(num_tokens: int) -> int:
 class _Graph:
     def __init__(self, graph, inputs: list[torch.Tensor], outputs: tuple) -> None:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
+        self._rows: dict[int, tuple[list[torch.Tensor], tuple]] = {}
+
+    def rows(self, num_tokens: int) -> tuple[list[torch.Tensor], tuple]:
+        """Rows [0, num_tokens) of the static inputs and outputs, as views made once (a slice
+        is a dispatcher call, and a replay is only a handful of them)."""
+        views = self._rows.get(num_tokens)
+        if views is None:
+            views = self._rows[num_tokens] = (
+                [t[:num_tokens] for t in self.inputs],
+                tuple(None if out is None else out[:num_tokens] for out in self.outputs),
+            )
+        return views
 
 
 class GraphCache:
@@ -105,11 +118,11 @@ class GraphCache:
             self._graphs.move_to_end(full_key)
         if entry is None:
             return None
-        for static, given in zip(entry.inputs, inputs, strict=True):
-            static[:num_tokens].copy_(given)
+        static_inputs, static_outputs = entry.rows(num_tokens)
+        torch._foreach_copy_(static_inputs, list(inputs))  # one call for every input
         entry.graph.replay()
         self.replays += 1
-        return tuple(None if out is None else out[:num_tokens].clone() for out in entry.outputs)
+        return tuple(None if out is None else out.clone() for out in static_outputs)
 
     def _capture(self, fn, inputs, bucket) -> _Graph | None:
         device = inputs[0].device
