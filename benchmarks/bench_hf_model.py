@@ -22,7 +22,8 @@ Each implementation runs the same weights and inputs:
 
 Rows, mode "eager" (every impl): prefill = one forward of [1, prefill] tokens; decode = ms per
 token of greedy generation of `decode` tokens after a 16-token prompt (dynamic KV cache, the
-prompt's forward included); logits compared with the eager impl's (max abs diff).
+prompt's forward included); logits compared with the first impl's (max abs diff). Medians of
+--repeats rounds in which the impls take turns (run_eager_rows), after a warm-up of each.
 Rows, mode "static+compile" (grouped_mm, fusedmoe, patched; --no-compile skips them): the same
 generation with a static KV cache, which transformers' generate() compiles on its own
 (generation_config.cache_implementation = "static", compile_config = CompileConfig(
@@ -213,23 +214,54 @@ def experts_graph_breaks(model: torch.nn.Module, impl: str) -> tuple[int | None,
     return breaks, (f"first break: {reasons[0]}" if reasons else "")
 
 
-def run_eager_row(base, impl: str, args, prefill_ids, prompt, reference: dict) -> dict:
-    model, note = prepare(base, impl)
+def _once(fn) -> float:
+    """Milliseconds of one fn() on the GPU."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
+    """impl -> its eager row values. Every impl is built and warmed up first, then the timed
+    calls take turns (prefill, then a generate(), impl after impl, `repeats` rounds): a host
+    that drifts during the run (clocks, neighbours) moves every impl's figures alike, so their
+    ratios hold even where the absolute figures do not."""
+
+    def generate(model):
+        model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
+                       do_sample=False)  # fmt: skip
+
+    models, values, reference = {}, {}, None
     with torch.inference_mode():
-        logits = model(prefill_ids).logits.float()
-        reference.setdefault("logits", logits)
-        diff = float((logits - reference["logits"]).abs().max())
-        prefill_ms = timed(lambda: model(prefill_ids), args.repeats)
-
-        def generate():
-            model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
-                           do_sample=False)  # fmt: skip
-
-        decode_ms = timed(generate, args.repeats) / args.decode
-    return dict(
-        prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
-        decode_ms_per_token=round(decode_ms, 3), max_abs_logit_diff_vs_eager=diff, note=note,
-    )  # fmt: skip
+        for impl in args.impls:
+            try:
+                model, note = prepare(base, impl)
+                logits = model(prefill_ids).logits.float()
+                reference = logits if reference is None else reference
+                diff = float((logits - reference).abs().max())
+                generate(model)  # warm-up: kernels compiled, decode graphs captured
+            except Exception as exc:  # one impl failing must not end the run
+                values[impl] = dict(note=_failure(exc))
+                continue
+            models[impl] = model
+            values[impl] = dict(max_abs_logit_diff_vs_eager=diff, note=note)
+        prefill = {impl: [] for impl in models}
+        decode = {impl: [] for impl in models}
+        for _ in range(args.repeats):
+            for impl, model in models.items():
+                prefill[impl].append(_once(lambda model=model: model(prefill_ids)))
+                decode[impl].append(_once(lambda model=model: generate(model)) / args.decode)
+    for impl in models:
+        prefill_ms = statistics.median(prefill[impl])
+        values[impl].update(
+            prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
+            decode_ms_per_token=round(statistics.median(decode[impl]), 3),
+        )  # fmt: skip
+    models.clear()
+    torch.cuda.empty_cache()
+    return values
 
 
 def run_compiled_row(base, impl: str, args, prompt) -> dict:
@@ -280,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument(
         "--no-compile", action="store_true", help="skip the static-cache torch.compile rows"
@@ -294,13 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     base = build_model(args.model, args.layers, "cuda")
     prefill_ids = torch.randint(0, base.config.vocab_size, (1, args.prefill), device="cuda")
     prompt = prefill_ids[:, :PROMPT]
-    rows, reference = [], {}
-    for impl in args.impls:
-        try:
-            values = run_eager_row(base, impl, args, prefill_ids, prompt, reference)
-        except Exception as exc:  # one impl failing must not end the run
-            values = dict(note=_failure(exc))
-        torch.cuda.empty_cache()  # the impl's copy of the model is gone
+    rows = []
+    for impl, values in run_eager_rows(base, args, prefill_ids, prompt).items():
         rows.append(_row(args.model, impl, "eager", **values))
         print(rows[-1], file=sys.stderr, flush=True)
     if not args.no_compile:

@@ -56,6 +56,20 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     return has_triton() and (t.is_cuda or (t.device.type == "cpu" and interpreting()))
 
 
+# ---- host arithmetic of launches ----
+# Newer Triton makes triton.cdiv and triton.next_power_of_2 constexpr functions: callable from
+# host code, but through a wrapper that costs microseconds a call, and a call path computes
+# several. These are the same integers.
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b), as triton.cdiv."""
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for n <= 0), as triton.next_power_of_2."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 # ---- launching ----
 
 _STATS: dict[str, object] = {"fast": 0, "slow": 0}

@@ -23,7 +23,7 @@ from fusedmoe.modular import (
     TopKWeightAndReduceNoOp,
     WorkspaceShapes,
 )
-from fusedmoe.modular.kernel import CHUNK_SIZE_ENV
+from fusedmoe.modular.kernel import CHUNK_SIZE_ENV, WorkspaceCache, shared_workspaces
 from tests.helpers import assert_close, assert_equal, poison_
 from tests.reference import experts_ref, random_experts, reference, softmax_topk_ref
 
@@ -127,14 +127,17 @@ def test_workspaces_reused_between_calls():
         )
         assert_close(out, reference(x, experts, weights, ids), what=f"M={num_tokens}")
 
-    def pointers():
-        return {key: buf.data_ptr() for key, buf in kernel.workspaces.buffers.items()}
+    def pointers():  # the workspaces of these calls (the cache is shared process-wide)
+        buffers = kernel.workspaces.buffers.items()
+        return {k: b.data_ptr() for k, b in buffers if k[1:3] == (x_device, torch.float32)}
+
+    x_device = torch.device("cpu")
 
     call(16)
     steady = pointers()
     assert len(steady) == 3  # workspace13, workspace2, the per-slot output
     for buf in kernel.workspaces.buffers.values():
-        poison_(buf)  # stale contents must never leak into a later result
+        poison_(buf)  # stale contents (of any earlier call) must never leak into a result
     call(16)
     call(5)
     assert pointers() == steady
@@ -155,6 +158,43 @@ def test_layer_reuses_workspaces():
     assert before
     layer(torch.randn(16, H), torch.randn(16, E))
     assert {k: b.data_ptr() for k, b in kernel.workspaces.buffers.items()} == before
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@torch.inference_mode()
+def test_layers_share_one_set_of_workspaces(backend):
+    """A model's layers hold one set of workspaces between them, not one each; taking turns on
+    it, every layer still computes its own function (each call writes what it reads)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(11)
+    layers = [FusedMoE(E, 2, H, I, params_dtype=torch.float32, backend=backend) for _ in range(3)]
+    kernels = [layer._kernel(torch.device("cpu"), torch.float32, False)[1] for layer in layers]
+    assert all(k.workspaces is shared_workspaces() for k in kernels)
+    x = torch.randn(9, H)
+    for num_tokens in (9, 3, 9):  # calls of other sizes in between
+        for layer in layers:
+            logits = torch.randn(num_tokens, E)
+            out = layer(x[:num_tokens], logits)
+            weights, ids = layer.router.select_experts(x[:num_tokens], logits)
+            expected = experts_ref(
+                x[:num_tokens].double(), layer.w13_weight.double(), layer.w2_weight.double(),
+                weights, ids,
+            )  # fmt: skip
+            assert_close(out, expected, what=f"M={num_tokens}")
+
+
+def test_a_kernel_may_keep_workspaces_of_its_own():
+    own = WorkspaceCache()
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), TorchExperts(), workspaces=own)
+    assert kernel.workspaces is own and own is not shared_workspaces()
+    assert FusedMoEModularKernel(
+        NoEPPrepareFinalize(), TorchExperts(), retain_workspaces=True
+    ).workspaces is shared_workspaces(retain=True)
+    with pytest.raises(ValueError, match="retain"):
+        FusedMoEModularKernel(
+            NoEPPrepareFinalize(), TorchExperts(), retain_workspaces=True, workspaces=own
+        )
 
 
 # ---- TopKWeightAndReduce ----------------------------------------------------------------------

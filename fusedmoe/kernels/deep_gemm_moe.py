@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import op_or_impl
+from fusedmoe._triton import cdiv, next_power_of_2, op_or_impl
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
@@ -180,8 +180,8 @@ def permute_contiguous(
     m_indices = torch.empty(m_sum, dtype=torch.int32, device=a.device)
     inv_perm = torch.empty(max(num_slots, 1), dtype=torch.int32, device=a.device)
     if m_sum > 0:
-        block_k = min(_COLS, triton.next_power_of_2(k))
-        grid = (triton.cdiv(m_sum, _PERMUTE_ROWS), triton.cdiv(k, block_k))
+        block_k = min(_COLS, next_power_of_2(k))
+        grid = (cdiv(m_sum, _PERMUTE_ROWS), cdiv(k, block_k))
         scale_args = (a_scale, *a_scale.stride(), s_perm, *s_perm.stride())
         if a_scale is None:
             scale_args = (a, 0, 0, a_perm, 0, 0)
@@ -202,7 +202,7 @@ def permute_contiguous(
                 HAS_SCALE=a_scale is not None,
                 BLOCK_R=_PERMUTE_ROWS,
                 BLOCK_K=block_k,
-                BLOCK_G=triton.next_power_of_2(groups),
+                BLOCK_G=next_power_of_2(groups),
                 num_warps=4,
             )  # fmt: skip
     return ContiguousLayout(

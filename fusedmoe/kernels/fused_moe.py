@@ -22,10 +22,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
-from fusedmoe._triton import launch, op_or_impl
+from fusedmoe._triton import cdiv, launch, next_power_of_2, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
@@ -107,7 +106,7 @@ def _a2_buffers(workspace2, num_slots, width, a2_mode, dtype):
     if out_mode == g.OUT_FP32:  # zeros: the rows of slots not routed here stay out of any amax
         return torch.zeros((num_slots, width), dtype=torch.float32, device=workspace2.device), None
     q_bytes = (num_slots * width + 15) // 16 * 16
-    groups = triton.cdiv(width, g.QUANT_GROUP)
+    groups = cdiv(width, g.QUANT_GROUP)
     if q_bytes + num_slots * groups * 4 > workspace2.numel() * workspace2.element_size():
         q = torch.empty((num_slots, width), dtype=FP8_DTYPE, device=workspace2.device)
         scales = torch.empty((num_slots, groups), dtype=torch.float32, device=q.device)
@@ -188,7 +187,7 @@ def launch_gemm(
     k = a.shape[1]
     act_code = g.ACT_NONE if activation is None else _ACT_CODES[activation]
     alpha, beta, limit, has_limit = params
-    grid = (rows.num_blocks * triton.cdiv(n_out, config.block_n),)
+    grid = (rows.num_blocks * cdiv(n_out, config.block_n),)
     dummy = rows.ids
     exact = a.dtype == torch.float32 or not a.is_cuda  # no tf32 (the interpreter dots in fp32)
     interleaved = activation is MoEActivation.SWIGLUOAI
@@ -384,8 +383,8 @@ def moe_sum(
     if num_tokens == 0:
         return
     num_ids = num_local_experts if expert_map is None else expert_map.shape[0]
-    block_h = min(_SUM_BLOCK_H, triton.next_power_of_2(hidden))
-    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    block_h = min(_SUM_BLOCK_H, next_power_of_2(hidden))
+    grid = (num_tokens, cdiv(hidden, block_h))
     w = topk_ids if topk_weights is None else topk_weights
     args = (
         y, y.stride(0), y.stride(1),

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import launch
+from fusedmoe._triton import cdiv, launch, next_power_of_2
 
 __all__ = ["AlignedRouting", "aligned_sizes", "moe_align_block_size", "moe_align_block_size_torch"]
 
@@ -56,7 +56,7 @@ class AlignedRouting:
 def aligned_sizes(num_slots: int, num_local_experts: int, block_m: int) -> tuple[int, int]:
     """(max_padded, max_blocks) for S slots: the most rows and blocks any routing can need."""
     rows = min(num_slots * block_m, num_slots + num_local_experts * (block_m - 1))
-    blocks = triton.cdiv(rows, block_m)
+    blocks = cdiv(rows, block_m)
     return blocks * block_m, blocks
 
 
@@ -238,9 +238,9 @@ def moe_align_block_size(
         num_post.zero_()
         return routing
     ids = topk_ids.reshape(-1)
-    chunk = min(chunk, triton.next_power_of_2(num_slots))
-    num_programs = triton.cdiv(num_slots, chunk)
-    e_pad = triton.next_power_of_2(num_local_experts + 1)  # + the bin of slots not routed here
+    chunk = min(chunk, next_power_of_2(num_slots))
+    num_programs = cdiv(num_slots, chunk)
+    e_pad = next_power_of_2(num_local_experts + 1)  # + the bin of slots not routed here
     counts = torch.empty((num_programs, e_pad), dtype=torch.int32, device=device)
     base = torch.empty_like(counts)
     shift = torch.empty_like(counts)
@@ -262,7 +262,7 @@ def moe_align_block_size(
             )
             launch(_align_single_kernel, (1,), args, constexprs, on_cuda)
             return routing
-        fill = triton.cdiv(max_padded, num_programs)
+        fill = cdiv(max_padded, num_programs)
         args = (
             ids, expert_map_arg, num_ids, counts, sorted_ids, num_slots, num_local_experts,
             max_padded, fill,
@@ -302,7 +302,7 @@ def moe_align_block_size_torch(
             rows_of[local].append(slot)
     sorted_ids, expert_ids = [], []
     for expert, rows in enumerate(rows_of):
-        blocks = triton.cdiv(len(rows), block_m)
+        blocks = cdiv(len(rows), block_m)
         sorted_ids += rows + [num_slots] * (blocks * block_m - len(rows))
         expert_ids += [expert] * blocks
     num_post = len(sorted_ids)

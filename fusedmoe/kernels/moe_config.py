@@ -23,9 +23,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import triton
-
 from fusedmoe._paths import CACHE_ENV, user_tuned_dir
+from fusedmoe._triton import next_power_of_2
 
 __all__ = [
     "TUNED_CONFIGS_ENV",
@@ -243,8 +242,8 @@ def _fit(config: GemmConfig, n: int, k: int) -> GemmConfig:
     """Shrink the tile to small shapes (tl.dot needs at least 16 along each dimension)."""
     block_k = config.block_k
     if block_k != 128:  # 128 stays for the block scales
-        block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+        block_k = max(16, min(block_k, next_power_of_2(k)))
     block_n = config.block_n
     if block_n % 128:
-        block_n = max(16, min(block_n, triton.next_power_of_2(n)))
+        block_n = max(16, min(block_n, next_power_of_2(n)))
     return GemmConfig(block_n, block_k, config.group_m, config.num_warps, config.num_stages)

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import launch
+from fusedmoe._triton import cdiv, launch, next_power_of_2
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, device_name, launch_gemm, moe_sum
@@ -359,7 +359,7 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, backward=Fal
     mul = backward and weights is not None
     num_ids = num_local if expert_map is None else expert_map.shape[0]
     ids = topk_ids.reshape(-1)
-    grid = (triton.cdiv(num_slots, _ROWS_BLOCK_R),)
+    grid = (cdiv(num_slots, _ROWS_BLOCK_R),)
     args = (
         h, h.stride(0), h.stride(1),
         ga, ga.stride(0), ga.stride(1),
@@ -381,7 +381,7 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, backward=Fal
         STORE_DW=dw is not None,
         STORE_DH=dh is not None,
         BLOCK_R=_ROWS_BLOCK_R,
-        BLOCK_C=min(_ROWS_BLOCK_C, triton.next_power_of_2(width)),
+        BLOCK_C=min(_ROWS_BLOCK_C, next_power_of_2(width)),
         num_warps=4,
     )
     launch(_act_rows_kernel, grid, args, constexprs, h.is_cuda)
@@ -407,8 +407,8 @@ def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bo
     routing = rows.routing
     block_n, block_k, warps, stages, trans = tile or _WGRAD_TILE
     if k < block_k:  # a bias gradient: one narrow column tile
-        block_k, trans = max(16, triton.next_power_of_2(k)), False
-    grid = (num_local * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
+        block_k, trans = max(16, next_power_of_2(k)), False
+    grid = (num_local * cdiv(n, block_n) * cdiv(k, block_k),)
     upcast = not left.is_cuda or left.dtype != right.dtype
     args = (
         left, left.stride(0), left.stride(1),

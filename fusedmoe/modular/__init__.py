@@ -1,7 +1,7 @@
 """The seams of the modular kernel: prepare/finalize, experts, reduce, and their composition."""
 
 from fusedmoe.modular.experts import Experts
-from fusedmoe.modular.kernel import FusedMoEModularKernel, WorkspaceCache
+from fusedmoe.modular.kernel import FusedMoEModularKernel, WorkspaceCache, shared_workspaces
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize, PrepareFinalize
 from fusedmoe.modular.reduce import (
     TopKWeightAndReduce,
@@ -34,4 +34,5 @@ __all__ = [
     "TopKWeightAndReduceNoOp",
     "WorkspaceCache",
     "WorkspaceShapes",
+    "shared_workspaces",
 ]

@@ -43,7 +43,8 @@ import torch
 GRAPHS_ENV = "FUSEDMOE_CUDA_GRAPHS"
 DEFAULT_MAX_TOKENS = 256
 _MAX_GRAPHS = 512  # per cache, least recently used first out
-_POOLS: dict[int, object] = {}  # device index -> the graph memory pool all caches share
+#: device index -> (the graph memory pool all caches share, the stream they capture on)
+_POOLS: dict[int, tuple[object, torch.cuda.Stream]] = {}
 
 
 def graphs_enabled() -> bool:
@@ -133,18 +134,21 @@ class GraphCache:
                 static[: given.shape[0]].copy_(given)
                 statics.append(static)
             try:
-                side = torch.cuda.Stream(device)
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                if index not in _POOLS:
+                    _POOLS[index] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+                pool, side = _POOLS[index]
+                # warm-up and capture on one stream: the workspaces (kept per stream) that the
+                # warm-up grows are the ones the capture records
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     fn(*statics)  # compiles, fills every cache, grows the workspaces
                 torch.cuda.current_stream(device).wait_stream(side)
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                pool = _POOLS.get(index)
-                if pool is None:
-                    pool = _POOLS[index] = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: a capture here does not break CUDA calls of other threads
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=side, capture_error_mode="thread_local"
+                ):
                     outputs = fn(*statics)
             except torch.OutOfMemoryError:
                 raise

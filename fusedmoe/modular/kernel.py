@@ -55,12 +55,19 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 @dataclass
 class WorkspaceCache:
-    """Grow-only buffers, one per role, reused across calls (no allocation at steady state).
+    """Grow-only buffers, one per (role, device, dtype, CUDA stream), reused across calls (no
+    allocation at steady state).
+
+    Calls on one stream run one after another, so every kernel of a process may share one
+    cache (`shared_workspaces`, what FusedMoEModularKernel takes by default): a model's layers
+    then hold one set of workspaces, not one each (a 48-layer model prefilling a 32k-token
+    chunk would otherwise keep ~1.5 GB per layer). Calls on other streams get buffers of their
+    own; calls from several threads on one stream at once must not share a cache.
 
     retain: keep the buffers a larger one replaced (a CUDA graph captured with the smaller one
     still writes to its address: it must never be freed and handed to someone else)."""
 
-    buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
     retain: bool = False
     retired: list[torch.Tensor] = field(default_factory=list)
 
@@ -73,7 +80,8 @@ class WorkspaceCache:
         numel = 1
         for size in shape:
             numel *= size
-        key = (role, device, dtype)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (role, device, dtype, stream)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             if buf is not None and self.retain:
@@ -81,6 +89,15 @@ class WorkspaceCache:
             buf = _empty(max(numel, 1), dtype, device)
             self.buffers[key] = buf
         return buf[:numel].view(shape)
+
+
+_SHARED = {False: WorkspaceCache(), True: WorkspaceCache(retain=True)}
+
+
+def shared_workspaces(retain: bool = False) -> WorkspaceCache:
+    """The process-wide workspaces every modular kernel uses unless given its own: one cache for
+    eager calls, one (retain=True) for calls CUDA graphs capture."""
+    return _SHARED[retain]
 
 
 class FusedMoEModularKernel:
@@ -91,14 +108,20 @@ class FusedMoEModularKernel:
         *,
         chunk_size: int | None = None,
         retain_workspaces: bool = False,
+        workspaces: WorkspaceCache | None = None,
     ) -> None:
-        """retain_workspaces: never free a workspace (for a kernel that CUDA graphs capture)."""
+        """retain_workspaces: never free a workspace (for a kernel that CUDA graphs capture).
+        workspaces: a cache of the kernel's own (default: the process-wide shared_workspaces)."""
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.chunk_size = default_chunk_size() if chunk_size is None else chunk_size
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
-        self.workspaces = WorkspaceCache(retain=retain_workspaces)
+        if workspaces is None:
+            workspaces = shared_workspaces(retain_workspaces)
+        elif retain_workspaces and not workspaces.retain:
+            raise ValueError("retain_workspaces needs a WorkspaceCache(retain=True)")
+        self.workspaces = workspaces
 
     def forward(
         self,

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import op_or_impl, triton_runs_on
+from fusedmoe._triton import cdiv, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.activation import (
     OAI_ALPHA,
     OAI_LIMIT,
@@ -289,15 +289,15 @@ def quant_kernel_config(
     override = _override.get()
     if override is not None:
         return override
-    block_g = triton.next_power_of_2(group_size)
-    groups = min(triton.next_power_of_2(num_groups), max(1, _COLS_PER_PROGRAM // block_g))
+    block_g = next_power_of_2(group_size)
+    groups = min(next_power_of_2(num_groups), max(1, _COLS_PER_PROGRAM // block_g))
     tile = _TILE if on_gpu else _INTERPRETER_TILE
-    block_m = min(triton.next_power_of_2(max(num_rows, 1)), max(1, tile // (groups * block_g)))
+    block_m = min(next_power_of_2(max(num_rows, 1)), max(1, tile // (groups * block_g)))
     if not on_gpu:
         return QuantKernelConfig(block_m=block_m, groups_per_program=groups, num_warps=4)
 
     def programs() -> int:
-        return triton.cdiv(num_rows, block_m) * triton.cdiv(num_groups, groups)
+        return cdiv(num_rows, block_m) * cdiv(num_groups, groups)
 
     while programs() < _MIN_PROGRAMS and block_m * groups * block_g > _MIN_TILE:
         if block_m > 1:
@@ -381,7 +381,7 @@ def _launch_group_quant(
         return q, scales
     num_groups = scales.shape[1]
     cfg = quant_kernel_config(m, num_groups, group_size, x.is_cuda)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(num_groups, cfg.groups_per_program))
+    grid = (cdiv(m, cfg.block_m), cdiv(num_groups, cfg.groups_per_program))
     with _device_guard(x):
         _group_quant_fp8_kernel[grid](
             x, x.stride(0), x.stride(1),
@@ -389,7 +389,7 @@ def _launch_group_quant(
             scales, scales.stride(0), scales.stride(1),
             m, k, num_groups,
             GROUP_SIZE=group_size,
-            BLOCK_G=triton.next_power_of_2(group_size),
+            BLOCK_G=next_power_of_2(group_size),
             BLOCK_M=cfg.block_m,
             GROUPS_PER_PROGRAM=cfg.groups_per_program,
             SCALE_FORMAT=scale_format,
@@ -483,7 +483,7 @@ def act_mul_group_quant_fp8_impl(
         return q, scales
     num_groups = scales.shape[1]
     cfg = quant_kernel_config(m, num_groups, group_size, h.is_cuda)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(num_groups, cfg.groups_per_program))
+    grid = (cdiv(m, cfg.block_m), cdiv(num_groups, cfg.groups_per_program))
     with _device_guard(h):
         _act_mul_group_quant_fp8_kernel[grid](
             h, h.stride(0), h.stride(1),
@@ -494,7 +494,7 @@ def act_mul_group_quant_fp8_impl(
             ACTIVATION=ACTIVATION_CODE[MoEActivation(activation)],
             HAS_LIMIT=has_limit,
             GROUP_SIZE=group_size,
-            BLOCK_G=triton.next_power_of_2(group_size),
+            BLOCK_G=next_power_of_2(group_size),
             BLOCK_M=cfg.block_m,
             GROUPS_PER_PROGRAM=cfg.groups_per_program,
             SCALE_FORMAT=(_UE8M0 if use_ue8m0 else _FLOAT32).value,

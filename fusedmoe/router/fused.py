@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fusedmoe._checks import check_positive_int, check_shape, check_tensor
-from fusedmoe._triton import launch, op_or_impl, triton_runs_on
+from fusedmoe._triton import cdiv, launch, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.router.base import ScoringFunc
 from fusedmoe.router.grouped import check_groups
 
@@ -212,7 +212,7 @@ def routing_kernel_config(
     that a decode row of up to 256 experts reduces inside one warp), or on the interpreter as
     many rows as fit _INTERPRETER_TILE (few programs)."""
     tile = _GPU_TILE if on_gpu else _INTERPRETER_TILE
-    block_m = min(triton.next_power_of_2(max(num_tokens, 1)), max(1, tile // padded_experts))
+    block_m = min(next_power_of_2(max(num_tokens, 1)), max(1, tile // padded_experts))
     num_warps = max(1, min(4, block_m * padded_experts // 256))
     return RoutingKernelConfig(block_m=block_m, num_warps=num_warps)
 
@@ -243,7 +243,7 @@ def _launch(
     if num_tokens == 0:
         return weights, ids
     group_size = num_experts // num_groups
-    g_pad, s_pad = triton.next_power_of_2(num_groups), triton.next_power_of_2(group_size)
+    g_pad, s_pad = next_power_of_2(num_groups), next_power_of_2(group_size)
     cfg = routing_kernel_config(num_tokens, g_pad * s_pad, logits.is_cuda)
     guard = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
     with guard:
@@ -264,11 +264,11 @@ def _launch(
             BLOCK_M=cfg.block_m,
             G_PAD=g_pad,
             S_PAD=s_pad,
-            K_PAD=triton.next_power_of_2(top_k),
+            K_PAD=next_power_of_2(top_k),
             num_warps=cfg.num_warps,
         )
         launch(
-            _route_kernel, (triton.cdiv(num_tokens, cfg.block_m),), args, constexprs,
+            _route_kernel, (cdiv(num_tokens, cfg.block_m),), args, constexprs,
             logits.is_cuda,
         )  # fmt: skip
     return weights, ids
