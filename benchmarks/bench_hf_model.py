@@ -28,14 +28,14 @@ Rows, mode "static+compile" (grouped_mm, fusedmoe, patched; --no-compile skips t
 generation with a static KV cache, which transformers' generate() compiles on its own
 (generation_config.cache_implementation = "static", compile_config = CompileConfig(
 fullgraph=False, mode="reduce-overhead"): the decode steps run torch.compile'd and replayed
-from CUDA graphs, the prompt's forward eager); the first generate() (compilation, graph
-recording) is not timed. experts_graph_breaks: torch._dynamo.explain(module)(...) on the
-first MoE layer's experts module (fusedmoe, grouped_mm) or FusedMoEBlock (patched) with a
-one-token input: its graph_break_count, the number of breaks torch.compile takes inside that
-call, at least 1 when a fullgraph compile of the call fails (a break Dynamo cannot resume
-from skips the whole frame, and explain() does not count it); 0: the experts compile into
-the decode graph. The first reason goes in the note. Decode rows are the median of
---repeats generate() calls after a warm-up one.
+from CUDA graphs, the prompt's forward eager); the first two generate() calls (compilation, graph
+recording) are not timed, and the impls take turns as in the eager rows.
+experts_graph_breaks: torch._dynamo.explain(module)(...) on the first MoE layer's experts
+module (fusedmoe, grouped_mm) or FusedMoEBlock (patched) with a one-token input: its
+graph_break_count, the number of breaks torch.compile takes inside that call, at least 1 when
+a fullgraph compile of the call fails (a break Dynamo cannot resume from skips the whole frame,
+and explain() does not count it); 0: the experts compile into the decode graph. The first
+reason goes in the note.
 An impl that fails writes its error in the note column; the others still run.
 """
 
@@ -138,19 +138,6 @@ def describe(name: str, layers: int) -> str:
         f"{s['num_experts_per_tok']} in {s['topk_group']} of {s['n_group']} groups, 1 shared "
         "expert, MLA), bf16"
     )
-
-
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of fn() on the GPU, after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def prepare(base: torch.nn.Module, impl: str) -> tuple[torch.nn.Module, str]:
@@ -264,24 +251,51 @@ def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
     return values
 
 
-def run_compiled_row(base, impl: str, args, prompt) -> dict:
-    """Greedy decode with a static KV cache, generate()'s own torch.compile (reduce-overhead)."""
+def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
+    """impl -> its static+compile row: greedy decode with a static KV cache and generate()'s own
+    torch.compile (reduce-overhead). Each impl compiles and records its graphs first (two
+    generate() calls), then the timed calls take turns as in run_eager_rows."""
     from transformers import CompileConfig
 
-    model, note = prepare(base, impl)
-    breaks, why = experts_graph_breaks(model, impl)
-    note = "; ".join(n for n in (note, why) if n)
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.compile_config = CompileConfig(fullgraph=False, mode="reduce-overhead")
-    torch._dynamo.reset()  # each impl compiles afresh, within the recompile limit
+    def generate(model):
+        model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
+                       do_sample=False)  # fmt: skip
+
+    models, values = {}, {}
+    for impl in (i for i in args.impls if i in COMPILED_IMPLS):
+        try:
+            model, note = prepare(base, impl)
+            breaks, why = experts_graph_breaks(model, impl)  # resets Dynamo: before any compile
+        except Exception as exc:
+            values[impl] = dict(note=_failure(exc))
+            continue
+        models[impl] = model
+        values[impl] = dict(
+            experts_graph_breaks=breaks, note="; ".join(n for n in (note, why) if n)
+        )
+    for impl, model in list(models.items()):
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.compile_config = CompileConfig(
+            fullgraph=False, mode="reduce-overhead"
+        )
+        try:
+            with torch.inference_mode():
+                generate(model)
+                generate(model)
+        except Exception as exc:
+            values[impl]["note"] = _failure(exc)
+            del models[impl]
+    decode = {impl: [] for impl in models}
     with torch.inference_mode():
-
-        def generate():
-            model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
-                           do_sample=False)  # fmt: skip
-
-        decode_ms = timed(generate, args.repeats) / args.decode
-    return dict(decode_ms_per_token=round(decode_ms, 3), experts_graph_breaks=breaks, note=note)
+        for _ in range(args.repeats):
+            for impl, model in models.items():
+                decode[impl].append(_once(lambda model=model: generate(model)) / args.decode)
+    for impl in models:
+        values[impl]["decode_ms_per_token"] = round(statistics.median(decode[impl]), 3)
+    models.clear()
+    torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph pools
+    torch.cuda.empty_cache()
+    return values
 
 
 def _row(model: str, impl: str, mode: str, **values) -> dict:
@@ -331,13 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_row(args.model, impl, "eager", **values))
         print(rows[-1], file=sys.stderr, flush=True)
     if not args.no_compile:
-        for impl in (i for i in args.impls if i in COMPILED_IMPLS):
-            try:
-                values = run_compiled_row(base, impl, args, prompt)
-            except Exception as exc:
-                values = dict(note=_failure(exc))
-            torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph pools
-            torch.cuda.empty_cache()
+        for impl, values in run_compiled_rows(base, args, prompt).items():
             rows.append(_row(args.model, impl, "static+compile", **values))
             print(rows[-1], file=sys.stderr, flush=True)
 
