@@ -53,6 +53,14 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
         return torch.empty(numel, dtype=dtype, device=device)
 
 
+def _stream_of(device: torch.device) -> int:
+    """The current stream's handle on a CUDA device (0 elsewhere), without building a Stream."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 @dataclass
 class WorkspaceCache:
     """Grow-only buffers, one per (role, device, dtype, CUDA stream), reused across calls (no
@@ -80,8 +88,7 @@ class WorkspaceCache:
         numel = 1
         for size in shape:
             numel *= size
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        key = (role, device, dtype, stream)
+        key = (role, device, dtype, _stream_of(device))
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             if buf is not None and self.retain:
