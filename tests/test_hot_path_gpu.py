@@ -306,3 +306,25 @@ def test_batch_wide_scales_stay_off_graphs():
         first = layer(x, logits)
         assert torch.equal(layer(x, logits), first)
     assert layer._graph_state is None
+
+
+def test_each_stream_gets_workspaces_of_its_own():
+    """Workspaces are shared by every layer of a process, per stream: a call on another stream
+    writes buffers of its own and computes the same result."""
+    from fusedmoe.modular.kernel import shared_workspaces
+
+    layer = _layer()
+    layer.cuda_graph_max_tokens = 0  # eager launches: the workspaces of the calling stream
+    x = torch.randn(300, H, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(300, E, device="cuda")
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    with torch.inference_mode():
+        expected = layer(x, logits)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            out = layer(x, logits)
+        main.wait_stream(side)
+    assert torch.equal(out, expected)
+    streams = {key[3] for key in shared_workspaces().buffers if key[1].type == "cuda"}
+    assert {main.cuda_stream, side.cuda_stream} <= streams
