@@ -189,7 +189,8 @@ class FusedMoE(nn.Module):
             self._dispatch = AllGatherDispatch(pc.dp_size, pc.dp_rank, pc.group)
         self.chunk_size = default_chunk_size()  # tokens per pass of the modular kernel
         #: calls of up to this many tokens (CUDA, no autograd) replay CUDA graphs of the routed
-        #: part, one per power-of-two bucket (fusedmoe.modular.graphs); 0 turns that off
+        #: part, one per token bucket (fusedmoe.modular.graphs: powers of two to 256, then
+        #: multiples of 256); 0 turns that off
         self.cuda_graph_max_tokens = DEFAULT_MAX_TOKENS
         self._graph_state = None
         self.reset_parameters()

@@ -253,16 +253,16 @@ def test_graph_replay_matches_eager_and_follows_the_weights():
     layer = _layer(zero_expert_num=2, zero_expert_type="identity")
     graphs_used = 0
     with torch.inference_mode():
-        for num_tokens in (1, 3, 4, 5, 17, 64, 257):
+        for num_tokens in (1, 3, 4, 5, 17, 64, 257, 300, 4097):
             x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device="cuda")
             logits = torch.randn(num_tokens, E + 2, device="cuda")
             out = layer(x, logits)
             layer.cuda_graph_max_tokens = 0
             eager = layer(x, logits)
-            layer.cuda_graph_max_tokens = 256
+            layer.cuda_graph_max_tokens = 4096
             assert_close(out.float(), eager.float(), torch.bfloat16)
         graphs = layer._graph_state[1]
-        assert graphs.captures == 5  # buckets 1, 4, 8, 32, 64; 257 tokens ran eagerly
+        assert graphs.captures == 6  # buckets 1, 4, 8, 32, 64, 512; 4097 tokens ran eagerly
         graphs_used = graphs.replays
         x = torch.randn(3, H, dtype=torch.bfloat16, device="cuda")
         logits = torch.randn(3, E + 2, device="cuda")
@@ -272,11 +272,11 @@ def test_graph_replay_matches_eager_and_follows_the_weights():
         assert graphs.replays == graphs_used + 2
         layer.cuda_graph_max_tokens = 0
         assert torch.equal(after, layer(x, logits))
-        layer.cuda_graph_max_tokens = 256
+        layer.cuda_graph_max_tokens = 4096
         assert not torch.equal(before, after)
         layer.w2_weight = torch.nn.Parameter(layer.w2_weight.detach().clone())  # a new address
         assert torch.equal(layer(x, logits), after)
-        assert graphs.captures == 6
+        assert graphs.captures == 7
 
 
 def test_fused_experts_graphs_follow_the_weight_addresses():
@@ -328,3 +328,27 @@ def test_each_stream_gets_workspaces_of_its_own():
     assert torch.equal(out, expected)
     streams = {key[3] for key in shared_workspaces().buffers if key[1].type == "cuda"}
     assert {main.cuda_stream, side.cuda_stream} <= streams
+
+
+def test_layers_take_turns_on_the_shared_graph_arenas():
+    """Prefill-sized calls replay graphs too; every graph of the process reads its inputs from
+    and writes its outputs to shared arenas: layers and sizes taking turns still each get
+    their own result, equal to eager launches."""
+    layers = [_layer() for _ in range(2)]
+    for i, layer in enumerate(layers):
+        with torch.no_grad():
+            layer.w2_weight.mul_(1 + i)  # two different functions
+    torch.manual_seed(8)
+    calls = [(layer, n) for n in (700, 3, 1500, 700) for layer in layers]
+    inputs = [
+        (torch.randn(n, H, dtype=torch.bfloat16, device="cuda"), torch.randn(n, E, device="cuda"))
+        for _, n in calls
+    ]
+    with torch.inference_mode():
+        replayed = [layer(x, logits) for (layer, _), (x, logits) in zip(calls, inputs, strict=True)]
+        for layer in layers:
+            layer.cuda_graph_max_tokens = 0
+        eager = [layer(x, logits) for (layer, _), (x, logits) in zip(calls, inputs, strict=True)]
+    assert all(layer._graph_state[1].captures == 3 for layer in layers)  # 768, 4, 1536
+    for got, expected in zip(replayed, eager, strict=True):  # a bucket's tiles may differ
+        assert_close(got.float(), expected.float(), torch.bfloat16)

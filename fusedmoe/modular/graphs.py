@@ -1,29 +1,37 @@
-"""Decode-sized eager calls replayed from CUDA graphs: the host work of a call, without a
-graph of the caller's own.
+"""Eager calls replayed from CUDA graphs: the host work of a call, without a graph of the
+caller's own.
 
 An eager decode call of the layer launches four kernels (routing, two GEMMs, the top-k sum),
 and on the slow host CPUs of GPU servers each launch, with the Python around it, costs tens
-of microseconds: the call takes ~10x its GPU time. A CUDA graph replays the same launches for
-the cost of one. `GraphCache.run` captures the call once per (token bucket, signature) and
-replays it after:
+of microseconds: the call takes ~10x its GPU time. Prefill-sized calls of small-expert models
+are host-bound too (a model's layers, each issuing its attention, norms and MoE, can keep the
+GPU waiting). A CUDA graph replays the same launches for the cost of one. `GraphCache.run`
+captures the call once per (token bucket, signature) and replays it after:
 
-    bucket  = the smallest of 1, 2, 4, ..., max_tokens holding M tokens
-    first   : static inputs [bucket, ...] (outside the graph pool); warm-up on a side stream
-              (compiles kernels, grows workspaces); capture into a pool shared by every graph
-              of the process (one graph replays at a time on a stream, so their scratch can
-              overlap); a capture that fails marks the key and the call runs eagerly
-    later   : copy the inputs into rows [0, M) of the static ones (one foreach copy), replay,
-              clone rows [0, M) of the static outputs: three host calls, whatever the
-              pipeline launches
+    bucket  = the smallest of 1, 2, 4, ..., 256 holding M tokens, then of 512, 768, 1024, ...
+              (multiples of 256) up to max_tokens (DEFAULT_MAX_TOKENS: 4096)
+    first   : inputs copied into static buffers (arenas, below); warm-up on the capture
+              stream (compiles kernels, grows the workspaces); capture into a pool shared by
+              every graph of the process, each output copied into its arena at the end of the
+              graph; a capture that fails marks the key and the call runs eagerly
+    later   : copy the inputs into rows [0, M) of the arenas (one foreach copy), replay, clone
+              rows [0, M) of the output arenas: three host calls, whatever the pipeline
+              launches
 
-Rows [M, bucket) hold the inputs of an earlier call (zeros at first): they are computed and
-thrown away. No row may depend on another: every token is routed on its own, and the callers
-keep schemes with a batch-wide activation scale (dynamic per-tensor FP8, NVFP4) off graphs.
-Kernel configs are those of the bucket's token count (the same kernels, possibly other tiles).
+Arenas: one buffer per (input or output position, dtype, trailing shape) and device, shared by
+every graph (grown geometrically; a graph keeps the buffer it was captured with). Nothing a
+graph computes stays alive between replays but the arenas, so its scratch and outputs are pool
+memory the next capture reuses: a model's layers times the buckets cost graphs, not copies of
+their activations. Rows [M, bucket) hold the inputs of an earlier call (zeros at first): they
+are computed and thrown away. No row may depend on another: every token is routed on its own,
+and the callers keep schemes with a batch-wide activation scale (dynamic per-tensor FP8,
+NVFP4) off graphs. Kernel configs are those of the bucket's token count (the same kernels,
+possibly other tiles).
 
-The graphs of a process share one memory pool per device and their callers' buffers: replays
-are meant to run one at a time, as a model's layers do on one stream; calls from several
-threads or streams at once should turn graphs off (FUSEDMOE_CUDA_GRAPHS=0).
+The graphs of a process share their pool, arenas and workspaces per device: replays are meant
+to run one at a time, as a model's layers do on one stream; calls from several threads or
+streams at once should turn graphs off (FUSEDMOE_CUDA_GRAPHS=0). A new bucket costs one capture
+per layer (milliseconds each) the first time a call of that size comes.
 
 The caller decides when a graph may stand in for the call (fusedmoe.layer.FusedMoE: CUDA,
 no autograd, not tracing or capturing itself, a graph-safe backend and router, no EP) and
@@ -41,10 +49,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 GRAPHS_ENV = "FUSEDMOE_CUDA_GRAPHS"
-DEFAULT_MAX_TOKENS = 256
-_MAX_GRAPHS = 512  # per cache, least recently used first out
+DEFAULT_MAX_TOKENS = 4096
+_POW2_BUCKETS = 256  # buckets are powers of two up to here, then its multiples
+_MAX_GRAPHS = 8192  # per cache (a cache serves every layer of a signature), LRU first out
 #: device index -> (the graph memory pool all caches share, the stream they capture on)
 _POOLS: dict[int, tuple[object, torch.cuda.Stream]] = {}
+#: (position, device, dtype, trailing shape) -> the rows every graph reads or writes there
+_ARENAS: dict[tuple, torch.Tensor] = {}
 
 
 def graphs_enabled() -> bool:
@@ -64,7 +75,20 @@ def may_replay(x: torch.Tensor, max_tokens: int) -> bool:
 
 
 def bucket_of(num_tokens: int) -> int:
-    return 1 << (num_tokens - 1).bit_length()
+    if num_tokens <= _POW2_BUCKETS:
+        return 1 << (num_tokens - 1).bit_length()
+    return -(-num_tokens // _POW2_BUCKETS) * _POW2_BUCKETS
+
+
+def _arena(position: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Rows [0, shape[0]) of the process's arena for this position, dtype and trailing shape:
+    allocated outside any graph pool, grown geometrically (a graph keeps its own buffer)."""
+    key = (position, device, dtype, tuple(shape[1:]))
+    buf = _ARENAS.get(key)
+    if buf is None or buf.shape[0] < shape[0]:
+        rows = max(shape[0], 2 * buf.shape[0]) if buf is not None else shape[0]
+        buf = _ARENAS[key] = torch.zeros((rows, *shape[1:]), dtype=dtype, device=device)
+    return buf[: shape[0]]
 
 
 class _Graph:
@@ -129,8 +153,8 @@ class GraphCache:
         device = inputs[0].device
         with torch.inference_mode(False), torch.no_grad():
             statics = []
-            for given in inputs:
-                static = torch.zeros((bucket, *given.shape[1:]), dtype=given.dtype, device=device)
+            for i, given in enumerate(inputs):
+                static = _arena(f"in{i}", (bucket, *given.shape[1:]), given.dtype, device)
                 static[: given.shape[0]].copy_(given)
                 statics.append(static)
             try:
@@ -142,14 +166,22 @@ class GraphCache:
                 # warm-up grows are the ones the capture records
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
-                    fn(*statics)  # compiles, fills every cache, grows the workspaces
+                    warm = fn(*statics)  # compiles, fills every cache, grows the workspaces
+                    # the output arenas, allocated here: never in the graph's pool
+                    arenas = tuple(
+                        None if out is None else _arena(f"out{j}", out.shape, out.dtype, device)
+                        for j, out in enumerate(warm)
+                    )
+                    del warm
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: a capture here does not break CUDA calls of other threads
                 with torch.cuda.graph(
                     graph, pool=pool, stream=side, capture_error_mode="thread_local"
                 ):
-                    outputs = fn(*statics)
+                    for arena, out in zip(arenas, fn(*statics), strict=True):
+                        if arena is not None:
+                            arena.copy_(out)  # the graph's outputs go back to the pool
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:
@@ -157,4 +189,4 @@ class GraphCache:
                 # stays eager for this key
                 return None
         self.captures += 1
-        return _Graph(graph, statics, tuple(outputs))
+        return _Graph(graph, statics, arenas)
