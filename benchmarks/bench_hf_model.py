@@ -211,10 +211,11 @@ def _once(fn) -> float:
 
 
 def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
-    """impl -> its eager row values. Every impl is built and warmed up first, then the timed
-    calls take turns (prefill, then a generate(), impl after impl, `repeats` rounds): a host
-    that drifts during the run (clocks, neighbours) moves every impl's figures alike, so their
-    ratios hold even where the absolute figures do not."""
+    """impl -> its eager row values. Every impl is built and warmed up first (all copies of the
+    model are alive at once), then the calls take turns (prefill, then a generate(), impl after
+    impl; one untimed round, then `repeats` timed ones): a host that drifts during the run
+    (clocks, neighbours) moves every impl's figures alike, so their ratios hold even where the
+    absolute figures do not. An impl that fails is dropped with its error in the note."""
 
     def generate(model):
         model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
@@ -236,10 +237,18 @@ def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
             values[impl] = dict(max_abs_logit_diff_vs_eager=diff, note=note)
         prefill = {impl: [] for impl in models}
         decode = {impl: [] for impl in models}
-        for _ in range(args.repeats):
-            for impl, model in models.items():
-                prefill[impl].append(_once(lambda model=model: model(prefill_ids)))
-                decode[impl].append(_once(lambda model=model: generate(model)) / args.decode)
+        for round_ in range(args.repeats + 1):  # round 0, in turn too, is not timed
+            for impl, model in list(models.items()):
+                try:
+                    p = _once(lambda model=model: model(prefill_ids))
+                    d = _once(lambda model=model: generate(model)) / args.decode
+                except Exception as exc:
+                    values[impl]["note"] = _failure(exc)
+                    del models[impl]
+                    continue
+                if round_:
+                    prefill[impl].append(p)
+                    decode[impl].append(d)
     for impl in models:
         prefill_ms = statistics.median(prefill[impl])
         values[impl].update(
@@ -287,9 +296,16 @@ def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
             del models[impl]
     decode = {impl: [] for impl in models}
     with torch.inference_mode():
-        for _ in range(args.repeats):
-            for impl, model in models.items():
-                decode[impl].append(_once(lambda model=model: generate(model)) / args.decode)
+        for round_ in range(args.repeats + 1):  # round 0, in turn too, is not timed
+            for impl, model in list(models.items()):
+                try:
+                    d = _once(lambda model=model: generate(model)) / args.decode
+                except Exception as exc:
+                    values[impl]["note"] = _failure(exc)
+                    del models[impl]
+                    continue
+                if round_:
+                    decode[impl].append(d)
     for impl in models:
         values[impl]["decode_ms_per_token"] = round(statistics.median(decode[impl]), 3)
     models.clear()

@@ -152,9 +152,10 @@ _MAX_KERNELS = 64
 def _kernel_for(
     device, dtype, weights, num_global, top_k, spec, quant_config, has_map, grad, backend
 ) -> tuple[FusedMoEModularKernel, tuple[FusedMoEModularKernel, GraphCache] | None]:
-    """The modular kernel of a call signature, built once: the oracle's choice, the experts
-    object and its reusable workspaces; and, for a backend whose calls a CUDA graph may replay,
-    a second kernel (workspaces never freed) with the graphs of decode-sized calls. The quant
+    """The modular kernel of a call signature, built once: the oracle's choice and the experts
+    object (on the process's shared workspaces); and, for a backend whose calls a CUDA graph may
+    replay, a second kernel (on the retained workspaces) with the graphs of calls of up to
+    DEFAULT_MAX_TOKENS tokens. The quant
     config is keyed by its content, its tensors by identity (they may change in place; the
     entry holds the config, so their ids stay theirs); least recently used first out."""
     # torch.compile traces this once into its graph: no cache there for dynamo to guard on

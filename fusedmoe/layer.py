@@ -288,8 +288,9 @@ class FusedMoE(nn.Module):
             self.params_dtype = self.w13_weight.dtype
         # .to() / .cuda() replace the buffers the router holds: rebuild it on the new ones
         self.router = self._make_router()
-        # and drop the backends built for the old tensors: their workspaces and per-expert
-        # views would keep the old device's or dtype's memory alive
+        # and drop the backends built for the old tensors: their per-expert views would keep the
+        # old device's or dtype's memory alive (workspaces are the process's:
+        # fusedmoe.modular.shared_workspaces().clear() frees the eager ones)
         self._kernels = {}
         return result
 

@@ -117,7 +117,10 @@ def test_bad_chunk_size_argument():
 def test_workspaces_reused_between_calls():
     experts = random_experts(E, H, I)
     spec = ActivationSpec.make("silu")
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), TorchExperts())
+    # a cache of its own: the shared one may have grown in earlier tests
+    kernel = FusedMoEModularKernel(
+        NoEPPrepareFinalize(), TorchExperts(), workspaces=WorkspaceCache()
+    )
 
     def call(num_tokens):
         x = torch.randn(num_tokens, H)
@@ -127,11 +130,8 @@ def test_workspaces_reused_between_calls():
         )
         assert_close(out, reference(x, experts, weights, ids), what=f"M={num_tokens}")
 
-    def pointers():  # the workspaces of these calls (the cache is shared process-wide)
-        buffers = kernel.workspaces.buffers.items()
-        return {k: b.data_ptr() for k, b in buffers if k[1:3] == (x_device, torch.float32)}
-
-    x_device = torch.device("cpu")
+    def pointers():
+        return {key: buf.data_ptr() for key, buf in kernel.workspaces.buffers.items()}
 
     call(16)
     steady = pointers()
@@ -143,6 +143,7 @@ def test_workspaces_reused_between_calls():
     assert pointers() == steady
     call(40)  # larger: the buffers grow once
     grown = pointers()
+    assert grown.keys() == steady.keys() and grown != steady  # the per-slot output grew
     call(40)
     call(1)
     assert pointers() == grown
@@ -182,6 +183,58 @@ def test_layers_share_one_set_of_workspaces(backend):
                 weights, ids,
             )  # fmt: skip
             assert_close(out, expected, what=f"M={num_tokens}")
+
+
+def test_threads_get_workspaces_of_their_own():
+    """Two layers called from two threads at once: each thread writes buffers of its own."""
+    import threading
+
+    torch.manual_seed(12)
+    layers = [FusedMoE(E, 2, H, I, params_dtype=torch.float32, backend="torch") for _ in range(2)]
+    xs = [torch.randn(512, H) for _ in layers]
+    logits = [torch.randn(512, E) for _ in layers]
+    with torch.inference_mode():
+        expected = [layer(x, lg) for layer, x, lg in zip(layers, xs, logits, strict=True)]
+    wrong = [0, 0]
+
+    def work(i):
+        with torch.inference_mode():
+            for _ in range(20):
+                wrong[i] += not torch.equal(layers[i](xs[i], logits[i]), expected[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == [0, 0]
+
+
+def test_copies_of_a_kernel_share_the_process_workspaces():
+    import copy
+    import pickle
+
+    shared = FusedMoEModularKernel(NoEPPrepareFinalize(), TorchExperts())
+    shared.workspaces.get("workspace13", (4, 4), torch.float32, torch.device("cpu"))
+    for clone in (copy.deepcopy(shared), pickle.loads(pickle.dumps(shared))):
+        assert clone.workspaces is shared_workspaces()
+    own = FusedMoEModularKernel(NoEPPrepareFinalize(), TorchExperts(), workspaces=WorkspaceCache())
+    own.workspaces.get("workspace13", (4, 4), torch.float32, torch.device("cpu"))
+    clone = copy.deepcopy(own)
+    assert clone.workspaces is not own.workspaces and not clone.workspaces.buffers
+    own.workspaces.clear()
+    assert not own.workspaces.buffers
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        shared_workspaces(retain=True).clear()
+
+
+def test_a_retained_cache_grows_geometrically():
+    cache = WorkspaceCache(retain=True)
+    cpu = torch.device("cpu")
+    for rows in range(1, 65):
+        cache.get("workspace13", (rows, 8), torch.float32, cpu)
+    kept = sum(b.numel() for b in cache.retired) + sum(b.numel() for b in cache.buffers.values())
+    assert kept < 4 * 64 * 8  # doubling: not the sum of every size asked for
 
 
 def test_a_kernel_may_keep_workspaces_of_its_own():

@@ -15,7 +15,7 @@ captures the call once per (token bucket, signature) and replays it after:
               every graph of the process, each output copied into its arena at the end of the
               graph; a capture that fails marks the key and the call runs eagerly
     later   : copy the inputs into rows [0, M) of the arenas (one foreach copy), replay, clone
-              rows [0, M) of the output arenas: three host calls, whatever the pipeline
+              rows [0, M) of each output arena: a few host calls, whatever the pipeline
               launches
 
 Arenas: one buffer per (input or output position, dtype, trailing shape) and device, shared by
@@ -97,14 +97,17 @@ class _Graph:
         self._rows: dict[int, tuple[list[torch.Tensor], tuple]] = {}
 
     def rows(self, num_tokens: int) -> tuple[list[torch.Tensor], tuple]:
-        """Rows [0, num_tokens) of the static inputs and outputs, as views made once (a slice
-        is a dispatcher call, and a replay is only a handful of them)."""
+        """Rows [0, num_tokens) of the static inputs and outputs: views made once for decode
+        sizes (a slice is a dispatcher call, and a replay only a handful of them), per call
+        above (where the call's GPU work dwarfs it and a cache would hold thousands)."""
         views = self._rows.get(num_tokens)
         if views is None:
-            views = self._rows[num_tokens] = (
+            views = (
                 [t[:num_tokens] for t in self.inputs],
                 tuple(None if out is None else out[:num_tokens] for out in self.outputs),
             )
+            if num_tokens <= _POW2_BUCKETS:
+                self._rows[num_tokens] = views
         return views
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -63,21 +64,36 @@ def _stream_of(device: torch.device) -> int:
 
 @dataclass
 class WorkspaceCache:
-    """Grow-only buffers, one per (role, device, dtype, CUDA stream), reused across calls (no
-    allocation at steady state).
+    """Grow-only buffers, one per (role, device, dtype, CUDA stream, thread), reused across
+    calls (no allocation at steady state).
 
-    Calls on one stream run one after another, so every kernel of a process may share one
-    cache (`shared_workspaces`, what FusedMoEModularKernel takes by default): a model's layers
-    then hold one set of workspaces, not one each (a 48-layer model prefilling a 32k-token
-    chunk would otherwise keep ~1.5 GB per layer). Calls on other streams get buffers of their
-    own; calls from several threads on one stream at once must not share a cache.
+    Calls of one thread on one stream run one after another, so every kernel of a process may
+    share one cache (`shared_workspaces`, what FusedMoEModularKernel takes by default): a
+    model's layers then hold one set of workspaces, not one each (a 48-layer model prefilling a
+    32k-token chunk would otherwise keep ~1.5 GB per layer). Other streams and other threads
+    get buffers of their own. The buffers are scratch: a copy (deepcopy, pickling) of a shared
+    cache is that cache, of a private one an empty one.
 
     retain: keep the buffers a larger one replaced (a CUDA graph captured with the smaller one
-    still writes to its address: it must never be freed and handed to someone else)."""
+    still writes to its address: it must never be freed and handed to someone else); such a
+    cache grows geometrically, so what it keeps stays under twice its largest buffers."""
 
     buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
     retain: bool = False
     retired: list[torch.Tensor] = field(default_factory=list)
+
+    def __reduce__(self):
+        for retain, cache in _SHARED.items():
+            if cache is self:
+                return shared_workspaces, (retain,)
+        return WorkspaceCache, ({}, self.retain)
+
+    def clear(self) -> None:
+        """Free the buffers (the next call allocates again). Not for a retain cache: graphs
+        captured with its buffers would write to freed memory."""
+        if self.retain:
+            raise ValueError("a retain=True cache backs CUDA graphs: its buffers cannot be freed")
+        self.buffers.clear()
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         if torch.compiler.is_compiling():
@@ -88,12 +104,14 @@ class WorkspaceCache:
         numel = 1
         for size in shape:
             numel *= size
-        key = (role, device, dtype, _stream_of(device))
+        key = (role, device, dtype, _stream_of(device), threading.get_ident())
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
+            size = max(numel, 1)
             if buf is not None and self.retain:
                 self.retired.append(buf)
-            buf = _empty(max(numel, 1), dtype, device)
+                size = max(size, 2 * buf.numel())
+            buf = _empty(size, dtype, device)
             self.buffers[key] = buf
         return buf[:numel].view(shape)
 
