@@ -9,6 +9,7 @@ from fusedmoe._checks import debug_checks, set_debug_checks
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.functional import fused_experts, fused_moe
 from fusedmoe.layer import FusedMoE
+from fusedmoe.modular.graphs import empty_cache
 from fusedmoe.oracle import BackendChoice, available_backends, select_backend
 from fusedmoe.parallel.config import ParallelConfig, get_compressed_expert_map
 from fusedmoe.router import Router, create_router
@@ -27,6 +28,7 @@ __all__ = [
     "available_backends",
     "create_router",
     "debug_checks",
+    "empty_cache",
     "fused_experts",
     "fused_moe",
     "get_compressed_expert_map",

@@ -289,8 +289,8 @@ class FusedMoE(nn.Module):
         # .to() / .cuda() replace the buffers the router holds: rebuild it on the new ones
         self.router = self._make_router()
         # and drop the backends built for the old tensors: their per-expert views would keep the
-        # old device's or dtype's memory alive (workspaces are the process's:
-        # fusedmoe.modular.shared_workspaces().clear() frees the eager ones)
+        # old device's or dtype's memory alive (workspaces and graph buffers are the process's:
+        # fusedmoe.empty_cache() frees them)
         self._kernels = {}
         return result
 

@@ -33,3 +33,24 @@ def test_arenas_grow_geometrically_and_keep_what_graphs_hold(monkeypatch):
     other = graphs._arena("in1", (5, 3), torch.float32, cpu)  # another position: its own
     assert other.data_ptr() != grown.data_ptr()
     assert graphs._arena("in0", (5, 3), torch.bfloat16, cpu).dtype == torch.bfloat16
+
+
+def test_empty_cache_frees_graphs_arenas_and_workspaces():
+    """fusedmoe.empty_cache drops every graph (the next call captures again) before the
+    buffers graphs write, then the shared workspaces."""
+    import fusedmoe
+    from fusedmoe.modular.kernel import shared_workspaces
+
+    cache = graphs.GraphCache()
+    cache._graphs[(1, "key")] = None  # a key marked not capturable: an entry all the same
+    cpu = torch.device("cpu")
+    graphs._arena("in0", (4, 3), torch.float32, cpu)
+    shared_workspaces().get("workspace13", (4, 4), torch.float32, cpu)
+    retained = shared_workspaces(retain=True)
+    retained.get("workspace13", (2, 4), torch.float32, cpu)
+    retained.get("workspace13", (8, 4), torch.float32, cpu)  # retires the first
+    assert retained.retired
+    fusedmoe.empty_cache()
+    assert not cache._graphs and not graphs._ARENAS
+    assert not shared_workspaces().buffers
+    assert not retained.buffers and not retained.retired

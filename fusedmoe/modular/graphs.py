@@ -43,10 +43,13 @@ through. FUSEDMOE_CUDA_GRAPHS=0 turns the cache off for the process.
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
+
+from fusedmoe.modular.kernel import shared_workspaces
 
 GRAPHS_ENV = "FUSEDMOE_CUDA_GRAPHS"
 DEFAULT_MAX_TOKENS = 4096
@@ -56,6 +59,23 @@ _MAX_GRAPHS = 8192  # per cache (a cache serves every layer of a signature), LRU
 _POOLS: dict[int, tuple[object, torch.cuda.Stream]] = {}
 #: (position, device, dtype, trailing shape) -> the rows every graph reads or writes there
 _ARENAS: dict[tuple, torch.Tensor] = {}
+_CACHES: weakref.WeakSet[GraphCache] = weakref.WeakSet()  # every GraphCache alive
+
+
+def empty_cache() -> None:
+    """Free what fusedmoe keeps between calls: every CUDA graph of the process, their arenas
+    and pool, and the workspaces shared by every layer (the eager ones and those graphs
+    captured). The next calls allocate and capture again. For a notebook that drops a model,
+    or a process that switches to another: without it, these buffers stay sized to the
+    largest call seen (for deepseek-v3 shapes at 4096 tokens, several hundred MB)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # no replay may still be writing what is freed below
+    for cache in list(_CACHES):
+        cache.clear()
+    _ARENAS.clear()
+    _POOLS.clear()
+    shared_workspaces().clear()
+    shared_workspaces(retain=True).release_unused()
 
 
 def graphs_enabled() -> bool:
@@ -118,6 +138,7 @@ class GraphCache:
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: not capturable
         self.captures = 0
         self.replays = 0
+        _CACHES.add(self)
 
     def clear(self) -> None:
         self._graphs.clear()

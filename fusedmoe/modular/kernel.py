@@ -90,10 +90,16 @@ class WorkspaceCache:
 
     def clear(self) -> None:
         """Free the buffers (the next call allocates again). Not for a retain cache: graphs
-        captured with its buffers would write to freed memory."""
+        captured with its buffers would write to freed memory (fusedmoe.empty_cache drops the
+        graphs first, then those buffers)."""
         if self.retain:
             raise ValueError("a retain=True cache backs CUDA graphs: its buffers cannot be freed")
         self.buffers.clear()
+
+    def release_unused(self) -> None:
+        """A retain cache's clear, for the caller that has just dropped every graph using it."""
+        self.buffers.clear()
+        self.retired.clear()
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         if torch.compiler.is_compiling():
