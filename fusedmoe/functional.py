@@ -155,9 +155,9 @@ def _kernel_for(
     """The modular kernel of a call signature, built once: the oracle's choice and the experts
     object (on the process's shared workspaces); and, for a backend whose calls a CUDA graph may
     replay, a second kernel (on the retained workspaces) with the graphs of calls of up to
-    DEFAULT_MAX_TOKENS tokens. The quant
-    config is keyed by its content, its tensors by identity (they may change in place; the
-    entry holds the config, so their ids stay theirs); least recently used first out."""
+    DEFAULT_MAX_TOKENS tokens. The quant config is keyed by its content, its tensors by
+    identity (they may change in place; the entry holds the config, so their ids stay theirs);
+    least recently used first out."""
     # torch.compile traces this once into its graph: no cache there for dynamo to guard on
     compiling = torch.compiler.is_compiling()
     if not compiling:
