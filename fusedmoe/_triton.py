@@ -29,6 +29,7 @@ otherwise (the dispatcher's round trip costs tens of microseconds on a slow host
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -68,6 +69,12 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (0 for n <= 0), as triton.next_power_of_2."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Launch on t's GPU (a kernel goes to the current device, not its tensors'); nothing on
+    the CPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 # ---- launching ----

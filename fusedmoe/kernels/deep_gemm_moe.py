@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import cdiv, next_power_of_2, op_or_impl
+from fusedmoe._triton import cdiv, device_guard, next_power_of_2, op_or_impl
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
@@ -187,8 +187,7 @@ def permute_contiguous(
             scale_args = (a, 0, 0, a_perm, 0, 0)
         ab, apb = _as_bytes(a), _as_bytes(a_perm)
         groups = 1 if a_scale is None else a_scale.shape[1]
-        guard = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
-        with guard:
+        with device_guard(a):
             _permute_kernel[grid](
                 ab, ab.stride(0), ab.stride(1),
                 *scale_args[:3],
@@ -263,8 +262,7 @@ def unpermute_reduce(
     mul_weight: bool = True,
 ) -> None:
     """output [M, H] = sum_j w[m, j] * y[inv_perm[m * k + j]] over the slots routed here."""
-    guard = torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext()
-    with guard:
+    with device_guard(y):
         moe_sum(
             y, output, topk_ids, expert_map, num_local_experts, inv_perm=inv_perm,
             topk_weights=topk_weights if mul_weight else None,

@@ -16,7 +16,6 @@ N_w = w13 rows per expert (2I gated), N_act = I (the activation output width).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from fusedmoe._triton import cdiv, launch, next_power_of_2, op_or_impl
+from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
@@ -307,8 +306,7 @@ def _fused_experts_triton_impl(
     config = moe_kernel_config(
         num_tokens, top_k, num_local, gemm1_rows, hidden, width, dtype_key, device_name(x)
     )
-    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-    with guard:
+    with device_guard(x):
         rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)

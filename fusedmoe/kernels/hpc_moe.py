@@ -24,13 +24,12 @@ each slot's output is rounded to the activation dtype first, as the reference st
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
 import torch
 
-from fusedmoe._triton import op_or_impl
+from fusedmoe._triton import device_guard, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import (
@@ -121,8 +120,7 @@ def _fused_moe_hpc_impl(
     if not quantize_inside:
         a_quant = g.AQ_NONE
     acc = accumulator.view(-1)[: num_tokens * hidden].view(num_tokens, hidden)
-    guard = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-    with guard:
+    with device_guard(x):
         rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         a2 = torch.empty((num_slots, inter), dtype=FP8_DTYPE, device=x.device)
         if block_quant:

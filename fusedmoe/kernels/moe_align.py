@@ -29,14 +29,13 @@ launch; above, three launches.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import cdiv, launch, next_power_of_2
+from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 
 __all__ = ["AlignedRouting", "aligned_sizes", "moe_align_block_size", "moe_align_block_size_torch"]
 
@@ -249,7 +248,7 @@ def moe_align_block_size(
     blocks_per_step = max(1, min(64, 8192 // e_pad))
     warps = max(1, min(16, chunk // 256))
     common = dict(HAS_MAP=expert_map is not None, CHUNK=chunk, E_PAD=e_pad)
-    guard = torch.cuda.device(device) if topk_ids.is_cuda else contextlib.nullcontext()
+    guard = device_guard(topk_ids)
     on_cuda = topk_ids.is_cuda
     with guard:
         if num_programs == 1:

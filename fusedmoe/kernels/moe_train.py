@@ -48,14 +48,13 @@ op (prepare), so autograd differentiates that multiply and this op returns no dw
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import cdiv, launch, next_power_of_2
+from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, device_name, launch_gemm, moe_sum
@@ -467,10 +466,6 @@ def _rows(routing: AlignedRouting, topk_ids, expert_map, num_local) -> GemmRows:
                     num_local)  # fmt: skip
 
 
-def _device_guard(x):
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def _train_fwd_impl(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -501,7 +496,7 @@ def _train_fwd_impl(
     config = _config(x, topk_ids, w13, width)
     params = (alpha, beta, limit, has_limit)
     h_dtype = TL_DTYPE[x.dtype]
-    with _device_guard(x):
+    with device_guard(x):
         rows = _aligned(topk_ids, expert_map, _train_block_m(num_slots), num_local)
         launch_gemm(
             x, None, g.A_NONE, top_k, w13, None, g.W_NONE, w13_bias, h, None, topk_weights,
@@ -588,7 +583,7 @@ def _train_bwd_impl(
     params = (alpha, beta, limit, has_limit)
     h_dtype = TL_DTYPE[x.dtype]
     weights_flat = topk_weights.reshape(-1)
-    with _device_guard(x):
+    with device_guard(x):
         routing = AlignedRouting(
             sorted_token_ids, expert_ids, num_tokens_post_padded, _train_block_m(num_slots)
         )

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._triton import cdiv, next_power_of_2, op_or_impl, triton_runs_on
+from fusedmoe._triton import cdiv, device_guard, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.activation import (
     OAI_ALPHA,
     OAI_LIMIT,
@@ -351,10 +351,6 @@ def _round_in_fp32(x: torch.Tensor) -> bool:
     return x.device.type != "cuda"
 
 
-def _device_guard(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 # ---------------------------------------------------------------------------------------------
 # output allocation (shared by the ops and their fake implementations)
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +378,7 @@ def _launch_group_quant(
     num_groups = scales.shape[1]
     cfg = quant_kernel_config(m, num_groups, group_size, x.is_cuda)
     grid = (cdiv(m, cfg.block_m), cdiv(num_groups, cfg.groups_per_program))
-    with _device_guard(x):
+    with device_guard(x):
         _group_quant_fp8_kernel[grid](
             x, x.stride(0), x.stride(1),
             q, q.stride(0), q.stride(1),
@@ -484,7 +480,7 @@ def act_mul_group_quant_fp8_impl(
     num_groups = scales.shape[1]
     cfg = quant_kernel_config(m, num_groups, group_size, h.is_cuda)
     grid = (cdiv(m, cfg.block_m), cdiv(num_groups, cfg.groups_per_program))
-    with _device_guard(h):
+    with device_guard(h):
         _act_mul_group_quant_fp8_kernel[grid](
             h, h.stride(0), h.stride(1),
             q, q.stride(0), q.stride(1),

@@ -23,7 +23,6 @@ Rows with NaN or with fewer than k finite logits get NaN or zero weights, as in 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fusedmoe._checks import check_positive_int, check_shape, check_tensor
-from fusedmoe._triton import cdiv, launch, next_power_of_2, op_or_impl, triton_runs_on
+from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.router.base import ScoringFunc
 from fusedmoe.router.grouped import check_groups
 
@@ -245,8 +244,7 @@ def _launch(
     group_size = num_experts // num_groups
     g_pad, s_pad = next_power_of_2(num_groups), next_power_of_2(group_size)
     cfg = routing_kernel_config(num_tokens, g_pad * s_pad, logits.is_cuda)
-    guard = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
-    with guard:
+    with device_guard(logits):
         args = (
             logits, logits.stride(0), logits.stride(1),
             logits if bias is None else bias,  # unread without a bias
