@@ -210,17 +210,34 @@ def _once(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def _generate(model, prompt, args) -> None:
+    model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
+                   do_sample=False)  # fmt: skip
+
+
+def _take_turns(models: dict, values: dict, repeats: int, timed) -> dict[str, list]:
+    """impl -> the samples of timed(model) (a tuple of ms): one untimed round in turn, then
+    `repeats` timed ones. An impl whose call raises leaves `models`, its error in its note."""
+    samples = {impl: [] for impl in models}
+    for round_ in range(repeats + 1):
+        for impl, model in list(models.items()):
+            try:
+                sample = timed(model)
+            except Exception as exc:
+                values[impl]["note"] = _failure(exc)
+                del models[impl], samples[impl]
+                continue
+            if round_:
+                samples[impl].append(sample)
+    return samples
+
+
 def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
     """impl -> its eager row values. Every impl is built and warmed up first (all copies of the
     model are alive at once), then the calls take turns (prefill, then a generate(), impl after
     impl; one untimed round, then `repeats` timed ones): a host that drifts during the run
     (clocks, neighbours) moves every impl's figures alike, so their ratios hold even where the
     absolute figures do not. An impl that fails is dropped with its error in the note."""
-
-    def generate(model):
-        model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
-                       do_sample=False)  # fmt: skip
-
     models, values, reference = {}, {}, None
     with torch.inference_mode():
         for impl in args.impls:
@@ -229,31 +246,21 @@ def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
                 logits = model(prefill_ids).logits.float()
                 reference = logits if reference is None else reference
                 diff = float((logits - reference).abs().max())
-                generate(model)  # warm-up: kernels compiled, decode graphs captured
+                _generate(model, prompt, args)  # warm-up: kernels compiled, graphs captured
             except Exception as exc:  # one impl failing must not end the run
                 values[impl] = dict(note=_failure(exc))
                 continue
             models[impl] = model
             values[impl] = dict(max_abs_logit_diff_vs_eager=diff, note=note)
-        prefill = {impl: [] for impl in models}
-        decode = {impl: [] for impl in models}
-        for round_ in range(args.repeats + 1):  # round 0, in turn too, is not timed
-            for impl, model in list(models.items()):
-                try:
-                    p = _once(lambda model=model: model(prefill_ids))
-                    d = _once(lambda model=model: generate(model)) / args.decode
-                except Exception as exc:
-                    values[impl]["note"] = _failure(exc)
-                    del models[impl]
-                    continue
-                if round_:
-                    prefill[impl].append(p)
-                    decode[impl].append(d)
-    for impl in models:
-        prefill_ms = statistics.median(prefill[impl])
+        samples = _take_turns(models, values, args.repeats, lambda model: (
+            _once(lambda: model(prefill_ids)),
+            _once(lambda: _generate(model, prompt, args)) / args.decode,
+        ))  # fmt: skip
+    for impl, rounds in samples.items():
+        prefill_ms = statistics.median(p for p, _ in rounds)
         values[impl].update(
             prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
-            decode_ms_per_token=round(statistics.median(decode[impl]), 3),
+            decode_ms_per_token=round(statistics.median(d for _, d in rounds), 3),
         )  # fmt: skip
     models.clear()
     torch.cuda.empty_cache()
@@ -265,10 +272,6 @@ def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
     torch.compile (reduce-overhead). Each impl compiles and records its graphs first (two
     generate() calls), then the timed calls take turns as in run_eager_rows."""
     from transformers import CompileConfig
-
-    def generate(model):
-        model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
-                       do_sample=False)  # fmt: skip
 
     models, values = {}, {}
     for impl in (i for i in args.impls if i in COMPILED_IMPLS):
@@ -289,25 +292,17 @@ def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
         )
         try:
             with torch.inference_mode():
-                generate(model)
-                generate(model)
+                _generate(model, prompt, args)
+                _generate(model, prompt, args)
         except Exception as exc:
             values[impl]["note"] = _failure(exc)
             del models[impl]
-    decode = {impl: [] for impl in models}
     with torch.inference_mode():
-        for round_ in range(args.repeats + 1):  # round 0, in turn too, is not timed
-            for impl, model in list(models.items()):
-                try:
-                    d = _once(lambda model=model: generate(model)) / args.decode
-                except Exception as exc:
-                    values[impl]["note"] = _failure(exc)
-                    del models[impl]
-                    continue
-                if round_:
-                    decode[impl].append(d)
-    for impl in models:
-        values[impl]["decode_ms_per_token"] = round(statistics.median(decode[impl]), 3)
+        samples = _take_turns(models, values, args.repeats, lambda model: (
+            _once(lambda: _generate(model, prompt, args)) / args.decode
+        ))  # fmt: skip
+    for impl, decode in samples.items():
+        values[impl]["decode_ms_per_token"] = round(statistics.median(decode), 3)
     models.clear()
     torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph pools
     torch.cuda.empty_cache()
