@@ -137,3 +137,15 @@ def check_ids_in_range(
     lo, hi = int(ids.min()), int(ids.max())
     if lo < low or hi >= high:
         raise ValueError(f"{name} must lie in [{low}, {high}), got values in [{lo}, {hi}]")
+
+
+def check_ids_distinct(name: str, ids: torch.Tensor) -> None:
+    """The non-negative ids of each row of ids [M, k] are distinct (as value_checks_enabled
+    says: always on the CPU, in debug mode on a GPU)."""
+    if ids.numel() == 0 or ids.shape[1] < 2 or not value_checks_enabled(ids):
+        return
+    ordered = ids.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(repeated.any()):
+        row = int(repeated.any(dim=1).nonzero()[0])
+        raise ValueError(f"{name} repeats an expert in row {row}: {ids[row].tolist()}")

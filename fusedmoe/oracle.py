@@ -60,6 +60,9 @@ class BackendChoice:
 
     def explain(self) -> str:
         lines = [f"{self.name}: {self.reason}"]
+        engine = self.experts_cls.engine_description()
+        if engine is not None:
+            lines.append(f"  GEMM engine: {engine}")
         lines += [f"  not {name}: {why}" for name, why in self.refused.items()]
         return "\n".join(lines)
 

@@ -1,26 +1,41 @@
 """DeepGemmExperts ("deep_gemm") and DeepGemmFP4Experts ("deep_gemm_fp4"): the DeepGEMM path of
-the big engines, on our Triton kernels (fusedmoe.kernels.deep_gemm_moe).
+the big engines.
 
-Prepare quantizes x (FP8 1 x 128 groups, or MXFP8); the backend permutes the tokens into a
-contiguous layout where each expert's run starts at a multiple of the alignment (128), runs
-two grouped GEMMs over it with the fused activation + group quantization between them, and
-unpermutes with the weighted top-k reduce straight into the output (finalize: NoOp).
+Prepare quantizes x (FP8 1 x 128 groups, or MXFP8); the backend permutes the tokens into an
+expert-aligned layout, runs two grouped GEMMs over it with the fused activation + group
+quantization between them, and unpermutes with the weighted top-k reduce straight into the
+output (finalize: NoOp).
 
     deep_gemm      FP8 128 x 128 block weights x FP8 1 x 128 activations (float32 or UE8M0
                    scales, row- or column-major); MXFP8 weights x MXFP8 activations
     deep_gemm_fp4  MXFP4 weights (E2M1 packed, 1 x 32 E8M0) x FP8 1 x 128 activations
     activations    SILU, SWIGLUSTEP, SWIGLUOAI_UNINTERLEAVE (gemm1_alpha / beta / clamp_limit)
 
+The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's explanation):
+
+    library   the DeepGEMM library's own FP8 grouped GEMMs, where one is importable and runs on
+              the GPU (fusedmoe.kernels.deep_gemm_lib: sm90 / sm100, fp8_block, N, K and the
+              intermediate size multiples of 128). The contiguous layout (M_sum rows, runs
+              padded to 128), or at small M with many experts the masked one ([E_l, max_m]:
+              m_grouped_fp8_gemm_nt_masked) where the contiguous one would be mostly padding.
+              Any token count runs.
+    triton    our Triton grouped GEMMs over the contiguous layout (fusedmoe.kernels.
+              deep_gemm_moe): everywhere else, and for the MX schemes, which the library's
+              Hopper kernels do not take.
+
+`engine="auto"` (the default) takes the library where it runs the call; "library" raises where
+it cannot; "triton" never uses it. FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
+
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
-none, so the kernels dequantize MX operands to bf16 in their load path (exact, see
+none, so the Triton kernels dequantize MX operands to bf16 in their load path (exact, see
 fusedmoe.kernels.moe_gemm) -- on Blackwell too, for now.
 
-The DeepGEMM contract runs only some calls (valid_call_reason: at least `alignment` tokens, N
-and K multiples of it, N > 512, FP8 / FP4 weights, contiguous tensors). Chosen by the oracle
-("auto"), a call outside it runs on the triton backend where that supports the scheme (the
-"triton or deep_gemm" behaviour), else on the contiguous path all the same (our kernels have
-no such limits; MX schemes have no other fast path); the reason is logged once. Requested by
-name, such a call raises a ValueError. The `deep_gemm` package's own GEMMs are not called.
+On the triton engine the DeepGEMM contract runs only some calls (valid_call_reason: at least
+`alignment` tokens, N and K multiples of it, N > 512, FP8 / FP4 weights, contiguous tensors).
+Chosen by the oracle ("auto"), a call outside it runs on the triton backend where that supports
+the scheme (the "triton or deep_gemm" behaviour), else on the contiguous path all the same (our
+kernels have no such limits; MX schemes have no other fast path); the reason is logged once.
+Requested by name, such a call raises a ValueError.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ from typing import ClassVar
 
 import torch
 
+from fusedmoe._checks import check_ids_distinct
 from fusedmoe._triton import INSTALL_HINT, has_triton, interpreting
 from fusedmoe.activation import MoEActivation
 from fusedmoe.experts.triton import TritonExperts
@@ -43,6 +59,9 @@ logger = logging.getLogger("fusedmoe")
 
 _ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUSTEP, MoEActivation.SWIGLUOAI_UNINTERLEAVE)
 _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
+#: engine="auto": the library where it runs the call; "library": it or a ValueError; "triton":
+#: our grouped GEMMs only
+ENGINES = ("auto", "library", "triton")
 
 
 class DeepGemmExperts(Experts):
@@ -56,9 +75,12 @@ class DeepGemmExperts(Experts):
     }
     weight_dtype: ClassVar[torch.dtype] = FP8_DTYPE
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, engine: str = "auto") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         #: requested by name: a call outside the contract raises instead of falling back
         self.strict = strict
+        self.engine = engine
         self._logged: set[str] = set()
 
     @classmethod
@@ -107,7 +129,36 @@ class DeepGemmExperts(Experts):
     def supports_ep(cls, ep_size):
         return True
 
+    @classmethod
+    def engine_description(cls) -> str:
+        """Which GEMMs run (fusedmoe backends, the oracle's explanation)."""
+        from fusedmoe.kernels.deep_gemm_lib import library_status
+
+        return library_status()
+
     # ---- the contract of one call ----
+    def library_reason(self, num_tokens: int, weights, call_quant, hidden_states) -> str | None:
+        """None when the DeepGEMM library runs this call, else why not."""
+        from fusedmoe.kernels.deep_gemm_lib import library_unusable_reason
+
+        if self.engine == "triton":
+            return "engine='triton'"
+        if call_quant.scheme != "fp8_block":
+            return f"the library's sm90 kernels take fp8_block, not {call_quant.scheme}"
+        why = library_unusable_reason(hidden_states.device)
+        if why is not None:
+            return why
+        n, k, inter = weights.gemm1_out_size, weights.hidden_size, weights.w2.shape[2]
+        tensors = (hidden_states, weights.w13, weights.w2)
+        checks = (
+            (n % 128 == 0 and k % 128 == 0 and inter % 128 == 0,
+             f"N = {n}, K = {k} and the intermediate size {inter} must be multiples of 128"),
+            (weights.w13.dtype == FP8_DTYPE, f"weights are {weights.w13.dtype}"),
+            (call_quant.w1.scale.dtype == torch.float32, "weight scales are not float32"),
+            (all(t.is_contiguous() for t in tensors), "non-contiguous tensors"),
+        )  # fmt: skip
+        return next((why for ok, why in checks if not ok), None)
+
     def valid_call_reason(self, num_tokens: int, weights, hidden_states) -> str | None:
         """None when the DeepGEMM contract covers this call, else why not."""
         a = self.alignment
@@ -130,6 +181,7 @@ class DeepGemmExperts(Experts):
     def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
         from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment
 
+        # the library's masked layout is only chosen where it has fewer rows (library_layout)
         m_sum, _ = compute_aligned_M_and_alignment(M, top_k, local_num_experts, self.alignment)
         n_act = activation.output_size(N)
         return WorkspaceShapes(
@@ -143,6 +195,7 @@ class DeepGemmExperts(Experts):
         from fusedmoe.kernels.deep_gemm_moe import (
             compute_aligned_M_and_alignment,
             fused_experts_deep_gemm,
+            library_layout,
         )
 
         qc, weights = call.quant_config, call.weights
@@ -151,15 +204,24 @@ class DeepGemmExperts(Experts):
         if call.a1q_scale is None:
             raise ValueError(f"the {self.name} backend needs a1 quantized by prepare")
         num_tokens, top_k = call.topk_ids.shape
-        why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
-        if why is not None:
-            if self.strict:
-                raise ValueError(f"backend {self.name!r} cannot run this call: {why}")
-            if TritonExperts.supports_quant_config(qc):
-                self._log_once(f"{self.name}: {why}; this call runs on the triton backend")
-                TritonExperts().apply(call)
-                return
-            self._log_once(f"{self.name}: {why}; the contiguous path runs it all the same")
+        engine = "triton"
+        not_library = self.library_reason(num_tokens, weights, qc, call.hidden_states)
+        if not_library is None:
+            engine, _ = library_layout(num_tokens, top_k, weights.num_local_experts, self.alignment)
+            if engine == "masked":  # holds M rows per expert: a token's ids must be distinct
+                check_ids_distinct("topk_ids", call.topk_ids)
+        elif self.engine == "library":
+            raise ValueError(f"engine='library' cannot run this call: {not_library}")
+        if engine == "triton":
+            why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
+            if why is not None:
+                if self.strict:
+                    raise ValueError(f"backend {self.name!r} cannot run this call: {why}")
+                if TritonExperts.supports_quant_config(qc):
+                    self._log_once(f"{self.name}: {why}; this call runs on the triton backend")
+                    TritonExperts().apply(call)
+                    return
+                self._log_once(f"{self.name}: {why}; the contiguous path runs it all the same")
         m_sum, alignment = compute_aligned_M_and_alignment(
             num_tokens, top_k, weights.num_local_experts, self.alignment, call.expert_tokens_meta
         )
@@ -183,10 +245,11 @@ class DeepGemmExperts(Experts):
             column_major_scales=qc.a2.column_major_scales,
             use_ue8m0=qc.a2.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
             mul_routed_weight=not call.apply_router_weight_on_input,
+            engine=engine,
         )
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(strict={self.strict})"
+        return f"{type(self).__name__}(strict={self.strict}, engine={self.engine!r})"
 
 
 class DeepGemmFP4Experts(DeepGemmExperts):
@@ -195,6 +258,10 @@ class DeepGemmFP4Experts(DeepGemmExperts):
     name = "deep_gemm_fp4"
     schemes: ClassVar[dict[str, tuple[keys.QuantKey, ...]]] = {"mxfp4_w4a8": _GROUP_ACTS}
     weight_dtype: ClassVar[torch.dtype] = torch.uint8  # two E2M1 codes per byte
+
+    @classmethod
+    def engine_description(cls) -> str:
+        return "fusedmoe Triton GEMMs (the DeepGEMM library has no Hopper GEMM for MXFP4 weights)"
 
 
 __all__ = ["DeepGemmExperts", "DeepGemmFP4Experts"]

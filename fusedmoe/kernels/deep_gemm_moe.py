@@ -35,8 +35,9 @@ import triton.language as tl
 from fusedmoe._triton import cdiv, device_guard, next_power_of_2, op_or_impl
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.kernels import moe_gemm as g
+from fusedmoe.kernels.deep_gemm_lib import MASKED_ROWS, find_library
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
-from fusedmoe.kernels.moe_align import aligned_sizes, moe_align_block_size
+from fusedmoe.kernels.moe_align import _local_ids, aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
 from fusedmoe.quant.activation import quantize_mxfp8
 from fusedmoe.quant.formats import FP8_DTYPE
@@ -51,11 +52,15 @@ from fusedmoe.quant.kernels import (
 
 __all__ = [
     "ContiguousLayout",
+    "MaskedLayout",
     "compute_aligned_M_and_alignment",
     "deep_gemm_config",
     "fused_experts_deep_gemm",
+    "masked_max_m",
     "permute_contiguous",
     "permute_contiguous_torch",
+    "permute_masked",
+    "permute_masked_torch",
     "unpermute_reduce",
     "unpermute_reduce_torch",
 ]
@@ -140,6 +145,62 @@ def _permute_kernel(
             )
             s_dst = sp_ptr + rows.to(tl.int64)[:, None] * stride_spm + groups[None, :] * stride_spg
             tl.store(s_dst, s, mask=s_mask)
+
+
+@triton.jit
+def _masked_rank_kernel(
+    ids_ptr, map_ptr, num_ids, rank_ptr, masked_m_ptr,
+    num_slots, num_local, max_m,
+    HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program e: the rank of each slot routed to local expert e among e's slots, in slot
+    order (rank[s]), and masked_m[e] = how many there are (at most max_m)."""
+    e = tl.program_id(0)
+    seen = 0
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        local = _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
+        hit = (local == e).to(tl.int32)
+        rank = seen + tl.cumsum(hit, 0) - 1
+        tl.store(rank_ptr + offs, rank, mask=hit > 0)
+        seen += tl.sum(hit, 0)
+    tl.store(masked_m_ptr + e, tl.minimum(seen, max_m))
+
+
+@triton.jit
+def _masked_permute_kernel(
+    a_ptr, stride_am, stride_ak,  # [M, K] (FP8 viewed as bytes)
+    s_ptr, stride_sm, stride_sg,  # [M, G] scales
+    ap_ptr, stride_apm, stride_apk,  # [E_l * max_m, K]
+    sp_ptr, stride_spm, stride_spg,  # [E_l * max_m, G]
+    ids_ptr, map_ptr, num_ids, rank_ptr, inv_ptr,
+    K, G, num_slots, num_local, max_m,
+    TOP_K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Slot s routed to local expert e with rank p: token s // k's row to row e * max_m + p."""
+    slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    local = _local_ids(ids_ptr, map_ptr, num_ids, slots, num_slots, num_local, HAS_MAP)
+    routed = local < num_local
+    rank = tl.load(rank_ptr + slots, mask=routed, other=0)
+    valid = routed & (rank < max_m)
+    rows = (local * max_m + rank).to(tl.int64)
+    tokens = (slots // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = valid[:, None] & (cols < K)[None, :]
+    a = tl.load(a_ptr + tokens[:, None] * stride_am + cols[None, :] * stride_ak, mask=mask)
+    tl.store(ap_ptr + rows[:, None] * stride_apm + cols[None, :] * stride_apk, a, mask=mask)
+    if tl.program_id(1) == 0:  # -1: no row (an expert with more than max_m slots)
+        tl.store(inv_ptr + slots, tl.where(valid, rows, -1).to(tl.int32), mask=routed)
+        groups = tl.arange(0, BLOCK_G)
+        s_mask = valid[:, None] & (groups < G)[None, :]
+        s = tl.load(s_ptr + tokens[:, None] * stride_sm + groups[None, :] * stride_sg, mask=s_mask)
+        s_dst = sp_ptr + rows[:, None] * stride_spm + groups[None, :] * stride_spg
+        tl.store(s_dst, s, mask=s_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +310,127 @@ def permute_contiguous_torch(
     a_perm = gather(a.view(torch.uint8) if a.element_size() == 1 else a).view(a.dtype)
     s_perm = None if a_scale is None else gather(a_scale)
     return a_perm, s_perm, torch.tensor(experts, dtype=torch.int32), where
+
+
+@dataclass
+class MaskedLayout:
+    """The activations batched per local expert (DeepGEMM's masked layout)."""
+
+    a: torch.Tensor  # [E_l, max_m, K]: expert e's slots in rows [0, masked_m[e]), slot order
+    a_scale: torch.Tensor | None  # [E_l, max_m, G] their scales, None: unquantized
+    masked_m: torch.Tensor  # int32 [E_l]: rows in use per expert
+    inv_perm: torch.Tensor  # int32 [S]: row e * max_m + p of each slot routed here
+    max_m: int
+
+
+def masked_max_m(num_tokens: int) -> int:
+    """Rows per expert of the masked layout for M tokens: M rounded up to MASKED_ROWS (k
+    distinct experts per token put at most M slots on one expert)."""
+    return max(1, cdiv(num_tokens, MASKED_ROWS)) * MASKED_ROWS
+
+
+def permute_masked(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    max_m: int,
+    expert_map: torch.Tensor | None = None,
+    *,
+    a_out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+) -> MaskedLayout:
+    """a [M, K] (+ scales [M, G]) -> the masked layout of its M * k slots, in two launches (the
+    ranks per expert, then the copy). a_out / scale_out: [E_l * max_m, K] / [E_l * max_m, G]
+    buffers of any strides to write into. Rows past masked_m[e] are left as they were.
+
+    The ids of a token must be distinct (the routers' contract; FUSEDMOE_DEBUG_CHECKS checks
+    it before the library runs): with M tokens no expert then has more than M <= max_m slots.
+    Were one to have more, it keeps its first max_m rows, its other slots get inv_perm -1
+    (unpermute_reduce adds nothing for them) and nothing is written out of bounds."""
+    num_tokens, top_k = topk_ids.shape
+    num_slots = num_tokens * top_k
+    k = a.shape[1]
+    rows = num_local_experts * max_m
+    a_flat = a.new_empty((rows, k)) if a_out is None else a_out
+    s_flat = None
+    if a_scale is not None:
+        groups = a_scale.shape[1]
+        s_flat = a_scale.new_empty((rows, groups)) if scale_out is None else scale_out
+    device = a.device
+    masked_m = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(max(num_slots, 1), dtype=torch.int32, device=device)
+    inv_perm = torch.empty(max(num_slots, 1), dtype=torch.int32, device=device)
+    ids = topk_ids.reshape(-1)
+    num_ids = num_local_experts if expert_map is None else expert_map.shape[0]
+    id_map = ids if expert_map is None else expert_map
+    has_map = expert_map is not None
+    with device_guard(a):
+        _masked_rank_kernel[(num_local_experts,)](
+            ids, id_map, num_ids, rank, masked_m, num_slots, num_local_experts, max_m,
+            HAS_MAP=has_map, CHUNK=min(_COLS, max(16, next_power_of_2(num_slots))),
+            num_warps=4,
+        )  # fmt: skip
+        if num_slots > 0:
+            block_k = min(_COLS, next_power_of_2(k))
+            groups = 1 if a_scale is None else a_scale.shape[1]
+            scale_args = (a, 0, 0, a_flat, 0, 0)
+            if a_scale is not None:
+                scale_args = (a_scale, *a_scale.stride(), s_flat, *s_flat.stride())
+            ab, apb = _as_bytes(a), _as_bytes(a_flat)
+            _masked_permute_kernel[(cdiv(num_slots, _PERMUTE_ROWS), cdiv(k, block_k))](
+                ab, ab.stride(0), ab.stride(1),
+                *scale_args[:3],
+                apb, apb.stride(0), apb.stride(1),
+                *scale_args[3:],
+                ids, id_map, num_ids, rank, inv_perm,
+                k, groups if a_scale is not None else 0, num_slots, num_local_experts, max_m,
+                TOP_K=top_k,
+                HAS_MAP=has_map,
+                BLOCK_R=_PERMUTE_ROWS,
+                BLOCK_K=block_k,
+                BLOCK_G=next_power_of_2(groups),
+                num_warps=4,
+            )  # fmt: skip
+    s_batched = None
+    if s_flat is not None:
+        s_batched = _batched(s_flat, num_local_experts, max_m)
+    return MaskedLayout(
+        _batched(a_flat, num_local_experts, max_m), s_batched, masked_m, inv_perm, max_m
+    )
+
+
+def _batched(t: torch.Tensor, experts: int, max_m: int) -> torch.Tensor:
+    """[E_l * max_m, C] of strides (s0, s1) -> the [E_l, max_m, C] view (max_m * s0, s0, s1)."""
+    s0, s1 = t.stride()
+    return t.as_strided((experts, max_m, t.shape[1]), (max_m * s0, s0, s1))
+
+
+def permute_masked_torch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    max_m: int,
+    expert_map: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int], dict[int, int]]:
+    """The spec, in loops: per local expert, its slots' rows of a (and scales) in slot order,
+    their count, and {slot: e * max_m + p}."""
+    ids = topk_ids.reshape(-1).tolist()
+    if expert_map is not None:
+        emap = expert_map.tolist()
+        ids = [emap[i] if 0 <= i < len(emap) else -1 for i in ids]
+    top_k = topk_ids.shape[1]
+    rows, scales, counts, where = [], [], [], {}
+    for e in range(num_local_experts):
+        run = [s for s, i in enumerate(ids) if i == e][:max_m]
+        for p, s in enumerate(run):
+            where[s] = e * max_m + p
+        tokens = torch.tensor([s // top_k for s in run], dtype=torch.long)
+        rows.append(_as_bytes(a).cpu()[tokens].view(a.dtype))
+        scales.append(None if a_scale is None else a_scale.cpu()[tokens])
+        counts.append(len(run))
+    return rows, scales, counts, where
 
 
 def unpermute_reduce(
@@ -363,6 +545,89 @@ _A_MODE = {"fp8_block": g.A_GROUP, "mxfp8": g.A_MX, "mxfp4_w4a8": g.A_GROUP}
 _W_MODE = {"fp8_block": g.W_BLOCK, "mxfp8": g.W_MX, "mxfp4_w4a8": g.W_MX}
 
 
+#: engines of the op: our Triton GEMMs over the contiguous layout, or the DeepGEMM library's
+#: GEMMs over the contiguous or the masked layout
+ENGINES = ("triton", "contiguous", "masked")
+
+
+def library_layout(
+    num_tokens: int, top_k: int, num_local_experts: int, alignment: int
+) -> tuple[str, int]:
+    """(layout, rows) the library engine runs M tokens on: "masked" ([E_l, max_m] rows) where
+    that has no more rows than the contiguous layout may need (small M, many experts: the
+    contiguous bound is mostly padding), else "contiguous" (M_sum rows)."""
+    m_sum, _ = compute_aligned_M_and_alignment(num_tokens, top_k, num_local_experts, alignment)
+    masked_rows = num_local_experts * masked_max_m(num_tokens)
+    if masked_rows <= m_sum:
+        return "masked", masked_rows
+    return "contiguous", m_sum
+
+
+def _carve(workspace13: torch.Tensor, rows: int, hidden: int, groups: int, scale_dtype):
+    """workspace13 -> (a [rows, K] FP8, scales [rows, G] column-major: strides (1, rows))."""
+    raw = workspace13.view(-1).view(torch.uint8)
+    a_out = raw[: rows * hidden].view(FP8_DTYPE).view(rows, hidden)
+    start = (rows * hidden + 15) // 16 * 16
+    size = rows * groups * torch.empty((), dtype=scale_dtype).element_size()
+    scales = raw[start : start + size].view(scale_dtype).view(groups, rows).t()
+    return a_out, scales
+
+
+def _run_library(
+    engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+    expert_map, workspace13, workspace2, act, params, alignment, m_sum, use_ue8m0,
+    mul_routed_weight,
+):  # fmt: skip
+    """The library's FP8 grouped GEMMs between our permute, act + quant and unpermute."""
+    lib = find_library()
+    if lib is None:
+        raise RuntimeError("the DeepGEMM library was chosen but cannot be imported")
+    num_local, n, hidden = w13.shape
+    num_tokens, top_k = topk_ids.shape
+    alpha, beta, limit, has_limit = resolve_params(act, params)
+    act_quant = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)
+    if engine == "contiguous":
+        a_out, scale_out = _carve(workspace13, m_sum, hidden, a1q_scale.shape[1], torch.float32)
+        layout = permute_contiguous(
+            a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
+            a_out=a_out, scale_out=scale_out,
+        )  # fmt: skip
+        h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
+        lib.contiguous(layout.a, layout.a_scale, w13, w13_scale, h, layout.m_indices)
+        a2q, a2_scale = act_quant(
+            h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True, use_ue8m0
+        )
+        y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
+        lib.contiguous(a2q, a2_scale, w2, w2_scale, y, layout.m_indices)
+        inv_perm = layout.inv_perm
+    else:
+        max_m = masked_max_m(num_tokens)
+        rows = num_local * max_m
+        a_out, scale_out = _carve(workspace13, rows, hidden, a1q_scale.shape[1], torch.float32)
+        layout = permute_masked(
+            a1q, a1q_scale, topk_ids, num_local, max_m, expert_map,
+            a_out=a_out, scale_out=scale_out,
+        )  # fmt: skip
+        num_ids = num_local if expert_map is None else expert_map.shape[0]
+        expected_m = min(max_m, max(1, cdiv(num_tokens * top_k, num_ids)))
+        h = workspace2.view(-1)[: rows * n].view(num_local, max_m, n)
+        lib.masked(layout.a, layout.a_scale, w13, w13_scale, h, layout.masked_m, expected_m)
+        a2q, a2_scale = act_quant(
+            h.view(rows, n), act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True,
+            use_ue8m0,
+        )  # fmt: skip
+        y = workspace2.view(-1)[: rows * hidden].view(num_local, max_m, hidden)
+        lib.masked(
+            _batched(a2q, num_local, max_m), _batched(a2_scale, num_local, max_m), w2,
+            w2_scale, y, layout.masked_m, expected_m,
+        )  # fmt: skip
+        y = y.view(rows, hidden)
+        inv_perm = layout.inv_perm
+    unpermute_reduce(
+        y, output, topk_weights, topk_ids, inv_perm, num_local, expert_map, mul_routed_weight
+    )
+
+
 def _fused_experts_deep_gemm_impl(
     output: torch.Tensor,
     a1q: torch.Tensor,
@@ -386,11 +651,19 @@ def _fused_experts_deep_gemm_impl(
     column_major_scales: bool,
     use_ue8m0: bool,
     mul_routed_weight: bool,
+    engine: str,
 ) -> None:
     num_local, n, _ = w13.shape
     hidden = a1q.shape[1]
     act = MoEActivation(activation)
     params = ActivationParams(act_alpha, act_beta, act_limit)
+    if engine != "triton":
+        _run_library(
+            engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights,
+            topk_ids, expert_map, workspace13, workspace2, act, params, alignment, m_sum,
+            use_ue8m0, mul_routed_weight,
+        )  # fmt: skip
+        return
     h_dtype = TL_DTYPE[output.dtype]
     w_fp4 = scheme == "mxfp4_w4a8"
     # workspace13 holds a1 permuted and its scales; workspace2 holds h, then y (a2 and its
@@ -439,7 +712,7 @@ _fused_experts_deep_gemm_op = torch.library.custom_op(
 @_fused_experts_deep_gemm_op.register_fake
 def _(output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map,
       workspace13, workspace2, scheme, activation, act_alpha, act_beta, act_limit, alignment,
-      m_sum, column_major_scales, use_ue8m0, mul_routed_weight):  # fmt: skip
+      m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine):  # fmt: skip
     return None
 
 
@@ -464,6 +737,7 @@ def fused_experts_deep_gemm(
     column_major_scales: bool = False,
     use_ue8m0: bool = False,
     mul_routed_weight: bool = True,
+    engine: str = "triton",
 ) -> None:
     """output [M, H] = the experts' weighted top-k sum, through the contiguous layout (one
     custom op: it traces under torch.compile and never reads the device from the host).
@@ -482,5 +756,5 @@ def fused_experts_deep_gemm(
     op_or_impl(_fused_experts_deep_gemm_op, _fused_experts_deep_gemm_impl)(
         output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
         expert_map, workspace13, workspace2, scheme, activation.kind.value, p.alpha, p.beta,
-        p.limit, alignment, m_sum, column_major_scales, use_ue8m0, mul_routed_weight,
+        p.limit, alignment, m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine,
     )  # fmt: skip

@@ -614,10 +614,12 @@ def _moe_sum_kernel(
         if HAS_MAP:
             local = tl.load(map_ptr + gid, mask=routed, other=-1)
             routed = (local >= 0) & (local < num_local)
-        mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
         row = m * TOP_K + j
-        if HAS_INV:  # entries of slots not routed here are never written: not followed
+        if HAS_INV:  # entries of slots not routed here are never written: not followed; a
+            # row of -1: the layout has no row for the slot (the masked layout's overflow)
             row = tl.where(routed, tl.load(inv_ptr + row), 0).to(tl.int64)
+            routed = routed & (row >= 0)
+        mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
         y = tl.load(y_ptr + row * stride_ys + offs_h * stride_yh, mask=mask, other=0.0)
         y = y.to(tl.float32)
         if MUL_WEIGHT:

@@ -60,6 +60,12 @@ class Experts(abc.ABC):
         letting the oracle pick it; a backend may then refuse instead of falling back)."""
         return cls()
 
+    @classmethod
+    def engine_description(cls) -> str | None:
+        """Which GEMM engine runs here, where a backend has several (fusedmoe backends and the
+        oracle's explanation print it); None where there is nothing to choose."""
+        return None
+
     # ---- capabilities (class-level: the oracle asks before building anything) ----
     @classmethod
     def is_available(cls) -> str | None:

@@ -6,7 +6,8 @@ Columns: the activation dtypes (bf16, fp16, fp32, fp64) and quantization schemes
 (fusedmoe.quant SCHEMES) it accepts, its activations, the hidden sizes it takes, biases,
 expert_map, expert parallelism, autograd, whether it routes inside (needs the router logits),
 the devices it supports (CPU, CUDA, and where the CPU only emulates it: preferred_on), and
-"runs here".
+"runs here". Last, the GEMM engine of the backends that have a choice (deep_gemm: the DeepGEMM
+library and its version, or our Triton GEMMs).
 
 A scheme is asked about with a config built from a small quantized tensor on the CPU (a
 predicate may look at keys, layouts or scale dtypes, never at values). "runs here" is yes when
@@ -51,6 +52,7 @@ class BackendCapabilities:
     hidden_multiple: int | None  # hidden sizes it takes are multiples of this (None: unclear)
     devices: list[str]  # "cpu", "cuda"; "cpu (by name)" where auto never picks it there
     runs_here: str | None  # None: yes; else why not
+    engine: str | None  # the GEMMs it runs, where it has a choice (engine_description)
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,6 +113,7 @@ def capabilities(cls: type[Experts]) -> BackendCapabilities:
         hidden_multiple=_hidden_multiple(cls),
         devices=_devices(cls),
         runs_here=_runs_here(cls),
+        engine=cls.engine_description(),
     )
 
 
@@ -156,7 +159,9 @@ def format_matrix(matrix: list[BackendCapabilities]) -> str:
         {"backend": c.name, **{f: _yes(f in formats[c.name]) for f in (*DTYPES, *SCHEMES)}}
         for c in matrix
     ]
-    return _table(rows) + "\n\n" + _table(grid)
+    engines = [f"  {c.name}: {c.engine}" for c in matrix if c.engine is not None]
+    tail = "\n\nGEMM engines:\n" + "\n".join(engines) if engines else ""
+    return _table(rows) + "\n\n" + _table(grid) + tail
 
 
 def _table(rows: list[dict[str, str]]) -> str:
