@@ -2,7 +2,14 @@
 
     PYTHONPATH=. python3 benchmarks/bench_fp8_backends.py [--tokens 1,8,64,...]
         [--cases deepseek-v3:fp8_block,qwen3-235b-a22b:fp8_block,qwen3-30b-a3b:fp8_tensor]
-        [--backends triton,deep_gemm,hpc] [--routing uniform] [--json rows.json]
+        [--backends triton,deep_gemm,deep_gemm:triton,hpc] [--routing uniform]
+        [--parts] [--json rows.json]
+
+deep_gemm runs the DeepGEMM library's GEMMs where one is importable (its auto engine);
+deep_gemm:triton is the same backend on our Triton GEMMs. --parts adds, for fp8_block where
+the library runs, a "dg parts" row: the sum of the pieces of the library path, each timed alone
+(x's quantization, moe_align + permute, the library's GEMM1, act + quant, its GEMM2, the
+unpermute-reduce), the figure the whole layer is held against.
 
 The whole expert computation given the routing, from bf16 x to bf16 out (the activation
 quantization of prepare inside the timed region), median of CUDA-graph replays, weights at the
@@ -76,6 +83,75 @@ def quantize_static_fp8_tensor(w13, w2, x_calib):
     return experts.w13, experts.w2, static
 
 
+def _backend(name):
+    """A backend name, or "deep_gemm:<engine>": that engine of deep_gemm, requested by name."""
+    if ":" not in name:
+        return name
+    from fusedmoe.experts.deep_gemm import DeepGemmExperts
+
+    base, engine = name.split(":")
+    if base != "deep_gemm":
+        raise ValueError(f"only deep_gemm has engines, got {name!r}")
+
+    class Engine(DeepGemmExperts):
+        @classmethod
+        def create(cls, *, requested: bool = False):
+            return DeepGemmExperts(strict=requested, engine=engine)
+
+    return Engine
+
+
+def library_parts_us(x, q13, q2, qc, topk_ids, act, device, rep_ms):
+    """{piece: us} of the library path, each piece timed alone on this routing (None where
+    the library does not run here)."""
+    from fusedmoe.activation import MoEActivation
+    from fusedmoe.kernels import deep_gemm_lib
+    from fusedmoe.kernels.deep_gemm_moe import (
+        _carve,
+        compute_aligned_M_and_alignment,
+        library_layout,
+        permute_contiguous,
+        unpermute_reduce,
+    )
+    from fusedmoe.quant.activation import per_token_group_quant_fp8
+    from fusedmoe.quant.kernels import act_mul_per_token_group_quant_fp8_triton
+
+    if deep_gemm_lib.library_unusable_reason(device) is not None:
+        return None
+    lib = deep_gemm_lib.find_library()
+    m, k = topk_ids.shape
+    e, n, h = q13.shape
+    if library_layout(m, k, e, 128)[0] != "contiguous":
+        return None
+    m_sum, _ = compute_aligned_M_and_alignment(m, k, e, 128)
+    a1q, a1s = per_token_group_quant_fp8(x, 128)
+    ws13 = torch.empty(m_sum, max(n // 2, h), dtype=x.dtype, device=device)
+    a_out, s_out = _carve(ws13, m_sum, h, a1s.shape[1], torch.float32)
+    layout = permute_contiguous(a1q, a1s, topk_ids, e, 128, m_sum, a_out=a_out, scale_out=s_out)
+    hbuf = torch.empty(m_sum, n, dtype=x.dtype, device=device)
+    a2q, a2s = act_mul_per_token_group_quant_fp8_triton(
+        hbuf.normal_(), act, column_major_scales=True
+    )
+    y = torch.empty(m_sum, h, dtype=x.dtype, device=device)
+    out = torch.empty_like(x)
+    w = torch.rand(m, k, device=device)
+    pieces = {
+        "quant x": lambda: per_token_group_quant_fp8(x, 128),
+        "permute": lambda: permute_contiguous(
+            a1q, a1s, topk_ids, e, 128, m_sum, a_out=a_out, scale_out=s_out
+        ),
+        "gemm1": lambda: lib.contiguous(
+            layout.a, layout.a_scale, q13, qc.w1.scale, hbuf, layout.m_indices
+        ),
+        "act+quant": lambda: act_mul_per_token_group_quant_fp8_triton(
+            hbuf, MoEActivation(act), column_major_scales=True
+        ),
+        "gemm2": lambda: lib.contiguous(a2q, a2s, q2, qc.w2.scale, y, layout.m_indices),
+        "unpermute": lambda: unpermute_reduce(y, out, w, topk_ids, layout.inv_perm, e),
+    }
+    return {name: time_ms(fn, device, rep_ms=rep_ms)[0] * 1e3 for name, fn in pieces.items()}
+
+
 def run_case(preset_name, quant, args, ceilings, device):
     preset = PRESETS[preset_name]
     e, k, h, i = preset.num_experts, preset.top_k, preset.hidden_size, preset.intermediate_size
@@ -107,19 +183,29 @@ def run_case(preset_name, quant, args, ceilings, device):
             outputs = {}
             for backend in args.backends:
                 try:
-                    outputs[backend] = run(backend=backend)
+                    outputs[backend] = run(backend=_backend(backend))
                 except ValueError as exc:
                     rows.append(Row(preset_name, quant, routing, backend, m, float("nan"),
                                     floor_us, float("nan"), float("nan"), None,
                                     f"refused: {exc}"[:90]))  # fmt: skip
                     continue
-                ms, how = time_ms(functools.partial(run, backend=backend), device,
+                ms, how = time_ms(functools.partial(run, backend=_backend(backend)), device,
                                   rep_ms=args.rep_ms)  # fmt: skip
                 us = ms * 1e3
                 against = ref if ref is not None else outputs.get("triton")
                 err = None if against is None else rel_err(outputs[backend], against)
                 row = Row(preset_name, quant, routing, backend, m, us, floor_us,
                           100 * floor_us / us, flops / us / 1e6, err, how)  # fmt: skip
+                rows.append(row)
+                print(fmt(row), file=sys.stderr, flush=True)
+            parts = None
+            if args.parts and quant == "fp8_block":
+                parts = library_parts_us(x, q13, q2, qc, topk_ids, act, device, args.rep_ms)
+            if parts is not None:
+                us = sum(parts.values())
+                note = " ".join(f"{name} {t:.0f}" for name, t in parts.items())
+                row = Row(preset_name, quant, routing, "dg parts", m, us, floor_us,
+                          100 * floor_us / us, flops / us / 1e6, None, note)  # fmt: skip
                 rows.append(row)
                 print(fmt(row), file=sys.stderr, flush=True)
     return rows
@@ -141,6 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--backends", type=csv_list(str), default=list(BACKENDS))
     p.add_argument("--routing", type=csv_list(str), default=["uniform"])
     p.add_argument("--rep-ms", type=int, default=50)
+    p.add_argument("--parts", action="store_true", help="time the library path's pieces alone")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -11,13 +11,16 @@ fixed ~10 us; at 1/4 size 1.2x to 15x). It routes inside, so it is only chosen w
 logits are at hand (FusedMoE), and only for unquantized, non-float64 inference calls (no
 autograd); elsewhere torch runs.
 
-triton precedes deep_gemm and hpc wherever it runs the scheme. On an H200
-(benchmarks/bench_fp8_backends.py, README) deep_gemm is faster only from M ~ 16384 (1.03x to
-1.08x) and 1.1x to 1.6x slower from 256 to 4096 tokens; hpc is faster only with static
-per-tensor FP8 scales at M <= 64 and trails triton with 128-block scales. The oracle picks per
-layer, not per call size, so those stay choices by name (backend="hpc" for a decode-only
-layer); deep_gemm and deep_gemm_fp4 are the automatic choice for the MX schemes, which triton
-does not run.
+triton precedes deep_gemm and hpc wherever it runs the scheme, with one exception: where the
+DeepGEMM library is importable and runs fp8_block on the GPU (DeepGemmExperts.library_runs),
+deep_gemm goes first. Its library GEMMs are 1.2x to 1.6x faster than triton from 128 slots per
+expert (M * k / E) on an H200, and an auto-chosen deep_gemm hands smaller calls to triton
+(LIBRARY_MIN_SLOTS_PER_EXPERT), so the layer gets the faster of the two at every size. On our
+own Triton GEMMs deep_gemm is faster only from M ~ 16384 (1.03x to 1.08x) and 1.1x to 1.6x
+slower from 256 to 4096 tokens; hpc is faster only with static per-tensor FP8 scales at M <= 64
+and trails triton with 128-block scales. The oracle picks per layer, not per call size, so
+those stay choices by name (backend="hpc" for a decode-only layer); deep_gemm and deep_gemm_fp4
+are the automatic choice for the MX schemes, which triton does not run.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedmoe.activation import ActivationParams, MoEActivation
-from fusedmoe.experts.deep_gemm import DeepGemmExperts, DeepGemmFP4Experts
+from fusedmoe.experts.deep_gemm import (
+    LIBRARY_MIN_SLOTS_PER_EXPERT,
+    DeepGemmExperts,
+    DeepGemmFP4Experts,
+)
 from fusedmoe.experts.hpc import HPCExperts
 from fusedmoe.experts.monolithic import MonolithicExperts
 from fusedmoe.experts.torch_ref import TorchExperts
@@ -149,9 +156,10 @@ def select_backend(
             ep_size=ep_size,
             has_router_logits=has_router_logits,
         )
-    refused = {cls.name: cls.refusal_reason(problem) for cls in BACKENDS}
+    order = _preference(problem)
+    refused = {cls.name: cls.refusal_reason(problem) for cls in order}
     explicit = not (isinstance(backend, str) and backend == "auto")
-    for cls in BACKENDS:
+    for cls in order:
         if not explicit and refused[cls.name] is None and not cls.preferred_on(problem.device):
             refused[cls.name] = f"runs on {problem.device.type} only when requested by name"
 
@@ -163,14 +171,19 @@ def select_backend(
         others = {n: r or "not requested" for n, r in refused.items() if n != cls.name}
         return BackendChoice(cls.name, cls, "requested explicitly", others, requested=True)
 
-    for cls in BACKENDS:
+    for cls in order:
         if refused[cls.name] is None:
-            preferred = [c.name for c in BACKENDS[: BACKENDS.index(cls)]]
+            preferred = [c.name for c in order[: order.index(cls)]]
             reason = (
                 f"most preferred backend that supports {_describe(problem)}"
                 if preferred
                 else f"first choice, supports {_describe(problem)}"
             )
+            if order is not BACKENDS and cls is DeepGemmExperts:
+                reason += (
+                    "; ahead of triton where the DeepGEMM library runs fp8_block (calls of "
+                    f"fewer than {LIBRARY_MIN_SLOTS_PER_EXPERT} slots per expert run on triton)"
+                )
             others = {
                 n: r if r is not None else f"supported, but {cls.name} is preferred"
                 for n, r in refused.items()
@@ -179,6 +192,15 @@ def select_backend(
             return BackendChoice(cls.name, cls, reason, others)
     details = "; ".join(f"{n}: {r}" for n, r in refused.items())
     raise ValueError(f"no backend supports {_describe(problem)} ({details})")
+
+
+def _preference(problem: MoEProblem) -> tuple[type[Experts], ...]:
+    """BACKENDS, with deep_gemm moved ahead of triton where the DeepGEMM library runs the
+    problem (its prefill GEMMs are the fastest we have; it hands small calls to triton)."""
+    if not DeepGemmExperts.library_runs(problem):
+        return BACKENDS
+    rest = tuple(cls for cls in BACKENDS if cls is not DeepGemmExperts)
+    return (DeepGemmExperts, *rest)
 
 
 def _describe(problem: MoEProblem) -> str:

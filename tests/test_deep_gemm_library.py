@@ -379,3 +379,41 @@ def _shard(qc, start):
 
     w1 = replace(qc.w1, scale=qc.w1.scale[start:])
     return replace(qc, w1=w1, w2=replace(qc.w2, scale=qc.w2.scale[start:]))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_layer_runs_the_library_from_cuda_graphs():
+    """backend="auto" with the library: the oracle puts deep_gemm first; decode sizes go to
+    triton, prefill sizes to the library, graphed calls equal eager ones, and no host sync."""
+    _real_library()
+    from fusedmoe import FusedMoE
+
+    layer = FusedMoE(16, 4, 512, 256, params_dtype=torch.bfloat16, device="cuda")
+    layer.quantize_("fp8_block")
+    calls = []
+    real = deep_gemm_lib.DeepGemmLibrary.contiguous
+
+    def spy(self, *args):
+        calls.append(args[4].shape[0])
+        return real(self, *args)
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deep_gemm_lib.DeepGemmLibrary, "contiguous", spy)
+        for num_tokens in (1, 37, 600, 5000):  # 600 * 4 / 16 = 150 slots per expert: library
+            x = torch.randn(num_tokens, 512, dtype=torch.bfloat16, device="cuda")
+            logits = torch.randn(num_tokens, 16, device="cuda")
+            out = layer(x, logits)
+            assert layer.backend_choice().name == "deep_gemm", layer.backend_choice().explain()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                again = layer(x, logits)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert torch.equal(again, out)
+            layer.cuda_graph_max_tokens = 0
+            eager = layer(x, logits)
+            layer.cuda_graph_max_tokens = 4096
+            assert_close(out.float(), eager.float(), torch.bfloat16, **QUANT_TOL)
+        assert layer._graph_state is not None and layer._graph_state[1].replays > 0
+    assert calls, "the library ran the prefill sizes"

@@ -62,10 +62,18 @@ _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 #: engine="auto": the library where it runs the call; "library": it or a ValueError; "triton":
 #: our grouped GEMMs only
 ENGINES = ("auto", "library", "triton")
+#: chosen by the oracle (not by name), a call with fewer slots per expert (M * k / E) than this
+#: runs on the triton backend: on an H200 (benchmarks/bench_fp8_backends.py, the four fp8_block
+#: presets) triton is faster up to 64 slots per expert (1.0x to 1.35x), the library from 128
+#: (1.2x to 1.6x at M = 4096 and 16384)
+LIBRARY_MIN_SLOTS_PER_EXPERT = 128
 
 
 class DeepGemmExperts(Experts):
     name = "deep_gemm"
+    #: every path launches the same kernels for a token count and reads nothing on the host
+    #: (the library's JIT compilation happens in the graph cache's warm-up call, before capture)
+    cuda_graph_safe = True
     #: rows each expert's run is padded to (the M alignment of DeepGEMM's contiguous layout)
     alignment: ClassVar[int] = 128
     #: scheme -> the activation keys it accepts
@@ -135,6 +143,22 @@ class DeepGemmExperts(Experts):
         from fusedmoe.kernels.deep_gemm_lib import library_status
 
         return library_status()
+
+    @classmethod
+    def library_runs(cls, problem) -> bool:
+        """Whether the DeepGEMM library runs `problem`'s GEMMs here (the oracle then prefers
+        this backend to triton: see LIBRARY_MIN_SLOTS_PER_EXPERT)."""
+        from fusedmoe.kernels.deep_gemm_lib import library_unusable_reason
+
+        qc = problem.quant_config
+        return (
+            qc is not None
+            and qc.scheme == "fp8_block"
+            and cls.refusal_reason(problem) is None
+            and problem.hidden_size % 128 == 0
+            and problem.intermediate_size % 128 == 0
+            and library_unusable_reason(problem.device) is None
+        )
 
     # ---- the contract of one call ----
     def library_reason(self, num_tokens: int, weights, call_quant, hidden_states) -> str | None:
@@ -206,6 +230,16 @@ class DeepGemmExperts(Experts):
         num_tokens, top_k = call.topk_ids.shape
         engine = "triton"
         not_library = self.library_reason(num_tokens, weights, qc, call.hidden_states)
+        slots_per_expert = num_tokens * top_k / call.global_num_experts
+        if (
+            not_library is None
+            and self.engine == "auto"
+            and not self.strict
+            and slots_per_expert < LIBRARY_MIN_SLOTS_PER_EXPERT
+            and TritonExperts.supports_quant_config(qc)
+        ):
+            TritonExperts().apply(call)  # faster below a 128-row block per expert
+            return
         if not_library is None:
             engine, _ = library_layout(num_tokens, top_k, weights.num_local_experts, self.alignment)
             if engine == "masked":  # holds M rows per expert: a token's ids must be distinct
