@@ -22,7 +22,7 @@ import fusedmoe
 
 pytest.importorskip("triton")
 
-from fusedmoe import fused_experts
+from fusedmoe import ActivationParams, fused_experts
 from fusedmoe.experts.deep_gemm import DeepGemmExperts
 from fusedmoe.kernels import deep_gemm_lib
 from fusedmoe.kernels.deep_gemm_moe import (
@@ -240,20 +240,21 @@ def test_the_oracle_names_the_engine(fake_library):
 # the pipeline around the library, against the torch backend
 # ---------------------------------------------------------------------------------------------
 @functools.cache
-def _quantized_cpu(num_experts):
-    experts = random_experts(num_experts, H, I, "silu", dtype=torch.bfloat16)
-    return quantize_experts(experts["w13"], experts["w2"], "fp8_block")
+def _quantized_cpu(num_experts, ue8m0=False, activation="silu"):
+    experts = random_experts(num_experts, H, I, activation, dtype=torch.bfloat16)
+    kwargs = dict(use_ue8m0=True, column_major_scales=True) if ue8m0 else {}
+    return quantize_experts(experts["w13"], experts["w2"], "fp8_block", **kwargs)
 
 
-def _quantized(num_experts=E):
-    w13, w2, qc = _quantized_cpu(num_experts)
+def _quantized(num_experts=E, ue8m0=False, activation="silu"):
+    w13, w2, qc = _quantized_cpu(num_experts, ue8m0, activation)
     return w13.to(DEVICE), w2.to(DEVICE), quant_config_to(qc, DEVICE)
 
 
-def _run(experts, x, w13, w2, weights, ids, qc, **kwargs):
+def _run(experts, x, w13, w2, weights, ids, qc, *, activation=None, **kwargs):
     kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
     return kernel.forward(
-        x, ExpertWeights(w13, w2), weights, ids, activation=ActivationSpec(),
+        x, ExpertWeights(w13, w2), weights, ids, activation=activation or ActivationSpec(),
         global_num_experts=kwargs.pop("global_num_experts", w13.shape[0]), quant_config=qc,
         **kwargs,
     )  # fmt: skip
@@ -269,6 +270,24 @@ def test_library_engine_matches_torch_backend(fake_library, num_tokens, layout):
     out = _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
     assert fake_library.calls == [layout, layout]
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+@pytest.mark.parametrize("num_tokens", [5, 130])  # masked, contiguous
+def test_library_engine_ue8m0_scales_and_swigluoai(fake_library, num_tokens):
+    """UE8M0 (power-of-two) group scales, prepare's column-major scales, and the activation
+    with parameters through the library engine."""
+    params = ActivationParams(alpha=1.5, beta=0.5, limit=6.0)
+    w13, w2, qc = _quantized(ue8m0=True, activation="swigluoai_uninterleave")
+    weights, ids = _routing(num_tokens, E, 2)
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device=DEVICE)
+    spec = ActivationSpec.make("swigluoai_uninterleave", params)
+    out = _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc, activation=spec)
+    assert len(fake_library.calls) == 2
+    ref = fused_experts(
+        x, w13, w2, weights, ids, quant_config=qc, backend="torch",
+        activation="swigluoai_uninterleave", activation_params=params,
+    )  # fmt: skip
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
 
 
@@ -309,8 +328,14 @@ def test_engines_choose_and_refuse(fake_library):
     x = torch.randn(3, H, dtype=torch.bfloat16, device=DEVICE)
     _run(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)  # falls back to triton
     assert fake_library.calls == []
-    _run(DeepGemmExperts(), x, w13, w2, weights, ids, qc)  # auto: the library, any M
+    _run(DeepGemmExperts(), x, w13, w2, weights, ids, qc)  # auto, chosen by the oracle:
+    assert fake_library.calls == []  # 1 slot per expert runs on triton
+    _run(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: the library
     assert fake_library.calls == ["masked", "masked"]
+    big_w, big_ids = _routing(384, E, 2)  # 128 slots per expert: the library
+    big_x = torch.randn(384, H, dtype=torch.bfloat16, device=DEVICE)
+    _run(DeepGemmExperts(), big_x, w13, w2, big_w, big_ids, qc)
+    assert fake_library.calls[2:] == ["contiguous", "contiguous"]
     experts = random_experts(E, H, 64, "silu", dtype=torch.bfloat16)  # I = 64: N = 128
     w13s, w2s, qcs = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
     with pytest.raises(ValueError, match="intermediate size 64 must be"):
