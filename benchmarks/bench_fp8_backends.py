@@ -15,8 +15,8 @@ The whole expert computation given the routing, from bf16 x to bf16 out (the act
 quantization of prepare inside the timed region), median of CUDA-graph replays, weights at the
 presets' real sizes. fp8_tensor runs with static activation scales (the hpc contract: per-expert
 weight scales, a1 / a2 scales calibrated once, here from a first batch). Each backend is
-requested by name: deep_gemm below 128 tokens is then refused, and the row says so (the oracle
-would run triton there). rel_err: against the float64 torch backend where M * k <= 8192, else
+requested by name: without the DeepGEMM library, deep_gemm below 128 tokens is then refused, and
+the row says so (the oracle would run triton there); "auto" is the oracle's own choice. rel_err: against the float64 torch backend where M * k <= 8192, else
 against triton.
 """
 
@@ -107,7 +107,7 @@ def library_parts_us(x, q13, q2, qc, topk_ids, act, device, rep_ms):
     from fusedmoe.activation import MoEActivation
     from fusedmoe.kernels import deep_gemm_lib
     from fusedmoe.kernels.deep_gemm_moe import (
-        _carve,
+        carve_permuted,
         compute_aligned_M_and_alignment,
         library_layout,
         permute_contiguous,
@@ -126,7 +126,7 @@ def library_parts_us(x, q13, q2, qc, topk_ids, act, device, rep_ms):
     m_sum, _ = compute_aligned_M_and_alignment(m, k, e, 128)
     a1q, a1s = per_token_group_quant_fp8(x, 128)
     ws13 = torch.empty(m_sum, max(n // 2, h), dtype=x.dtype, device=device)
-    a_out, s_out = _carve(ws13, m_sum, h, a1s.shape[1], torch.float32)
+    a_out, s_out = carve_permuted(ws13, m_sum, h, a1s.shape[1], torch.float32)
     layout = permute_contiguous(a1q, a1s, topk_ids, e, 128, m_sum, a_out=a_out, scale_out=s_out)
     hbuf = torch.empty(m_sum, n, dtype=x.dtype, device=device)
     a2q, a2s = act_mul_per_token_group_quant_fp8_triton(

@@ -13,7 +13,7 @@ autograd); elsewhere torch runs.
 
 triton precedes deep_gemm and hpc wherever it runs the scheme, with one exception: where the
 DeepGEMM library is importable and runs fp8_block on the GPU (DeepGemmExperts.library_runs),
-deep_gemm goes first. Its library GEMMs are 1.2x to 1.6x faster than triton from 128 slots per
+deep_gemm goes first. Its library GEMMs are 1.1x to 1.6x faster than triton from 128 slots per
 expert (M * k / E) on an H200, and an auto-chosen deep_gemm hands smaller calls to triton
 (LIBRARY_MIN_SLOTS_PER_EXPERT), so the layer gets the faster of the two at every size. On our
 own Triton GEMMs deep_gemm is faster only from M ~ 16384 (1.03x to 1.08x) and 1.1x to 1.6x

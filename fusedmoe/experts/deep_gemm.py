@@ -64,8 +64,8 @@ _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 ENGINES = ("auto", "library", "triton")
 #: chosen by the oracle (not by name), a call with fewer slots per expert (M * k / E) than this
 #: runs on the triton backend: on an H200 (benchmarks/bench_fp8_backends.py, the four fp8_block
-#: presets) triton is faster up to 64 slots per expert (1.0x to 1.35x), the library from 128
-#: (1.2x to 1.6x at M = 4096 and 16384)
+#: presets) triton is faster up to 64 slots per expert (1.0x to 1.4x), the library from 128
+#: (1.1x to 1.6x at M = 4096 and 16384)
 LIBRARY_MIN_SLOTS_PER_EXPERT = 128
 
 

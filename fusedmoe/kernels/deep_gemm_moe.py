@@ -37,7 +37,7 @@ from fusedmoe.activation import ActivationParams, MoEActivation, apply_activatio
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.deep_gemm_lib import MASKED_ROWS, find_library
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
-from fusedmoe.kernels.moe_align import _local_ids, aligned_sizes, moe_align_block_size
+from fusedmoe.kernels.moe_align import aligned_sizes, local_ids, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
 from fusedmoe.quant.activation import quantize_mxfp8
 from fusedmoe.quant.formats import FP8_DTYPE
@@ -160,7 +160,7 @@ def _masked_rank_kernel(
     seen = 0
     for start in range(0, num_slots, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        local = _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
+        local = local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
         hit = (local == e).to(tl.int32)
         rank = seen + tl.cumsum(hit, 0) - 1
         tl.store(rank_ptr + offs, rank, mask=hit > 0)
@@ -184,7 +184,7 @@ def _masked_permute_kernel(
 ):  # fmt: skip
     """Slot s routed to local expert e with rank p: token s // k's row to row e * max_m + p."""
     slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    local = _local_ids(ids_ptr, map_ptr, num_ids, slots, num_slots, num_local, HAS_MAP)
+    local = local_ids(ids_ptr, map_ptr, num_ids, slots, num_slots, num_local, HAS_MAP)
     routed = local < num_local
     rank = tl.load(rank_ptr + slots, mask=routed, other=0)
     valid = routed & (rank < max_m)
@@ -563,7 +563,7 @@ def library_layout(
     return "contiguous", m_sum
 
 
-def _carve(workspace13: torch.Tensor, rows: int, hidden: int, groups: int, scale_dtype):
+def carve_permuted(workspace13: torch.Tensor, rows: int, hidden: int, groups: int, scale_dtype):
     """workspace13 -> (a [rows, K] FP8, scales [rows, G] column-major: strides (1, rows))."""
     raw = workspace13.view(-1).view(torch.uint8)
     a_out = raw[: rows * hidden].view(FP8_DTYPE).view(rows, hidden)
@@ -587,7 +587,9 @@ def _run_library(
     alpha, beta, limit, has_limit = resolve_params(act, params)
     act_quant = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)
     if engine == "contiguous":
-        a_out, scale_out = _carve(workspace13, m_sum, hidden, a1q_scale.shape[1], torch.float32)
+        a_out, scale_out = carve_permuted(
+            workspace13, m_sum, hidden, a1q_scale.shape[1], torch.float32
+        )
         layout = permute_contiguous(
             a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
             a_out=a_out, scale_out=scale_out,
@@ -603,7 +605,9 @@ def _run_library(
     else:
         max_m = masked_max_m(num_tokens)
         rows = num_local * max_m
-        a_out, scale_out = _carve(workspace13, rows, hidden, a1q_scale.shape[1], torch.float32)
+        a_out, scale_out = carve_permuted(
+            workspace13, rows, hidden, a1q_scale.shape[1], torch.float32
+        )
         layout = permute_masked(
             a1q, a1q_scale, topk_ids, num_local, max_m, expert_map,
             a_out=a_out, scale_out=scale_out,

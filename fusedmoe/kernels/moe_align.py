@@ -63,7 +63,7 @@ def aligned_sizes(num_slots: int, num_local_experts: int, block_m: int) -> tuple
 # kernels
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP: tl.constexpr):
+def local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP: tl.constexpr):
     """Local expert of each slot in `offs`; num_local for slots that are not routed here (and
     for lanes past the end), so that they count and sort into a bin of their own. An id
     outside [0, num_ids) or a map entry outside [0, num_local) is not routed here: nothing
@@ -86,7 +86,7 @@ def _count_chunk(
     """Phase 1 of program `pid`: counts[pid, e] over its chunk; fills its share of the
     sorted ids with the sentinel (the scatter of phase 3 overwrites the routed rows)."""
     offs = pid * CHUNK + tl.arange(0, CHUNK)
-    local = _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
+    local = local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
     counts = tl.histogram(local, E_PAD)
     tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
     start = pid * fill_per_program
@@ -137,7 +137,7 @@ def _scatter_chunk(
     base[pid, e] + r. Sorting by (expert, slot) keeps slot order within each expert."""
     lanes = tl.arange(0, CHUNK)
     offs = pid * CHUNK + lanes
-    local = _local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
+    local = local_ids(ids_ptr, map_ptr, num_ids, offs, num_slots, num_local, HAS_MAP)
     keys = tl.sort(local * CHUNK + lanes)
     expert = keys // CHUNK
     slot = pid * CHUNK + keys % CHUNK
