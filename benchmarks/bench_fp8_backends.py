@@ -16,8 +16,8 @@ quantization of prepare inside the timed region), median of CUDA-graph replays, 
 presets' real sizes. fp8_tensor runs with static activation scales (the hpc contract: per-expert
 weight scales, a1 / a2 scales calibrated once, here from a first batch). Each backend is
 requested by name: without the DeepGEMM library, deep_gemm below 128 tokens is then refused, and
-the row says so (the oracle would run triton there); "auto" is the oracle's own choice. rel_err: against the float64 torch backend where M * k <= 8192, else
-against triton.
+the row says so (the oracle would run triton there); "auto" is the oracle's own choice.
+rel_err: against the float64 torch backend where M * k <= 8192, else against triton.
 """
 
 from __future__ import annotations

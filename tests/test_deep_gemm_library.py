@@ -152,6 +152,9 @@ class _FakeDeepGemm(types.ModuleType):
         assert a.dtype == w.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16
         assert m_indices.dtype == torch.int32 and m_indices.shape[0] == a.shape[0] == d.shape[0]
         assert a.shape[0] % 128 == 0, "M_sum aligned to the library's 128"
+        for block in m_indices.view(-1, 128).tolist():  # the kernel reads a block's first id
+            used = [i for i in block if i >= 0]
+            assert used == block[: len(used)] and len(set(used)) <= 1, "one expert per block"
         deq_a, deq_w = self._deq_a(a, sa), self._deq_w(w, sw)
         rows = (m_indices >= 0).nonzero().flatten()
         experts = m_indices[rows].long()
@@ -163,6 +166,7 @@ class _FakeDeepGemm(types.ModuleType):
         (a, sa), (w, sw) = a, b
         assert a.dim() == 3 and a.shape[1] % deep_gemm_lib.MASKED_ROWS == 0
         assert masked_m.dtype == torch.int32 and 1 <= expected_m <= a.shape[1]
+        assert d.dtype == torch.bfloat16 and d.shape[:2] == a.shape[:2]
         deq_a, deq_w = self._deq_a(a, sa), self._deq_w(w, sw)
         for e, count in enumerate(masked_m.tolist()):
             if count:
@@ -176,9 +180,9 @@ def fake_library(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", fake)
     monkeypatch.setattr(deep_gemm_lib.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(deep_gemm_lib, "_found", deep_gemm_lib._UNSEARCHED)
+    monkeypatch.setattr(deep_gemm_lib, "_why_not", "")
     monkeypatch.setattr(deep_gemm_lib, "library_unusable_reason", _usable_anywhere)
-    yield fake
-    deep_gemm_lib.find_library(refresh=True)
+    return fake
 
 
 def _usable_anywhere(device):
@@ -312,6 +316,39 @@ def test_library_engine_odd_loads(fake_library, case):
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
 
 
+def test_fp16_layers_stay_on_triton_gemms(fake_library):
+    """The library writes bf16 only: an fp16 layer runs our GEMMs (auto) or is refused."""
+    w13, w2, qc = _quantized()
+    weights, ids = _routing(390, E, 2)  # 130 slots per expert: bf16 would take the library
+    x = torch.randn(390, H, dtype=torch.float16, device=DEVICE)
+    out = _run(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert fake_library.calls == []
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.float16, **QUANT_TOL)
+    with pytest.raises(ValueError, match=r"write bf16, the layer runs in torch\.float16"):
+        _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
+
+
+def test_the_oracle_puts_deep_gemm_first_where_the_library_runs(fake_library, monkeypatch):
+    from fusedmoe import select_backend
+    from fusedmoe.experts.triton import TritonExperts
+
+    for cls in (DeepGemmExperts, TritonExperts):  # as on a GPU (the CPU runs them by name)
+        monkeypatch.setattr(cls, "preferred_on", classmethod(lambda cls, device: True))
+    _, _, qc = _quantized()
+    problem = dict(
+        device=DEVICE, hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, quant_config=qc
+    )
+    choice = select_backend(**problem)
+    assert choice.name == "deep_gemm", choice.explain()
+    assert "ahead of triton where the DeepGEMM library runs fp8_block" in choice.reason
+    assert "supported, but deep_gemm is preferred" in choice.refused["triton"]
+    assert select_backend(**problem, dtype=torch.float16).name == "triton"  # bf16 only
+    assert select_backend(**{**problem, "intermediate_size": 192}).name == "triton"
+    monkeypatch.setattr(deep_gemm_lib, "library_unusable_reason", lambda device: "none here")
+    assert select_backend(**problem).name == "triton"
+
+
 def test_masked_layout_refuses_repeated_ids(fake_library):
     w13, w2, qc = _quantized()
     weights, ids = _routing(5, E, 2)
@@ -364,7 +401,7 @@ def test_gpu_real_library_matches_torch_backend(preset):
     _real_library()
     _, x, experts, weights, ids, qc = preset_problem(preset, 4099, "fp8_block")
     backend = DeepGemmExperts(strict=True, engine="library")
-    for num_tokens in (1, 7, 64, 130, 1024, 4099):  # masked, then contiguous
+    for num_tokens in (1, 7, 64, 130, 1024, 4099):  # deepseek-v3: 64 and 130 masked
         sl = slice(num_tokens)
         args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
         out = _run(backend, *args, qc)

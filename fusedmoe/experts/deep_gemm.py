@@ -14,8 +14,8 @@ output (finalize: NoOp).
 The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's explanation):
 
     library   the DeepGEMM library's own FP8 grouped GEMMs, where one is importable and runs on
-              the GPU (fusedmoe.kernels.deep_gemm_lib: sm90 / sm100, fp8_block, N, K and the
-              intermediate size multiples of 128). The contiguous layout (M_sum rows, runs
+              the GPU (fusedmoe.kernels.deep_gemm_lib: sm90, fp8_block, bf16 activations, N, K
+              and the intermediate size multiples of 128). The contiguous layout (M_sum rows, runs
               padded to 128), or at small M with many experts the masked one ([E_l, max_m]:
               m_grouped_fp8_gemm_nt_masked) where the contiguous one would be mostly padding.
               Any token count runs.
@@ -154,6 +154,7 @@ class DeepGemmExperts(Experts):
         return (
             qc is not None
             and qc.scheme == "fp8_block"
+            and problem.dtype == torch.bfloat16
             and cls.refusal_reason(problem) is None
             and problem.hidden_size % 128 == 0
             and problem.intermediate_size % 128 == 0
@@ -161,7 +162,9 @@ class DeepGemmExperts(Experts):
         )
 
     # ---- the contract of one call ----
-    def library_reason(self, num_tokens: int, weights, call_quant, hidden_states) -> str | None:
+    def library_reason(
+        self, num_tokens: int, weights, call_quant, hidden_states, call_output_dtype
+    ) -> str | None:
         """None when the DeepGEMM library runs this call, else why not."""
         from fusedmoe.kernels.deep_gemm_lib import library_unusable_reason
 
@@ -169,6 +172,8 @@ class DeepGemmExperts(Experts):
             return "engine='triton'"
         if call_quant.scheme != "fp8_block":
             return f"the library's sm90 kernels take fp8_block, not {call_quant.scheme}"
+        if call_output_dtype != torch.bfloat16:
+            return f"the library's GEMMs write bf16, the layer runs in {call_output_dtype}"
         why = library_unusable_reason(hidden_states.device)
         if why is not None:
             return why
@@ -229,8 +234,13 @@ class DeepGemmExperts(Experts):
             raise ValueError(f"the {self.name} backend needs a1 quantized by prepare")
         num_tokens, top_k = call.topk_ids.shape
         engine = "triton"
-        not_library = self.library_reason(num_tokens, weights, qc, call.hidden_states)
+        not_library = self.library_reason(
+            num_tokens, weights, qc, call.hidden_states, call.output.dtype
+        )
         slots_per_expert = num_tokens * top_k / call.global_num_experts
+        meta = call.expert_tokens_meta
+        if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
+            slots_per_expert = int(meta.expert_num_tokens_cpu.sum()) / weights.num_local_experts
         if (
             not_library is None
             and self.engine == "auto"

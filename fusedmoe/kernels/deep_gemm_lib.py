@@ -14,12 +14,14 @@ Where it is looked for, in order: the `deep_gemm` package, then the copy a vLLM 
 (`vllm.third_party.deep_gemm`). FUSEDMOE_DEEP_GEMM=0 turns the library off (our Triton GEMMs
 run); FUSEDMOE_DEEP_GEMM=<module> names the module to import instead.
 
-Scale layouts: activation scales float32 [rows, K / 128] in the MN-major layout the library's
-TMA loads want (strides (1, rows), rows a multiple of 4) -- given another layout the library
-copies them into that one first, on every call. Weight scales float32 [E, N / 128, K / 128] as
-quantize_experts makes them. On Blackwell (compute capability 10) the library wants UE8M0
-scales packed four to an int32: given float32 ones it converts them itself (its
-disable_ue8m0_cast=False); that path is not exercised on the Hopper GPUs we test on.
+Scale layouts (sm90): activation scales float32 [rows, K / 128] in the MN-major layout the
+library's TMA loads want (strides (1, rows), rows a multiple of 4) -- given another layout the
+library copies them into that one first, on every call. Weight scales float32
+[E, N / 128, K / 128] as quantize_experts makes them. Output bf16 only.
+
+Hopper (compute capability 9) only, for now: on Blackwell the library keeps only the exponent
+of float32 scales (it packs them as UE8M0), which is exact only for power-of-two scales, and
+our fp8_block scales are not; there our Triton GEMMs run.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ logger = logging.getLogger("fusedmoe")
 
 _ENV = "FUSEDMOE_DEEP_GEMM"
 _CANDIDATES = ("deep_gemm", "vllm.third_party.deep_gemm")
-#: compute capabilities (major) the library's FP8 grouped GEMMs run on: sm90 and sm100
-_ARCHES = (9, 10)
+#: compute capabilities (major) the library runs our scales on: sm90 (see the module docstring)
+_ARCHES = (9,)
 #: max_m of the masked layout is a multiple of this (the library's masked kernels compute
 #: wrong rows below 64 on an H200, DeepGEMM 2.8.1)
 MASKED_ROWS = 64
@@ -130,7 +132,7 @@ def library_unusable_reason(device: torch.device) -> str | None:
         return f"no DeepGEMM library ({_why_not})"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in _ARCHES:
-        return f"{lib.describe()} has no FP8 grouped GEMM for compute capability {major}.{minor}"
+        return f"{lib.describe()} is used on sm90 only, this GPU is sm{major}{minor}"
     return None
 
 
@@ -140,8 +142,8 @@ def library_status() -> str:
     if lib is None:
         return f"fusedmoe Triton GEMMs (no DeepGEMM library: {_why_not})"
     if not torch.cuda.is_available():
-        return f"{lib.describe()} on sm90 / sm100 GPUs, fusedmoe Triton GEMMs elsewhere"
+        return f"{lib.describe()} on sm90 GPUs, fusedmoe Triton GEMMs elsewhere"
     why = library_unusable_reason(torch.device("cuda"))
     if why is not None:
         return f"fusedmoe Triton GEMMs ({why})"
-    return f"{lib.describe()} for fp8_block; fusedmoe Triton GEMMs for the MX schemes"
+    return f"{lib.describe()} for fp8_block in bf16; fusedmoe Triton GEMMs for the rest"

@@ -555,7 +555,12 @@ def library_layout(
 ) -> tuple[str, int]:
     """(layout, rows) the library engine runs M tokens on: "masked" ([E_l, max_m] rows) where
     that has no more rows than the contiguous layout may need (small M, many experts: the
-    contiguous bound is mostly padding), else "contiguous" (M_sum rows)."""
+    contiguous bound is mostly padding), else "contiguous" (M_sum rows).
+
+    The masked layout's scales are [E_l, max_m, G] views of column-major [rows, G] buffers
+    (strides (max_m, 1, rows)); the library transposes them into its per-expert layout on
+    each call (a few microseconds). Only calls requested by name take it: an auto-chosen
+    deep_gemm hands every call this small to triton (LIBRARY_MIN_SLOTS_PER_EXPERT)."""
     m_sum, _ = compute_aligned_M_and_alignment(num_tokens, top_k, num_local_experts, alignment)
     masked_rows = num_local_experts * masked_max_m(num_tokens)
     if masked_rows <= m_sum:
@@ -743,8 +748,10 @@ def fused_experts_deep_gemm(
     mul_routed_weight: bool = True,
     engine: str = "triton",
 ) -> None:
-    """output [M, H] = the experts' weighted top-k sum, through the contiguous layout (one
-    custom op: it traces under torch.compile and never reads the device from the host).
+    """output [M, H] = the experts' weighted top-k sum (one custom op: it traces under
+    torch.compile and never reads the device from the host). engine: "triton" (our grouped
+    GEMMs over the contiguous layout), or the DeepGEMM library's over the "contiguous" or the
+    "masked" layout (library_layout says which).
 
     a1q [M, K] quantized by prepare (FP8, scales [M, K/128] float32, or MXFP8 with uint8 E8M0
     scales [M, K/32]); w13 / w2 FP8 with 128 x 128 block scales, MXFP8, or MXFP4 (uint8 packed,
