@@ -197,16 +197,21 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routing_name(text: str) -> str:
+    from fusedmoe.tools.bench.inputs import skew_strength
+
+    skew_strength(text)  # a ValueError: argparse reports it
+    return text
+
+
 def csv_list(kind=str, choices: Sequence | None = None):
     """An argparse type: "a,b,c" -> [kind(a), kind(b), kind(c)], each in `choices`."""
 
     def parse(text: str) -> list:
         try:
             values = [kind(v.strip()) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma list of numbers, got {text!r}"
-            ) from None
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"in {text!r}: {exc}") from None
         bad = [v for v in values if choices is not None and v not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"{bad} not among {list(choices)}")
@@ -314,7 +319,12 @@ def _add_bench(sub) -> None:
         default=None,
         help=f"token counts (default {GPU_TOKENS} on a GPU, {CPU_TOKENS} on the CPU)",
     )
-    p.add_argument("--routing", type=csv_list(str, ("uniform", "skewed")), default=["uniform"])
+    p.add_argument(
+        "--routing",
+        type=csv_list(_routing_name),
+        default=["uniform"],
+        help="uniform, skewed (popularity ~ 1/rank^1.2 at strength 3) or skewed:<strength>",
+    )
     p.add_argument(
         "--backends",
         type=csv_list(str),

@@ -17,7 +17,7 @@ biases where the shape has them), which both contenders read, and one output gra
 Both route by softmax top-k renormalized, whatever the preset's own routing (deepseek-v3's
 grouped sigmoid routing is not reproduced in the baseline): the two compute the same function,
 so their gradients can be compared. The logits come from x @ gate.T (x ~ N(0, 1), gate ~
-N(0, 1 / H)), plus a constant Zipf-like expert bias -1.2 log(rank + 1) for "skewed".
+N(0, 1 / H)), plus a constant Zipf-like expert bias for "skewed" (tools.bench.inputs' law).
 
 Columns:
 
@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedmoe.tools.baselines import grouped_mm_backward_unavailable, grouped_mm_experts
-from fusedmoe.tools.bench.inputs import ROUTINGS, seeded
+from fusedmoe.tools.bench.inputs import seeded, skew_bias, skew_strength
 from fusedmoe.tools.bench.report import format_table
 from fusedmoe.tools.bench.sweep import PLAIN_DTYPES, preset_label
 from fusedmoe.tools.bench.timing import rel_err, time_ms
@@ -145,7 +145,7 @@ class BackwardSpec:
         check_trainable(self.dtypes)
         if not self.tokens or any(m < 1 for m in self.tokens):
             raise ValueError(f"--tokens must be counts >= 1, got {self.tokens}")
-        bad = [r for r in self.routings if r not in ROUTINGS]
+        bad = [r for r in self.routings if not _known_routing(r)]
         if bad or not self.presets or not self.dtypes or not self.routings:
             raise ValueError(f"nothing to benchmark, or unknown routing {bad}")
 
@@ -155,6 +155,14 @@ class BackwardSpec:
         return (
             len(self.presets) * len(self.dtypes) * backends * len(self.routings) * len(self.tokens)
         )
+
+
+def _known_routing(kind: str) -> bool:
+    try:
+        skew_strength(kind)
+    except ValueError:
+        return False
+    return True
 
 
 # ---- the inputs of one row ---------------------------------------------------------------------
@@ -174,10 +182,8 @@ def _inputs(preset: MoEPreset, routing: str, m: int, dtype, device) -> StepInput
     x = torch.randn(m, h, device=device, generator=gen).to(dtype).requires_grad_()
     gate = torch.randn(e, h, device=device, generator=gen).mul_(h**-0.5).to(dtype)
     grad_out = torch.randn(m, h, device=device, generator=gen).to(dtype)
-    bias = None
-    if routing == "skewed":
-        rank = torch.randperm(e, device=device, generator=gen)
-        bias = -1.2 * torch.log1p(rank.float())
+    strength = skew_strength(routing)
+    bias = None if strength is None else skew_bias(e, strength, gen, device)
     return StepInputs(x, gate.requires_grad_(), bias, grad_out)
 
 

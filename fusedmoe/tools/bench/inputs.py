@@ -9,14 +9,25 @@ are quantized a few experts at a time (quantize makes several float32 temporarie
 baselines, which only run 16-bit GEMMs, read the dequantized values back in the activation
 dtype: every contender computes the same function.
 
-Routing: logits [M, E] ~ N(0, 1) (uniform: every expert equally popular) or the same with an
-expert bias -1.2 * log(rank + 1) over a random ranking (skewed: Zipf-like popularity, as real
-routing is); topk = softmax, top-k, renormalize (fusedmoe's plain TopKRouter). The logits are
-kept for backends that route inside: they route them to the same ids.
+Routing: logits [M, E] ~ N(0, 1) (uniform: every expert equally popular), or skewed (a few
+experts take most tokens, as real routers do). The skew law:
+
+    popularity(r) ~ 1 / r ** SKEW_EXPONENT        r = 1 .. E, the rank of an expert, over a
+                                                  random ranking (experts shuffled)
+    logits[:, e]  += strength * log(popularity(rank(e)))
+                   = -strength * SKEW_EXPONENT * log(rank(e))     (+ a constant)
+
+"skewed" is strength SKEW_STRENGTH = 3 (the law of the skewed-routing issue: at E = 256, k = 8
+the busiest expert takes ~9% of the slots, 22x the uniform share); "skewed:<s>" another strength
+(s = 1 is the milder law of the earlier benchmarks, bias -1.2 log r; 0 is uniform with a
+shuffle). Then topk = softmax, top-k, renormalize (fusedmoe's plain TopKRouter). The logits are
+kept for backends that route inside: they route them to the same ids. Every draw is seeded from
+the routing's name, the shape and M: the same inputs in every run.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -35,9 +46,13 @@ __all__ = [
     "make_routing",
     "quantize_expert_set",
     "seeded",
+    "skew_bias",
+    "skew_strength",
 ]
 
 ROUTINGS = ("uniform", "skewed")
+SKEW_EXPONENT = 1.2
+SKEW_STRENGTH = 3.0
 # elements of one float32 copy of a chunk of experts while (de)quantizing
 _CHUNK_ELEMENTS = 1 << 28
 
@@ -127,6 +142,34 @@ class RoutingInputs:
     topk_ids: torch.Tensor  # int32 [M, k]
 
 
+def skew_strength(kind: str) -> float | None:
+    """The strength of a routing name: None for "uniform", SKEW_STRENGTH for "skewed", s for
+    "skewed:<s>" (a finite s >= 0); a ValueError for anything else."""
+    if kind == "uniform":
+        return None
+    if kind == "skewed":
+        return SKEW_STRENGTH
+    base, _, value = kind.partition(":")
+    try:
+        strength = float(value) if base == "skewed" else math.nan
+    except ValueError:
+        strength = math.nan
+    if not (math.isfinite(strength) and strength >= 0):
+        raise ValueError(
+            f"routing must be 'uniform', 'skewed' or 'skewed:<strength >= 0>', got {kind!r}"
+        )
+    return strength
+
+
+def skew_bias(
+    num_experts: int, strength: float, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """float32 [E]: strength * log(popularity) of each expert, popularity ~ 1 / rank**1.2 over
+    a random ranking drawn from `gen` (the module docstring's law)."""
+    rank = torch.randperm(num_experts, device=device, generator=gen).float() + 1.0
+    return -strength * SKEW_EXPONENT * torch.log(rank)
+
+
 def make_routing(
     name: str,
     num_tokens: int,
@@ -137,15 +180,14 @@ def make_routing(
     dtype: torch.dtype,
     device: torch.device,
 ) -> RoutingInputs:
-    """x and a `kind` ("uniform" or "skewed") routing of M tokens over E experts."""
-    if kind not in ROUTINGS:
-        raise ValueError(f"routing must be one of {list(ROUTINGS)}, got {kind!r}")
+    """x and a `kind` routing ("uniform", "skewed" or "skewed:<strength>") of M tokens over E
+    experts."""
+    strength = skew_strength(kind)
     gen = seeded(device, name, kind, num_tokens, num_experts, hidden_size)
     x = torch.randn(num_tokens, hidden_size, device=device, generator=gen).to(dtype)
     logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
-    if kind == "skewed":  # the expert of popularity rank r gets a logit bias -1.2 log(r + 1)
-        rank = torch.randperm(num_experts, device=device, generator=gen)
-        logits = logits - 1.2 * torch.log1p(rank.float())
+    if strength is not None:
+        logits = logits + skew_bias(num_experts, strength, gen, device)
     router = create_router(top_k, num_experts, renormalize=True, scoring_func="softmax")
     topk_weights, topk_ids = router.select_experts(x, logits)
     return RoutingInputs(x, logits, topk_weights, topk_ids)
