@@ -7,6 +7,7 @@ of w13 per expert, M tokens.
 For each token bucket M (the shape's real sizes):
 
     candidates  the heuristic's config (fusedmoe.kernels.moe_config.heuristic_config), the
+                config the tables give the bucket today (shipped, or the user's), the
                 heuristic's configs of the neighbouring buckets, and every config one step
                 from it: block_m x/÷ 2; per GEMM block_n and block_k x/÷ 2, num_warps 4 <-> 8,
                 num_stages +-1, group_m in {1, 8, 16}; fuse_activation toggled for fp8_block.
@@ -209,7 +210,11 @@ def tune_shape(
 def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search) -> TuneResult:
     import triton.testing
 
-    from fusedmoe.kernels.moe_config import heuristic_config, use_moe_kernel_config
+    from fusedmoe.kernels.moe_config import (
+        heuristic_config,
+        moe_kernel_config,
+        use_moe_kernel_config,
+    )
 
     act_dtype, dtype_key, _ = TUNE_DTYPES[dtype]
     e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
@@ -255,6 +260,10 @@ def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search)
     if base not in timed:
         raise RuntimeError(f"the heuristic config {_short(base)} does not run for M={m}")
     seeds = [heuristic_config(mm, k, e, h, i, dtype_key) for mm in (max(1, m // 8), m * 8)]
+    # the config the tables give this bucket today (shipped or the user's): a re-tune under
+    # other routings or rules never loses sight of the old winner
+    seeds.insert(0, moe_kernel_config(m, k, e, shape.gemm1_rows, h, i, dtype_key,
+                                      torch.cuda.get_device_name(device)))  # fmt: skip
     queue = _unique([*seeds, *candidates_around(base, dtype_key, gated)])
     best = base
     while queue and not spent():
