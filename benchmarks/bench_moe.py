@@ -21,7 +21,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from fusedmoe.tools.cli import main
 
-DEFAULTS = ["--quant", "bf16,fp8_block", "--routing", "uniform,skewed", "--backends", "triton"]
+DEFAULTS = ["--quant", "bf16,fp8_block", "--routing", "uniform,skewed:1", "--backends", "triton"]
 DEFAULTS += ["--ref-max-slots", "8192"]
 
 

@@ -206,7 +206,8 @@ def heuristic_config(
     - decode (<= 4 slots per expert): the tile hardly matters (+-2%);
     - from ~8 slots per expert, 16-row blocks lose to 64-row ones by 30-50% under skewed
       routing (a popular expert's rows become many thin tiles) and win by only ~3% under
-      uniform routing, so 64 rows take over early; 32-row blocks never won;
+      uniform routing, so 64 rows take over early (the tuned tables also take 32 or 64 rows at
+      2 slots per expert where a skewed routing's popular experts pay for 16);
     - prefill: 128 x 128 (x2, gate and up) bf16 tiles with 4 stages; 128-block FP8 stays at 64
       rows (its per-K-block promotion keeps a second accumulator live: 128 rows spill).
     """

@@ -262,8 +262,11 @@ def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search)
     seeds = [heuristic_config(mm, k, e, h, i, dtype_key) for mm in (max(1, m // 8), m * 8)]
     # the config the tables give this bucket today (shipped or the user's): a re-tune under
     # other routings or rules never loses sight of the old winner
-    seeds.insert(0, moe_kernel_config(m, k, e, shape.gemm1_rows, h, i, dtype_key,
-                                      torch.cuda.get_device_name(device)))  # fmt: skip
+    current = moe_kernel_config(m, k, e, shape.gemm1_rows, h, i, dtype_key,
+                                torch.cuda.get_device_name(device))  # fmt: skip
+    if current != base:
+        search.log(f"    the tables' entry today: {_short(current)}")
+    seeds.insert(0, current)
     queue = _unique([*seeds, *candidates_around(base, dtype_key, gated)])
     best = base
     while queue and not spent():
@@ -271,8 +274,11 @@ def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search)
         if config in timed or config in failed:
             continue
         measure(config)
-        if config in timed and least_worst_ratio(timed)[config] < least_worst_ratio(timed)[best]:
-            best = config
+        # a new fastest time under one routing rescales every score: the best is recomputed
+        score = least_worst_ratio(timed)
+        leader = min(score, key=score.get)
+        if leader != best:
+            best = leader
             fresh = [c for c in candidates_around(best, dtype_key, gated) if c not in timed]
             queue = _unique([*fresh, *queue])  # search around the new best first
     score = least_worst_ratio(timed)

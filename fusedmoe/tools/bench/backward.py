@@ -98,7 +98,7 @@ BACKWARD_FLOOR_FACTOR = 3
 class BackwardRow:
     preset: str  # the shape's name, "(scaled 1/N)" where H and I were divided by N
     dtype: str  # bf16 / fp16 / fp32: activations, weights and gradients
-    routing: str  # "uniform" or "skewed" router logits
+    routing: str  # "uniform", "skewed" or "skewed:<strength>" router logits
     tokens: int  # M
     distinct: int  # D: distinct experts the routing touches
     backend: str  # the fusedmoe layer's backend for a recorded forward

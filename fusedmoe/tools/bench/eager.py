@@ -74,7 +74,7 @@ _LOOPS = 3  # timed loops of N calls; medians are kept
 class EagerRow:
     preset: str  # the shape's name, "(scaled 1/N)" where H and I were divided by N
     quant: str  # bf16 / fp16 / fp32 or the scheme the layer was quantized to
-    routing: str  # "uniform" or "skewed" router logits
+    routing: str  # "uniform", "skewed" or "skewed:<strength>" router logits
     entry: str  # one of ENTRIES
     backend: str  # the backend that ran: the layer's oracle choice, fused_experts', or torch
     tokens: int  # M

@@ -50,7 +50,7 @@ SCHEME_ACT = "bf16"
 class Row:
     preset: str  # the shape's name, "(scaled 1/N)" where H and I were divided by N
     quant: str  # the row's scheme (or unquantized dtype): what the backends read
-    routing: str  # "uniform" or "skewed"
+    routing: str  # "uniform", "skewed" or "skewed:<strength>"
     backend: str  # a backend of fusedmoe.oracle.BACKENDS, or a baseline
     weights: str  # the weight format this contender reads
     tokens: int  # M
