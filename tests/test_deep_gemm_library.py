@@ -174,14 +174,20 @@ class _FakeDeepGemm(types.ModuleType):
 
 
 @pytest.fixture
-def fake_library(monkeypatch):
-    """The stand-in as `deep_gemm`, usable on any device; the search state restored after."""
-    fake = _FakeDeepGemm()
-    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+def fresh_search(monkeypatch):
+    """Every module name "installed", the search not yet made; the state restored after."""
     monkeypatch.setattr(deep_gemm_lib.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(deep_gemm_lib, "_found", deep_gemm_lib._UNSEARCHED)
     monkeypatch.setattr(deep_gemm_lib, "_why_not", "")
-    monkeypatch.setattr(deep_gemm_lib, "library_unusable_reason", _usable_anywhere)
+    return monkeypatch
+
+
+@pytest.fixture
+def fake_library(fresh_search):
+    """The stand-in as `deep_gemm`, usable on any device."""
+    fake = _FakeDeepGemm()
+    fresh_search.setitem(sys.modules, "deep_gemm", fake)
+    fresh_search.setattr(deep_gemm_lib, "library_unusable_reason", _usable_anywhere)
     return fake
 
 
@@ -202,31 +208,20 @@ def test_env_turns_the_library_off(fake_library, monkeypatch):
     assert "turned off by FUSEDMOE_DEEP_GEMM=0" in deep_gemm_lib.library_status()
 
 
-def test_a_module_without_the_entry_points_is_refused(monkeypatch):
-    monkeypatch.setitem(sys.modules, "deep_gemm", types.ModuleType("deep_gemm"))
-    monkeypatch.setattr(deep_gemm_lib.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "deep_gemm")
-    try:
-        assert deep_gemm_lib.find_library(refresh=True) is None
-        assert "has no m_grouped_fp8_gemm_nt_contiguous" in deep_gemm_lib.library_status()
-    finally:
-        monkeypatch.undo()
-        deep_gemm_lib.find_library(refresh=True)
+def test_a_module_without_the_entry_points_is_refused(fresh_search):
+    fresh_search.setitem(sys.modules, "deep_gemm", types.ModuleType("deep_gemm"))
+    fresh_search.setenv("FUSEDMOE_DEEP_GEMM", "deep_gemm")
+    assert deep_gemm_lib.find_library() is None
+    assert "has no m_grouped_fp8_gemm_nt_contiguous" in deep_gemm_lib.library_status()
 
 
-def test_a_broken_install_is_reported_not_raised(monkeypatch):
-    monkeypatch.setattr(deep_gemm_lib.importlib.util, "find_spec", lambda name: object())
-
+def test_a_broken_install_is_reported_not_raised(fresh_search):
     def broken(name):
         raise OSError("libcuda.so.1: cannot open shared object file")
 
-    monkeypatch.setattr(deep_gemm_lib.importlib, "import_module", broken)
-    try:
-        assert deep_gemm_lib.find_library(refresh=True) is None
-        assert "import failed (OSError: libcuda.so.1" in deep_gemm_lib.library_status()
-    finally:
-        monkeypatch.undo()
-        deep_gemm_lib.find_library(refresh=True)
+    fresh_search.setattr(deep_gemm_lib.importlib, "import_module", broken)
+    assert deep_gemm_lib.find_library() is None
+    assert "import failed (OSError: libcuda.so.1" in deep_gemm_lib.library_status()
 
 
 def test_the_oracle_names_the_engine(fake_library):

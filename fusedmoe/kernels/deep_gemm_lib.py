@@ -26,6 +26,7 @@ our fp8_block scales are not; there our Triton GEMMs run.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -123,6 +124,12 @@ def find_library(*, refresh: bool = False) -> DeepGemmLibrary | None:
     return _found  # type: ignore[return-value]
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """A GPU's compute capability, asked once (the backend asks on every call)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def library_unusable_reason(device: torch.device) -> str | None:
     """None where the library's FP8 grouped GEMMs run on `device`, else why not."""
     if device.type != "cuda":
@@ -130,7 +137,9 @@ def library_unusable_reason(device: torch.device) -> str | None:
     lib = find_library()
     if lib is None:
         return f"no DeepGEMM library ({_why_not})"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
     if major not in _ARCHES:
         return f"{lib.describe()} is used on sm90 only, this GPU is sm{major}{minor}"
     return None

@@ -210,6 +210,20 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+def _row_copy_args(a, a_scale, a_out, scale_out) -> tuple[tuple, int]:
+    """(the leading arguments of the permute kernels, G): a and its destination (FP8 viewed as
+    bytes) with their strides, each followed by its scales; without scales, dummies that no
+    lane reads and G = 0."""
+    ab, apb = _as_bytes(a), _as_bytes(a_out)
+    if a_scale is None:
+        src, dst, groups = (a, 0, 0), (a_out, 0, 0), 0
+    else:
+        src = (a_scale, *a_scale.stride())
+        dst = (scale_out, *scale_out.stride())
+        groups = a_scale.shape[1]
+    return (ab, *ab.stride(), *src, apb, *apb.stride(), *dst), groups
+
+
 def permute_contiguous(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -243,17 +257,10 @@ def permute_contiguous(
     if m_sum > 0:
         block_k = min(_COLS, next_power_of_2(k))
         grid = (cdiv(m_sum, _PERMUTE_ROWS), cdiv(k, block_k))
-        scale_args = (a_scale, *a_scale.stride(), s_perm, *s_perm.stride())
-        if a_scale is None:
-            scale_args = (a, 0, 0, a_perm, 0, 0)
-        ab, apb = _as_bytes(a), _as_bytes(a_perm)
-        groups = 1 if a_scale is None else a_scale.shape[1]
+        copy_args, groups = _row_copy_args(a, a_scale, a_perm, s_perm)
         with device_guard(a):
             _permute_kernel[grid](
-                ab, ab.stride(0), ab.stride(1),
-                *scale_args[:3],
-                apb, apb.stride(0), apb.stride(1),
-                *scale_args[3:],
+                *copy_args,
                 routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_post_padded,
                 m_indices, inv_perm,
                 k, groups, num_slots, m_sum,
@@ -262,7 +269,7 @@ def permute_contiguous(
                 HAS_SCALE=a_scale is not None,
                 BLOCK_R=_PERMUTE_ROWS,
                 BLOCK_K=block_k,
-                BLOCK_G=next_power_of_2(groups),
+                BLOCK_G=next_power_of_2(max(groups, 1)),
                 num_warps=4,
             )  # fmt: skip
     return ContiguousLayout(
@@ -373,23 +380,16 @@ def permute_masked(
         )  # fmt: skip
         if num_slots > 0:
             block_k = min(_COLS, next_power_of_2(k))
-            groups = 1 if a_scale is None else a_scale.shape[1]
-            scale_args = (a, 0, 0, a_flat, 0, 0)
-            if a_scale is not None:
-                scale_args = (a_scale, *a_scale.stride(), s_flat, *s_flat.stride())
-            ab, apb = _as_bytes(a), _as_bytes(a_flat)
+            copy_args, groups = _row_copy_args(a, a_scale, a_flat, s_flat)
             _masked_permute_kernel[(cdiv(num_slots, _PERMUTE_ROWS), cdiv(k, block_k))](
-                ab, ab.stride(0), ab.stride(1),
-                *scale_args[:3],
-                apb, apb.stride(0), apb.stride(1),
-                *scale_args[3:],
+                *copy_args,
                 ids, id_map, num_ids, rank, inv_perm,
-                k, groups if a_scale is not None else 0, num_slots, num_local_experts, max_m,
+                k, groups, num_slots, num_local_experts, max_m,
                 TOP_K=top_k,
                 HAS_MAP=has_map,
                 BLOCK_R=_PERMUTE_ROWS,
                 BLOCK_K=block_k,
-                BLOCK_G=next_power_of_2(groups),
+                BLOCK_G=next_power_of_2(max(groups, 1)),
                 num_warps=4,
             )  # fmt: skip
     s_batched = None
