@@ -177,16 +177,18 @@ class DeepGemmExperts(Experts):
         why = library_unusable_reason(hidden_states.device)
         if why is not None:
             return why
+        # per call: the messages are formatted only for a refusal
         n, k, inter = weights.gemm1_out_size, weights.hidden_size, weights.w2.shape[2]
-        tensors = (hidden_states, weights.w13, weights.w2)
-        checks = (
-            (n % 128 == 0 and k % 128 == 0 and inter % 128 == 0,
-             f"N = {n}, K = {k} and the intermediate size {inter} must be multiples of 128"),
-            (weights.w13.dtype == FP8_DTYPE, f"weights are {weights.w13.dtype}"),
-            (call_quant.w1.scale.dtype == torch.float32, "weight scales are not float32"),
-            (all(t.is_contiguous() for t in tensors), "non-contiguous tensors"),
-        )  # fmt: skip
-        return next((why for ok, why in checks if not ok), None)
+        if n % 128 or k % 128 or inter % 128:
+            return f"N = {n}, K = {k} and the intermediate size {inter} must be multiples of 128"
+        if weights.w13.dtype != FP8_DTYPE:
+            return f"weights are {weights.w13.dtype}"
+        if call_quant.w1.scale.dtype != torch.float32:
+            return "weight scales are not float32"
+        if not (hidden_states.is_contiguous() and weights.w13.is_contiguous()
+                and weights.w2.is_contiguous()):  # fmt: skip
+            return "non-contiguous tensors"
+        return None
 
     def valid_call_reason(self, num_tokens: int, weights, hidden_states) -> str | None:
         """None when the DeepGEMM contract covers this call, else why not."""
