@@ -19,6 +19,12 @@ Each implementation runs the same weights and inputs:
     grouped_mm   transformers' torch._grouped_mm implementation
     fusedmoe     the experts through fusedmoe (experts_implementation="fusedmoe")
     patched      whole MoE blocks replaced by FusedMoE (fusedmoe.integrations.transformers.patch)
+    no_experts   a floor, not a model: an experts implementation that returns its input and
+                 does no work. What is left is the rest of the model (attention, norms, the
+                 model's own router); no experts implementation registered with transformers
+                 (fusedmoe's included) can run the model faster than this row. Its logits
+                 differ from the others' (no diff is reported); its decode runs the same
+                 number of steps (min_new_tokens).
 
 Rows, mode "eager" (every impl): prefill = one forward of [1, prefill] tokens; decode = ms per
 token of greedy generation of `decode` tokens after a 16-token prompt (dynamic KV cache, the
@@ -56,8 +62,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-IMPLS = ("eager", "grouped_mm", "fusedmoe", "patched")
-COMPILED_IMPLS = ("grouped_mm", "fusedmoe", "patched")
+IMPLS = ("eager", "grouped_mm", "fusedmoe", "patched", "no_experts")
+COMPILED_IMPLS = ("grouped_mm", "fusedmoe", "patched", "no_experts")
+NO_EXPERTS = "no_experts"
 PROMPT = 16
 
 #: the benchmark's sizes (build_model's defaults) and tiny ones for a CPU build test
@@ -140,6 +147,11 @@ def describe(name: str, layers: int) -> str:
     )
 
 
+def _no_experts(self, hidden_states, top_k_index, top_k_weights):
+    """The floor row's experts: no work, the input returned."""
+    return hidden_states
+
+
 def prepare(base: torch.nn.Module, impl: str) -> tuple[torch.nn.Module, str]:
     """A copy of `base` running `impl`, and a note."""
     import fusedmoe.integrations.transformers as fmt
@@ -148,6 +160,12 @@ def prepare(base: torch.nn.Module, impl: str) -> tuple[torch.nn.Module, str]:
     if impl == "patched":
         report = fmt.patch(model)
         return model, f"replaced {len(report.replaced)} blocks"
+    if impl == NO_EXPERTS:
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(NO_EXPERTS, _no_experts)
+        model.set_experts_implementation(NO_EXPERTS)
+        return model, "floor: the experts do no work (logits not comparable)"
     model.set_experts_implementation(impl)
     return model, ""
 
@@ -244,8 +262,11 @@ def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
             try:
                 model, note = prepare(base, impl)
                 logits = model(prefill_ids).logits.float()
-                reference = logits if reference is None else reference
-                diff = float((logits - reference).abs().max())
+                if impl == NO_EXPERTS:
+                    diff = None
+                else:
+                    reference = logits if reference is None else reference
+                    diff = float((logits - reference).abs().max())
                 _generate(model, prompt, args)  # warm-up: kernels compiled, graphs captured
             except Exception as exc:  # one impl failing must not end the run
                 values[impl] = dict(note=_failure(exc))

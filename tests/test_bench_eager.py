@@ -71,3 +71,19 @@ def test_hf_bench_models_build_tiny(name):
         report = fmt.patch(model)
         assert len(report.replaced) >= 1 and not report.skipped, report
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_bench_no_experts_floor_does_no_expert_work():
+    """The floor row's experts return their input: the model runs without the experts' work."""
+    bench = _hf_bench()
+    base = bench.build_model("qwen3", 2, "cpu", dtype=torch.float32, **bench.TINY_SIZES["qwen3"])
+    model, note = bench.prepare(base, bench.NO_EXPERTS)
+    assert "floor" in note
+    experts = bench.first_moe(model, bench.NO_EXPERTS)
+    x = torch.randn(3, base.config.hidden_size)
+    ids = torch.randint(0, experts.num_experts, (3, base.config.num_experts_per_tok))
+    weights = torch.rand(3, base.config.num_experts_per_tok)
+    with torch.inference_mode():
+        assert experts(x, ids, weights) is x
+        # the copy runs the floor; the base model keeps its own experts
+        assert not torch.equal(bench.first_moe(base, "grouped_mm")(x, ids, weights), x)
