@@ -87,3 +87,29 @@ def test_hf_bench_no_experts_floor_does_no_expert_work():
         assert experts(x, ids, weights) is x
         # the copy runs the floor; the base model keeps its own experts
         assert not torch.equal(bench.first_moe(base, "grouped_mm")(x, ids, weights), x)
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("impl", ["fusedmoe", "no_experts", "patched"])
+def test_hf_experts_call_bench_times_one_token_calls_and_changes_nothing(impl):
+    """bench_hf_experts_call's timers: one sample per one-token experts (or block) call, none
+    for longer calls, and the model computes what it computes untimed."""
+    pytest.importorskip("transformers")
+    bench = _module("bench_hf_experts_call")
+    hf = bench.hf
+    base = hf.build_model("qwen3", 2, "cpu", dtype=torch.float32, **hf.TINY_SIZES["qwen3"])
+    untimed, _ = hf.prepare(base, impl)
+    samples: list[float] = []
+    model = bench.prepare(base, impl, samples)
+    one, five = (torch.randint(0, base.config.vocab_size, (1, n)) for n in (1, 5))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(five).logits, untimed(five).logits)
+        assert samples == []  # five tokens: not a decode call
+        torch.testing.assert_close(model(one).logits, untimed(one).logits)
+    assert len(samples) == base.config.num_hidden_layers and all(s > 0 for s in samples)
