@@ -48,14 +48,17 @@ def test_bench_eager_quantized_custom_shape(capsys):
     assert [r[2] for r in rows] == list(ENTRIES) and all(r[1] == "fp8_block" for r in rows)
 
 
-def _hf_bench():
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (they need transformers)."""
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location(
-        "bench_hf_model", ROOT / "benchmarks" / "bench_hf_model.py"
-    )
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _hf_bench():
+    return _benchmark("bench_hf_model")
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
@@ -89,19 +92,11 @@ def test_hf_bench_no_experts_floor_does_no_expert_work():
         assert not torch.equal(bench.first_moe(base, "grouped_mm")(x, ids, weights), x)
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("impl", ["fusedmoe", "no_experts", "patched"])
 def test_hf_experts_call_bench_times_one_token_calls_and_changes_nothing(impl):
     """bench_hf_experts_call's timers: one sample per one-token experts (or block) call, none
     for longer calls, and the model computes what it computes untimed."""
-    pytest.importorskip("transformers")
-    bench = _module("bench_hf_experts_call")
+    bench = _benchmark("bench_hf_experts_call")
     hf = bench.hf
     base = hf.build_model("qwen3", 2, "cpu", dtype=torch.float32, **hf.TINY_SIZES["qwen3"])
     untimed, _ = hf.prepare(base, impl)
