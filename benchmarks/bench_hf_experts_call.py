@@ -6,19 +6,23 @@
 bench_hf_model.py times whole decode steps, where the rest of the model (attention, norms, the
 model's own router, generate()'s loop) takes most of the time and the host drifts between
 runs. This one asks a narrower question: how long does the host spend inside the experts call
-of one decode step? Each implementation's experts function is wrapped in a timer
-(time.perf_counter around the call; calls of one token only), so what an implementation costs
-the host is measured in the model, where cold caches and a busy driver make every call slower
-than the same call in a loop.
+of one decode step? Each experts module's forward is wrapped in a timer (time.perf_counter
+around the call; calls of one token only), so what an implementation costs the host is
+measured in the model, where cold caches and a busy driver make every call slower than the
+same call in a loop.
 
-Implementations (the same weights and prompt; one copy of the model each, all alive at once):
-    grouped_mm   transformers' torch._grouped_mm experts
+Implementations (the same weights and prompt; one copy of the model each, all alive at once),
+built as bench_hf_model.py builds them:
+    grouped_mm   transformers' grouped_mm experts implementation
     batched_mm   transformers' batched-mm experts (each slot's expert weights gathered, then
                  bmm); skipped with --prefill, where it gathers a copy of the weights per slot
     fusedmoe     fusedmoe's registered experts implementation
     no_experts   an experts function that returns its input: the floor of the other rows
-    patched      fusedmoe.integrations.transformers.patch(): whole MoE blocks replaced, so its
+    patched      fusedmoe.integrations.transformers.patch(): whole MoE blocks replaced, so the
                  timer wraps the block (the router included), not the experts alone
+The timer wraps each experts module's (or block's) forward on the instance, outside
+transformers' dispatch: a transformers build that hands one-token calls of one implementation
+to another is timed doing so.
 
 Rows: decode ms per token (greedy generation of --decode tokens after a 16-token prompt,
 the implementations taking turns for --rounds rounds after a warm-up, median), its ratio to
@@ -43,57 +47,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_hf_model as hf  # the models and helpers of the sibling benchmark
 
 IMPLS = ("grouped_mm", "batched_mm", "fusedmoe", "no_experts", "patched")
-TIMED_PREFIX = "timed_"
 
 
-def timed_experts(fn, samples: list[float]):
-    """An experts function (self, hidden_states, top_k_index, top_k_weights) that calls `fn` and
-    appends the host seconds of each one-token call to `samples`."""
+def timed_forward(module: torch.nn.Module, samples: list[float]) -> None:
+    """Time `module`'s forward in place: the host seconds of each call of one token (its input
+    [T, H] or [B, T, H]) go to `samples`. The wrapper sits on the instance, outside whatever the
+    class's forward dispatches to, so an experts module is timed as transformers runs it
+    (including any choice its dispatch makes by the call's size)."""
+    forward = module.forward
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def timed(hidden_states, *args, **kwargs):
         start = time.perf_counter()
-        out = fn(self, hidden_states, top_k_index, top_k_weights)
-        if hidden_states.shape[0] == 1:
-            samples.append(time.perf_counter() - start)
-        return out
-
-    return forward
-
-
-def timed_block(block: torch.nn.Module, samples: list[float]) -> None:
-    """Time `block`'s forward (hidden_states [B, T, H]) in place: calls of one token."""
-    forward = block.forward
-
-    def timed(hidden_states):
-        start = time.perf_counter()
-        out = forward(hidden_states)
+        out = forward(hidden_states, *args, **kwargs)
         if hidden_states.shape[:-1].numel() == 1:
             samples.append(time.perf_counter() - start)
         return out
 
-    block.forward = timed
+    module.forward = timed
 
 
 def prepare(base: torch.nn.Module, impl: str, samples: list[float]) -> torch.nn.Module:
-    """A copy of `base` running `impl`, each one-token experts (or block) call timed."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    """A copy of `base` running `impl` (as bench_hf_model builds it), each one-token call of
+    its experts modules (or, patched, its FusedMoE blocks) timed."""
+    from fusedmoe.integrations.transformers import FusedMoEBlock
 
-    import fusedmoe.integrations.transformers as fmt
-
-    model = copy.deepcopy(base)
-    if impl == "patched":
-        fmt.patch(model)
-        for module in model.modules():
-            if isinstance(module, fmt.FusedMoEBlock):
-                timed_block(module, samples)
-        return model
-    functions = {
-        "fusedmoe": fmt.fusedmoe_experts_forward,
-        "no_experts": hf._no_experts,
-    }
-    fn = functions.get(impl) or ALL_EXPERTS_FUNCTIONS[impl]
-    ExpertsInterface.register(TIMED_PREFIX + impl, timed_experts(fn, samples))
-    model.set_experts_implementation(TIMED_PREFIX + impl)
+    if impl == "batched_mm":
+        model = copy.deepcopy(base)
+        model.set_experts_implementation(impl)
+    else:
+        model, _ = hf.prepare(base, impl)
+    for module in model.modules():
+        if impl == "patched":
+            timed = isinstance(module, FusedMoEBlock)
+        else:
+            timed = hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
+        if timed:
+            timed_forward(module, samples)
     return model
 
 
