@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import statistics
 import sys
 import time
@@ -71,17 +70,9 @@ def prepare(base: torch.nn.Module, impl: str, samples: list[float]) -> torch.nn.
     its experts modules (or, patched, its FusedMoE blocks) timed."""
     from fusedmoe.integrations.transformers import FusedMoEBlock
 
-    if impl == "batched_mm":
-        model = copy.deepcopy(base)
-        model.set_experts_implementation(impl)
-    else:
-        model, _ = hf.prepare(base, impl)
+    model, _ = hf.prepare(base, impl)
     for module in model.modules():
-        if impl == "patched":
-            timed = isinstance(module, FusedMoEBlock)
-        else:
-            timed = hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
-        if timed:
+        if isinstance(module, FusedMoEBlock) if impl == "patched" else hf.is_experts(module):
             timed_forward(module, samples)
     return model
 

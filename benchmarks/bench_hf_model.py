@@ -170,6 +170,11 @@ def prepare(base: torch.nn.Module, impl: str) -> tuple[torch.nn.Module, str]:
     return model, ""
 
 
+def is_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is a transformers experts module (fused gate_up_proj and down_proj)."""
+    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
+
+
 def first_moe(model: torch.nn.Module, impl: str) -> torch.nn.Module | None:
     """The module whose compiled graph breaks are counted: the FusedMoEBlock (patched) or the
     experts module of the first MoE layer."""
@@ -178,7 +183,7 @@ def first_moe(model: torch.nn.Module, impl: str) -> torch.nn.Module | None:
     for module in model.modules():
         if impl == "patched" and isinstance(module, FusedMoEBlock):
             return module
-        if impl != "patched" and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+        if impl != "patched" and is_experts(module):
             return module
     return None
 
