@@ -8,7 +8,7 @@ Importing fusedmoe queries no hardware and needs neither a GPU nor Triton.
 from fusedmoe._checks import debug_checks, set_debug_checks
 from fusedmoe.activation import ActivationParams, MoEActivation, apply_activation
 from fusedmoe.functional import fused_experts, fused_moe
-from fusedmoe.layer import FusedMoE
+from fusedmoe.layer import FusedMoE, RouterGate
 from fusedmoe.modular.graphs import empty_cache
 from fusedmoe.oracle import BackendChoice, available_backends, select_backend
 from fusedmoe.parallel.config import ParallelConfig, get_compressed_expert_map
@@ -23,6 +23,7 @@ __all__ = [
     "MoEActivation",
     "ParallelConfig",
     "Router",
+    "RouterGate",
     "__version__",
     "apply_activation",
     "available_backends",

@@ -6,7 +6,9 @@ E_l local experts, k top-k.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +21,7 @@ from fusedmoe._checks import (
 )
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.modular.graphs import DEFAULT_MAX_TOKENS, GraphCache, may_replay
-from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
+from fusedmoe.modular.kernel import CHUNK_SIZE_ENV, FusedMoEModularKernel, default_chunk_size
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, needs_grad
 from fusedmoe.oracle import select_backend
@@ -205,6 +207,34 @@ def _kernel_for(
     return kernel, graphs
 
 
+@dataclass(frozen=True)
+class _ResolvedCall:
+    """What fused_experts resolves from a call's signature (shapes, dtypes, devices, the
+    weights' addresses and layouts, the options): done once, with every check, then looked up
+    by that signature (_CALLS). Holds no weight tensor (a dropped model must be freed): a call
+    builds its ExpertWeights from the tensors it is given."""
+
+    spec: ActivationSpec
+    packing: int  # ExpertWeights.k_packing (2: packed FP4 weights)
+    num_global: int  # global expert count
+    kernel: FusedMoEModularKernel
+    graphs: tuple[FusedMoEModularKernel, GraphCache] | None  # (kernel, graphs) or None
+    graph_key: tuple  # what a captured call reads by address, for GraphCache.run
+    quant_config: FusedMoEQuantConfig | None  # held: the signature names it by id
+
+
+#: call signature -> its _ResolvedCall, least recently used first out
+_CALLS: OrderedDict[tuple, _ResolvedCall] = OrderedDict()
+_MAX_CALLS = 256
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """A weight's part of a call signature: what the checks read, and its address."""
+    if t is None:
+        return None
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -229,27 +259,73 @@ def fused_experts(
 
     topk_ids are global expert ids (-1 marks an empty slot); with an expert_map, experts that
     are not on this rank contribute zero.
+
+    A call whose signature (every shape, dtype and device, the weights' addresses and strides,
+    the options) was checked before skips the checks and the backend choice: they read nothing
+    else, so they would pass again. The value checks (ids in range, debug mode on a GPU) run
+    on every call.
     """
-    check_quant_config(quant_config)
-    spec = ActivationSpec.make(activation, merge_activation_params(activation_params, quant_config))
-    x = check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
-    weights = check_expert_weights(x, w13, w2, spec.kind, w13_bias, w2_bias, quant_config)
-    num_global = check_expert_map(
-        expert_map, global_num_experts, weights.num_local_experts, x.device
-    )
-    check_routing(x, topk_weights, topk_ids, num_global)
-    if apply_router_weight_on_input and topk_ids.shape[1] != 1:
-        raise ValueError(
-            f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}"
+    x = hidden_states
+    signature = resolved = None
+    # autograd recording and torch.compile tracing (its graph holds the resolution) take the
+    # full path every time
+    if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+        try:
+            signature = (
+                x.shape, x.dtype, x.device,
+                topk_weights.shape, topk_weights.dtype, topk_weights.device,
+                topk_ids.shape, topk_ids.dtype, topk_ids.device,
+                _layout(w13), _layout(w2), _layout(w13_bias), _layout(w2_bias),
+                _layout(expert_map), activation, activation_params,
+                None if quant_config is None else id(quant_config), global_num_experts,
+                apply_router_weight_on_input, backend, os.environ.get(CHUNK_SIZE_ENV),
+            )  # fmt: skip
+            resolved = _CALLS.get(signature)
+        except (AttributeError, TypeError):  # not tensors, an unhashable option: checks below
+            signature = None
+    if resolved is None:
+        check_quant_config(quant_config)
+        params = merge_activation_params(activation_params, quant_config)
+        spec = ActivationSpec.make(activation, params)
+        x = check_tensor("hidden_states", x, ndim=2, dtypes=FLOAT_DTYPES)
+        weights = check_expert_weights(x, w13, w2, spec.kind, w13_bias, w2_bias, quant_config)
+        num_global = check_expert_map(
+            expert_map, global_num_experts, weights.num_local_experts, x.device
         )
-    grad = needs_grad(x, weights, topk_weights)
-    if grad:
-        experts = (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
-        check_inference_only(quant_config, experts, x)
-    kernel, graphs = _kernel_for(
-        x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
-        expert_map is not None, grad, backend,
-    )  # fmt: skip
+        check_routing(x, topk_weights, topk_ids, num_global)
+        if apply_router_weight_on_input and topk_ids.shape[1] != 1:
+            raise ValueError(
+                f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}"
+            )
+        grad = needs_grad(x, weights, topk_weights)
+        if grad:
+            experts = (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias)
+            check_inference_only(quant_config, experts, x)
+        kernel, graphs = _kernel_for(
+            x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
+            expert_map is not None, grad, backend,
+        )  # fmt: skip
+        # the captured launches read the weights, the map and the scales by address
+        tensors = (w13, w2, w13_bias, w2_bias, expert_map)
+        graph_key = (
+            topk_weights.dtype, topk_ids.dtype, apply_router_weight_on_input,
+            *(0 if t is None else t.data_ptr() for t in tensors),
+        )  # fmt: skip
+        resolved = _ResolvedCall(
+            spec, weights.k_packing, num_global, kernel, graphs, graph_key, quant_config
+        )
+        if signature is not None and not grad:
+            _CALLS[signature] = resolved
+            if len(_CALLS) > _MAX_CALLS:
+                _CALLS.popitem(last=False)
+    else:
+        _CALLS.move_to_end(signature)
+        weights = ExpertWeights(w13, w2, w13_bias, w2_bias, k_packing=resolved.packing)
+        # what the signature does not hold: the values, where value checks run
+        check_ids_in_range("topk_ids", topk_ids, -1, resolved.num_global)
+        if expert_map is not None:
+            check_ids_in_range("expert_map", expert_map, -1, weights.num_local_experts)
+    spec, num_global = resolved.spec, resolved.num_global
 
     def experts(kernel, x, topk_weights, topk_ids):
         # float32 weights: under a graph the cast is one of its launches, not a host call
@@ -260,20 +336,16 @@ def fused_experts(
         )  # fmt: skip
         return (out,)
 
-    if graphs is not None and may_replay(x, DEFAULT_MAX_TOKENS):
-        graph_kernel, cache = graphs
-        # the captured launches read the weights, the map and the scales by address
-        tensors = (w13, w2, w13_bias, w2_bias, expert_map)
-        key = (
-            topk_weights.dtype, topk_ids.dtype, apply_router_weight_on_input,
-            *(0 if t is None else t.data_ptr() for t in tensors),
-        )  # fmt: skip
+    if resolved.graphs is not None and may_replay(x, DEFAULT_MAX_TOKENS):
+        graph_kernel, cache = resolved.graphs
         replayed = cache.run(
-            lambda *args: experts(graph_kernel, *args), (x, topk_weights, topk_ids), key
+            lambda *args: experts(graph_kernel, *args),
+            (x, topk_weights, topk_ids),
+            resolved.graph_key,
         )
         if replayed is not None:
             return replayed[0]
-    return experts(kernel, x, topk_weights, topk_ids)[0]
+    return experts(resolved.kernel, x, topk_weights, topk_ids)[0]
 
 
 def fused_moe(

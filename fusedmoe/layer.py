@@ -42,11 +42,14 @@ fusedmoe.parallel.eplb.rebalance and apply_placement move the experts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
@@ -69,6 +72,41 @@ from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
 from fusedmoe.weights import loading, quantize
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RouterGate:
+    """A router its caller owns, for FusedMoE.forward_gated: logits(module, x [T, H]) gives
+    the router logits [T, E (+ zero experts)], reading the module's parameters and buffers
+    (a CUDA graph may replay it: nothing else it reads may change between calls)."""
+
+    module: nn.Module
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _runs_forward_only(*modules: nn.Module | None) -> bool:
+    """Whether calling these modules runs their class's forward and nothing else: no forward
+    hook on them or a submodule (nor a global one), no forward set on an instance (as
+    accelerate's offloading does). A CUDA graph replays kernels, not Python: only such modules
+    may be captured."""
+    if _global_forward_hooks or _global_forward_pre_hooks:
+        return False
+    return not any(
+        m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+        for root in modules
+        if root is not None
+        for m in root.modules()
+    )
+
+
+def _addresses(*modules: nn.Module | None) -> tuple[int, ...]:
+    """The addresses of the parameters and buffers of these modules (and their submodules)."""
+    return tuple(
+        t.data_ptr()
+        for root in modules
+        if root is not None
+        for t in itertools.chain(root.parameters(), root.buffers())
+    )
 
 
 class FusedMoE(nn.Module):
@@ -463,9 +501,32 @@ class FusedMoE(nn.Module):
                 f"hidden_states {tuple(x.shape)} and router_logits {tuple(router_logits.shape)} "
                 "must share their leading dimensions"
             )
+        return self._forward(x, router_logits, input_ids, None)
+
+    def forward_gated(self, hidden_states: torch.Tensor, gate: RouterGate) -> torch.Tensor:
+        """forward(hidden_states, gate.logits(gate.module, x)), for a caller that owns the
+        router: hidden_states [..., H] -> [..., H].
+
+        Where the call replays a CUDA graph, the logits are computed inside it, and so are the
+        shared experts when nothing runs between them and the routed sum (no zero experts, no
+        routed transforms): the whole block is one graph launch, its input copied in and its
+        output out. Modules with forward hooks (or a forward of their own instance, as
+        accelerate's offloading sets) are called eagerly, outside the graph, where their hooks
+        run."""
+        x = check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES)
+        if not isinstance(gate, RouterGate):
+            raise TypeError(f"gate must be a RouterGate, got {type(gate).__name__}")
+        if x.dim() == 0:
+            raise ValueError("hidden_states must have at least one dimension [..., H]")
+        return self._forward(x, None, None, gate)
+
+    def _forward(self, x, router_logits, input_ids, gate: RouterGate | None) -> torch.Tensor:
+        """forward, its arguments checked; router_logits None: gate computes them."""
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
-        logits = router_logits.reshape(-1, router_logits.shape[-1])
+        logits = None
+        if router_logits is not None:
+            logits = router_logits.reshape(-1, router_logits.shape[-1])
         if input_ids is not None:
             check_tensor("input_ids", input_ids, device=x.device)
             if input_ids.shape != lead:
@@ -476,6 +537,8 @@ class FusedMoE(nn.Module):
 
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
         self._check_routed_input(x_routed, x)
+        if gate is not None and (torch.is_grad_enabled() or not self._gate_in_graph(gate)):
+            logits, gate = self._gate_logits(gate, x), None
         grad = torch.is_grad_enabled() and (
             x_routed.requires_grad
             or logits.requires_grad  # the router's gradient flows through the top-k weights
@@ -487,13 +550,17 @@ class FusedMoE(nn.Module):
         replayed = None
         graphed = input_ids is None and self._graph_safe(choice)
         if graphed and may_replay(x_routed, self.cuda_graph_max_tokens):
-            replayed = self._forward_graphed(choice, x_routed, logits)
+            replayed = self._forward_graphed(choice, x_routed, logits, gate)
+        shared_done = False
         if replayed is not None:
-            y, zero_output = replayed
-        elif choice.experts_cls.routes_inside:
-            y, zero_output = self._forward_monolithic(runner, x_routed, logits, input_ids)
+            y, zero_output, shared_done = replayed
         else:
-            y, zero_output = self._forward_modular(choice, runner, x_routed, logits, input_ids)
+            if gate is not None:
+                logits = self._gate_logits(gate, x)
+            if choice.experts_cls.routes_inside:
+                y, zero_output = self._forward_monolithic(runner, x_routed, logits, input_ids)
+            else:
+                y, zero_output = self._forward_modular(choice, runner, x_routed, logits, input_ids)
         # Under EP without DP the output is a partial sum over ranks: what belongs to no expert
         # is added once, by rank 0.
         whole = not self._ep_partial or self.parallel_config.ep_rank == 0
@@ -501,12 +568,26 @@ class FusedMoE(nn.Module):
             y = y + zero_output
         if self.routed_output_transform is not None:
             y = self.routed_output_transform(y)
-        if self.shared_experts is not None and whole:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            y = y + shared
+        if self.shared_experts is not None and whole and not shared_done:
+            y = y + self._shared_output(x)
         return y.reshape(*lead, y.shape[-1])
+
+    def _shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
+
+    def _gate_logits(self, gate: RouterGate, x: torch.Tensor) -> torch.Tensor:
+        """The router logits [T, E] of a RouterGate, computed eagerly, checked."""
+        logits = gate.logits(gate.module, x)
+        check_tensor("the gate's logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        if logits.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"the gate's logits {tuple(logits.shape)} must have one row per token "
+                f"({x.shape[0]})"
+            )
+        return logits
 
     # ---- decode calls from CUDA graphs (fusedmoe.modular.graphs) ----
     def _graph_safe(self, choice: BackendChoice) -> bool:
@@ -526,10 +607,28 @@ class FusedMoE(nn.Module):
             and (self.quant_scheme is None or self._call_quant_config().rows_independent)
         )
 
-    def _forward_graphed(self, choice: BackendChoice, x_routed, logits):
-        """(y, zero output) of the routed part replayed from a CUDA graph, or None where it
-        cannot be captured. The graphs belong to the current set of backends (_kernels): a new
-        set (set_backend, .to(), quantize_, a new placement) starts an empty cache."""
+    def _gate_in_graph(self, gate: RouterGate) -> bool:
+        """Whether a graph may compute the gate's logits: from the layer's input (no routed
+        input transform), with nothing but the gate's forward to run (_runs_forward_only)."""
+        return self.routed_input_transform is None and _runs_forward_only(gate.module)
+
+    def _shared_in_graph(self) -> bool:
+        """Whether a graph may add the shared experts: from the layer's input, right after the
+        routed sum (no zero experts or routed transforms between), forwards only."""
+        return (
+            self.shared_experts is not None
+            and self.routed_input_transform is None
+            and self.routed_output_transform is None
+            and self.zero_expert_num == 0
+            and _runs_forward_only(self.shared_experts, self.shared_expert_gate)
+        )
+
+    def _forward_graphed(self, choice: BackendChoice, x_routed, logits, gate):
+        """(y, zero output, whether y holds the shared experts) of the routed part replayed
+        from a CUDA graph, or None where it cannot be captured; with a gate (logits None), the
+        graph computes the logits too. The graphs belong to the current set of backends
+        (_kernels): a new set (set_backend, .to(), quantize_, a new placement) starts an empty
+        cache."""
         state = self._graph_state
         if state is None or state[0] is not self._kernels:
             state = self._graph_state = (self._kernels, GraphCache(), {})
@@ -547,14 +646,28 @@ class FusedMoE(nn.Module):
                     retain_workspaces=True,
                 )
             runner = runners[(device, dtype)] = experts
+        with_shared = self._shared_in_graph()
 
-        def routed(x, router_logits):
+        def routed(x, *given):
+            router_logits = given[0] if gate is None else gate.logits(gate.module, x)
             if choice.experts_cls.routes_inside:
-                return self._forward_monolithic(runner, x, router_logits, None)
-            return self._forward_modular(choice, runner, x, router_logits, None)
+                y, zero_output = self._forward_monolithic(runner, x, router_logits, None)
+            else:
+                y, zero_output = self._forward_modular(choice, runner, x, router_logits, None)
+            if with_shared:
+                y = y + self._shared_output(x)
+            return y, zero_output
 
-        key = (device, dtype, logits.dtype, logits.shape[1], *self._graph_addresses())
-        return graphs.run(routed, (x_routed, logits), key)
+        # what the captured launches read by address, besides the inputs
+        if gate is None:
+            inputs, reads = (x_routed, logits), (logits.dtype, logits.shape[1])
+        else:
+            inputs, reads = (x_routed,), (gate.logits, *_addresses(gate.module))
+        if with_shared:
+            reads += ("shared", *_addresses(self.shared_experts, self.shared_expert_gate))
+        key = (device, dtype, *reads, *self._graph_addresses())
+        replayed = graphs.run(routed, inputs, key)
+        return None if replayed is None else (*replayed, with_shared)
 
     def _graph_addresses(self) -> tuple[int, ...]:
         """The addresses a captured call reads: every parameter and buffer of the layer's own

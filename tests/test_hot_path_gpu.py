@@ -246,6 +246,53 @@ def test_transformers_generate_compiles_into_cuda_graphs(name, impl):
         assert_close(step_compiled.float(), step_eager.float(), torch.bfloat16)
 
 
+def test_patched_block_replays_router_and_shared_expert_in_one_graph():
+    """A patched DeepSeek-V3 block (grouped top-k, correction bias, a shared expert) replays one
+    graph for its router's linear, the routed experts and the shared expert: eager's result and
+    no host sync; in-place writes to the router and the shared expert show through; a new
+    router Parameter is a new graph; a hook on the shared expert keeps it out of the graph (the
+    hook runs on every call)."""
+    transformers = pytest.importorskip("transformers")
+    import fusedmoe.integrations.transformers as hf
+
+    model = _tiny_hf_model(transformers, "deepseek")
+    hf.patch(model)
+    block = next(m for m in model.modules() if isinstance(m, hf.FusedMoEBlock))
+    moe, router = block.moe, getattr(block, block.router_attr)
+
+    def eager(h):
+        moe.cuda_graph_max_tokens = 0
+        try:
+            return block(h)
+        finally:
+            moe.cuda_graph_max_tokens = 4096
+
+    with torch.inference_mode():
+        for num_tokens in (1, 5):
+            h = torch.randn(1, num_tokens, H, dtype=torch.bfloat16, device="cuda")
+            block(h)  # captured
+            with no_sync():
+                out = block(h)
+            assert_close(out.float(), eager(h).float(), torch.bfloat16)
+        graphs = moe._graph_state[1]
+        assert graphs.captures == 2 and all("shared" in key for key in graphs._graphs)
+        h = torch.randn(1, 1, H, dtype=torch.bfloat16, device="cuda")
+        before = block(h)
+        moe.shared_experts.down_proj.weight.mul_(-1)
+        router.weight.mul_(1.5)
+        after = block(h)
+        assert_close(after.float(), eager(h).float(), torch.bfloat16)
+        assert (after - before).abs().max() > 0.1 * before.abs().max()
+        router.weight = torch.nn.Parameter(router.weight.detach().clone())
+        assert torch.equal(block(h), after) and graphs.captures == 3
+        seen = []
+        moe.shared_experts.register_forward_hook(lambda *args: seen.append(1))
+        hooked = block(h)
+        assert len(seen) == 1 and graphs.captures == 4  # a graph without the shared expert
+        assert torch.equal(block(h), hooked) and len(seen) == 2
+        assert_close(hooked.float(), after.float(), torch.bfloat16)
+
+
 def test_graph_replay_matches_eager_and_follows_the_weights():
     """Decode calls replay CUDA graphs (fusedmoe.modular.graphs): the same result as eager
     launches for every token count of a bucket, in-place weight writes show through, a new

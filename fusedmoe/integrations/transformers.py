@@ -32,8 +32,9 @@ transformers 5 experts layouts, and what fusedmoe reads:
                                                          already its layout
     gate_up_proj_bias [E, 2I], down_proj_bias [E, H]  -> w13_bias / w2_bias
 
-In place, never copied: the views are taken from the module's attributes on every call (a
-transpose only changes strides), so they follow in-place updates, a replaced Parameter or a
+In place, never copied: the views are taken from the module's attributes (a transpose only
+changes strides), again whenever a parameter was replaced, moved or cast (each call compares
+their identities and addresses), so they follow in-place updates, a replaced Parameter or a
 .to(), cost no memory, and carry gradients back to the parameters. A cached contiguous copy
 would double the experts' memory and go stale; the price of views is that a backend reads
 gpt-oss's transposed weights with strides.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,7 +55,7 @@ from torch import nn
 from fusedmoe._checks import FLOAT_DTYPES
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.functional import fused_experts
-from fusedmoe.layer import FusedMoE
+from fusedmoe.layer import FusedMoE, RouterGate
 from fusedmoe.oracle import get_backend
 from fusedmoe.quant import SCHEMES
 
@@ -257,6 +259,30 @@ def experts_layout(module: nn.Module) -> ExpertsLayout:
     return ExpertsLayout(w13, w2, w13_bias, w2_bias, activation, params)
 
 
+#: experts module -> (what its layout was read from, the layout), for _layout_of
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def _layout_of(module: nn.Module) -> ExpertsLayout:
+    """experts_layout(module), read again only when one of its parameters or submodules (its
+    activation) was replaced, moved, cast or reshaped: a new Parameter, .to(), a load with
+    assign=True. What transformers sets at construction (has_gate, is_transposed, has_bias,
+    an activation's limits) is read with the first call's layout. The views follow in-place
+    writes; a module fusedmoe cannot represent raises NotRepresentable on every call."""
+    if torch.compiler.is_compiling():  # traced once into the graph: nothing to look up
+        return experts_layout(module)
+    source = [id(m) for m in module._modules.values()]
+    for p in module._parameters.values():
+        if p is not None:
+            source += (id(p), p.data_ptr(), p.shape, p.stride(), p.dtype, p.device)
+    cached = _LAYOUTS.get(module)
+    if cached is not None and cached[0] == source:
+        return cached[1]
+    layout = experts_layout(module)
+    _LAYOUTS[module] = (source, layout)
+    return layout
+
+
 def _original_forward(module: nn.Module) -> Callable:
     """The experts class's own forward, under transformers' dispatching wrapper."""
     forward = getattr(type(module).forward, "__wrapped__", None)
@@ -295,7 +321,7 @@ def fusedmoe_experts_forward(
     forward.
     """
     try:
-        layout = experts_layout(self)
+        layout = _layout_of(self)
         if hidden_states.dtype != layout.w13.dtype:
             raise NotRepresentable(
                 f"hidden_states are {hidden_states.dtype}, its weights {layout.w13.dtype}"
@@ -527,17 +553,26 @@ class FusedMoEBlock(nn.Module):
             )
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         router = getattr(self, self.router_attr)
-        if router._forward_hooks or router._forward_pre_hooks:
-            # output_router_logits: transformers records the router's output with hooks on it
-            extra = (self.moe.e_score_correction_bias,) if self.router_takes_bias else ()
-            logits = router(x, *extra)[0]
-        else:
-            logits = self.router_logits(router, x)  # [T, E]
+        moe_hooked = self.moe._forward_hooks or self.moe._forward_pre_hooks
+        if not (self.returns_router_scores or moe_hooked):
+            # the logits from the router's weights, where the layer may compute them inside
+            # its CUDA graph (it calls a router with hooks eagerly)
+            gate = RouterGate(router, self._gate_logits)
+            return self.moe.forward_gated(x, gate).view(hidden_states.shape)
+        logits = self._gate_logits(router, x)  # [T, E]
         y = self.moe(x, logits).view(hidden_states.shape)
         if self.returns_router_scores:
             topk_weights, _ = self.moe.router.select_experts(x, logits)  # [T, k]
             return y, topk_weights.to(logits.dtype)
         return y
+
+    def _gate_logits(self, router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The router logits [T, E] of x [T, H]."""
+        if router._forward_hooks or router._forward_pre_hooks:
+            # output_router_logits: transformers records the router's output with hooks on it
+            extra = (self.moe.e_score_correction_bias,) if self.router_takes_bias else ()
+            return router(x, *extra)[0]
+        return self.router_logits(router, x)
 
     def extra_repr(self) -> str:
         return f"replaced={self.replaced}"

@@ -1,0 +1,198 @@
+"""What the per-call path resolves once and looks up after (issue: the fast kernels reach every
+caller): fused_experts' resolved calls, the transformers experts layout, and the layer's gated
+forward whose router and shared experts may join its CUDA graph. Every cached answer must be the
+one the full path would give: a changed weight, a bad value or a hook shows through.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fusedmoe.functional as functional
+from fusedmoe import FusedMoE, RouterGate, fused_experts
+from fusedmoe.layer import _runs_forward_only
+from tests.helpers import assert_close
+from tests.reference import experts_ref, random_experts
+
+H, I, E, K = 32, 16, 8, 2
+
+
+def _call_inputs(num_tokens: int = 5, seed: int = 0):
+    torch.manual_seed(seed)
+    experts = random_experts(E, H, I)
+    x = torch.randn(num_tokens, H)
+    ids = torch.rand(num_tokens, E).argsort(dim=1)[:, :K].to(torch.int32)
+    weights = torch.rand(num_tokens, K) + 0.1
+    return x, experts["w13"], experts["w2"], weights, ids
+
+
+def _counting(monkeypatch) -> list[int]:
+    """Counts the calls of fused_experts' full checks (check_expert_weights)."""
+    calls = []
+    check = functional.check_expert_weights
+    monkeypatch.setattr(
+        functional, "check_expert_weights", lambda *a, **k: calls.append(1) or check(*a, **k)
+    )
+    return calls
+
+
+@torch.inference_mode()
+def test_fused_experts_checks_a_signature_once(monkeypatch):
+    x, w13, w2, weights, ids = _call_inputs()
+    calls = _counting(monkeypatch)
+    first = fused_experts(x, w13, w2, weights, ids)
+    second = fused_experts(x, w13, w2, weights, ids)
+    assert torch.equal(first, second) and len(calls) == 1
+    # another token count, activation or weight address is another signature
+    fused_experts(x[:3], w13, w2, weights[:3], ids[:3])
+    fused_experts(x, w13, w2, weights, ids, activation="gelu")
+    fused_experts(x, w13, w2.clone(), weights, ids)
+    assert len(calls) == 4
+
+
+@torch.inference_mode()
+def test_a_cached_signature_computes_with_the_tensors_it_is_given():
+    x, w13, w2, weights, ids = _call_inputs()
+    fused_experts(x, w13, w2, weights, ids)
+    w2.mul_(-2.0)  # in place: same address, same signature
+    x2, weights2 = torch.randn_like(x), torch.rand_like(weights) + 0.1
+    out = fused_experts(x2, w13, w2, weights2, ids)
+    expected = experts_ref(x2.double(), w13.double(), w2.double(), weights2, ids)
+    assert_close(out, expected, torch.float32)
+
+
+@torch.inference_mode()
+def test_a_cached_signature_still_checks_values_and_new_metadata():
+    x, w13, w2, weights, ids = _call_inputs()
+    fused_experts(x, w13, w2, weights, ids)
+    bad = ids.clone()
+    bad[2, 1] = E  # out of range: read on the CPU on every call
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        fused_experts(x, w13, w2, weights, bad)
+    with pytest.raises(TypeError, match="topk_ids must have dtype"):
+        fused_experts(x, w13, w2, weights, ids.float())
+    with pytest.raises(ValueError, match="same shape"):
+        fused_experts(x, w13, w2, weights[:, :1], ids)
+    emap = torch.arange(E, dtype=torch.int32)
+    fused_experts(x, w13, w2, weights, ids, expert_map=emap)
+    emap[3] = E  # past the local experts
+    with pytest.raises(ValueError, match="expert_map must lie in"):
+        fused_experts(x, w13, w2, weights, ids, expert_map=emap)
+
+
+def test_autograd_calls_are_not_cached(monkeypatch):
+    x, w13, w2, weights, ids = _call_inputs()
+    w13.requires_grad_(True)
+    calls = _counting(monkeypatch)
+    for _ in range(2):
+        fused_experts(x, w13, w2, weights, ids).sum().backward()
+    assert len(calls) == 2 and w13.grad is not None
+
+
+# ---- transformers' experts modules: the layout read once per set of parameters ----------------
+def _qwen3_experts():
+    transformers = pytest.importorskip("transformers")
+    import fusedmoe.integrations.transformers as hf
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K
+    )
+    config._experts_implementation = "fusedmoe"
+    torch.manual_seed(2)
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    experts = block.experts
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn_like(param))
+    return hf, experts
+
+
+@torch.inference_mode()
+def test_registered_experts_follow_a_replaced_or_rewritten_parameter():
+    hf, experts = _qwen3_experts()
+    x, _, _, weights, ids = _call_inputs(seed=3)
+    first = hf.fusedmoe_experts_forward(experts, x, ids, weights)
+    experts.down_proj = nn.Parameter(-experts.down_proj)  # a new Parameter
+    assert_close(hf.fusedmoe_experts_forward(experts, x, ids, weights), -first, torch.float32)
+    experts.down_proj.mul_(-0.5)  # in place
+    assert_close(hf.fusedmoe_experts_forward(experts, x, ids, weights), 0.5 * first, torch.float32)
+    experts.to(torch.float64)  # cast: new storage behind the same Parameter objects
+    out = hf.fusedmoe_experts_forward(experts, x.double(), ids, weights.double())
+    assert out.dtype == torch.float64
+    assert_close(out, 0.5 * first.double(), torch.float32)
+
+
+# ---- the gated forward: the router and shared experts a graph may capture ----------------------
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(H, 2 * I, bias=False)
+        self.down = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        gate, up = self.up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+def _linear_logits(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x, router.weight)
+
+
+def _gated_layer():
+    torch.manual_seed(4)
+    shared, shared_gate = _MLP(), nn.Linear(H, 1, bias=False)
+    layer = FusedMoE(
+        E, K, H, I, params_dtype=torch.float32, shared_experts=shared,
+        shared_expert_gate=shared_gate,
+    )  # fmt: skip
+    return layer, RouterGate(nn.Linear(H, E, bias=False), _linear_logits)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("lead", [(5,), (2, 3), (0,)])
+def test_forward_gated_is_forward_with_the_gates_logits(lead):
+    layer, gate = _gated_layer()
+    x = torch.randn(*lead, H)
+    expected = layer(x, _linear_logits(gate.module, x))
+    assert torch.equal(layer.forward_gated(x, gate), expected)
+
+
+def test_forward_gated_checks_its_arguments():
+    layer, gate = _gated_layer()
+    x = torch.randn(3, H)
+    with pytest.raises(TypeError, match="gate must be a RouterGate"):
+        layer.forward_gated(x, gate.module)
+    with pytest.raises(ValueError, match="one row per token"):
+        layer.forward_gated(x, RouterGate(gate.module, lambda m, x: _linear_logits(m, x)[:1]))
+    with pytest.raises(TypeError, match=r"hidden_states must be a torch\.Tensor"):
+        layer.forward_gated(x.tolist(), gate)
+
+
+def test_forward_gated_trains_the_router_and_the_shared_experts():
+    layer, gate = _gated_layer()
+    x = torch.randn(4, H)
+    layer.forward_gated(x, gate).square().sum().backward()
+    for module in (gate.module, layer.shared_experts, layer.shared_expert_gate):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+
+
+def test_only_modules_without_hooks_may_be_captured():
+    mlp = _MLP()
+    assert _runs_forward_only(mlp, None)
+    handle = mlp.down.register_forward_hook(lambda *args: None)  # on a submodule
+    assert not _runs_forward_only(mlp)
+    handle.remove()
+    handle = mlp.register_forward_pre_hook(lambda *args: None)
+    assert not _runs_forward_only(mlp)
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)  # global
+    try:
+        assert not _runs_forward_only(mlp)
+    finally:
+        handle.remove()
+    mlp.up.forward = lambda x: x  # an instance forward (accelerate's offloading sets one)
+    assert not _runs_forward_only(mlp)
+    del mlp.up.forward
+    assert _runs_forward_only(mlp)
