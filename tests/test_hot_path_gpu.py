@@ -293,6 +293,34 @@ def test_patched_block_replays_router_and_shared_expert_in_one_graph():
         assert_close(hooked.float(), after.float(), torch.bfloat16)
 
 
+def test_captures_take_their_blas_workspace_from_the_graph_pool(monkeypatch):
+    """torch caches one cuBLAS workspace per stream and frees it when its cache is cleared
+    (torch.compile's CUDA graph trees clear it around every recording): a graph that captured a
+    GEMM with a workspace cached before the capture would write to freed memory. Each capture
+    clears the cache first (the capture then allocates in the graphs' pool) and after."""
+    from fusedmoe.modular import graphs
+
+    events = []
+    clear = torch._C._cuda_clearCublasWorkspaces
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces",
+        lambda: events.append(torch.cuda.is_current_stream_capturing()) or clear(),
+    )  # fmt: skip
+    x = torch.randn(3, H, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(H, H, dtype=torch.bfloat16, device="cuda")
+    cache = graphs.GraphCache()
+    with torch.inference_mode():
+        (out,) = cache.run(lambda x: (x @ w,), (x,), ("a GEMM",))
+        assert len(events) == 2  # around the capture
+        torch._C._cuda_clearCublasWorkspaces()  # what a graph tree recording does
+        junk = torch.full((1 << 24,), 7.0, device="cuda")  # takes freed memory, if any
+        (again,) = cache.run(lambda x: (x @ w,), (x,), ("a GEMM",))
+    assert cache.captures == 1
+    assert_close(out.float(), (x.float() @ w.float()), torch.bfloat16)
+    assert torch.equal(again, out)
+    assert bool((junk == 7.0).all())
+
+
 def test_graph_replay_matches_eager_and_follows_the_weights():
     """Decode calls replay CUDA graphs (fusedmoe.modular.graphs): the same result as eager
     launches for every token count of a bucket, in-place weight writes show through, a new

@@ -78,6 +78,20 @@ def empty_cache() -> None:
     shared_workspaces(retain=True).release_unused()
 
 
+def _clear_blas_workspaces() -> None:
+    """Drop torch's cached cuBLAS workspaces (one per handle and stream), before and after a
+    capture, as torch.compile's CUDA graph trees do around theirs. A captured GEMM (a router's
+    linear, a shared expert) embeds its workspace's address; a workspace cached before the
+    capture lives outside the pool, and torch frees it whenever it clears its cache (a CUDA
+    graph tree recording, any graph captured on that stream destroyed) while our graph still
+    writes to it. Cleared first, the capture allocates the workspace in the graphs' pool, which
+    outlives every graph of the process, and whose memory only these graphs, replayed one at a
+    time, reuse."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def graphs_enabled() -> bool:
     """FUSEDMOE_CUDA_GRAPHS (default on; 0 / false / off turns graph replay off)."""
     return os.environ.get(GRAPHS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -199,13 +213,17 @@ class GraphCache:
                     del warm
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                # thread_local: a capture here does not break CUDA calls of other threads
-                with torch.cuda.graph(
-                    graph, pool=pool, stream=side, capture_error_mode="thread_local"
-                ):
-                    for arena, out in zip(arenas, fn(*statics), strict=True):
-                        if arena is not None:
-                            arena.copy_(out)  # the graph's outputs go back to the pool
+                _clear_blas_workspaces()
+                try:
+                    # thread_local: a capture here does not break CUDA calls of other threads
+                    with torch.cuda.graph(
+                        graph, pool=pool, stream=side, capture_error_mode="thread_local"
+                    ):
+                        for arena, out in zip(arenas, fn(*statics), strict=True):
+                            if arena is not None:
+                                arena.copy_(out)  # the graph's outputs go back to the pool
+                finally:
+                    _clear_blas_workspaces()
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:
