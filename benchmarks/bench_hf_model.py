@@ -26,16 +26,20 @@ Each implementation runs the same weights and inputs:
                  differ from the others' (no diff is reported); its decode runs the same
                  number of steps (min_new_tokens).
 
-Rows, mode "eager" (every impl): prefill = one forward of [1, prefill] tokens; decode = ms per
-token of greedy generation of `decode` tokens after a 16-token prompt (dynamic KV cache, the
-prompt's forward included); logits compared with the first impl's (max abs diff). Medians of
---repeats rounds in which the impls take turns (run_eager_rows), after a warm-up of each.
+Rows, mode "eager" (every impl): prefill = one forward of [1, prefill] tokens, the median of
+--repeats rounds in which the impls take turns (run_eager_rows), after a warm-up of each;
+decode = ms per token of greedy generation of `decode` tokens after a 16-token prompt (dynamic
+KV cache): the median, over every decode step of those rounds, of the time between two
+tokens as generate() hands them to its streamer (StepTimer; the prompt's forward excluded).
+A median of steps, not of whole generate() calls: a garbage collection or a stall of the host
+lands in one step of one impl, not in its figure. Logits compared with the first impl's (max
+abs diff).
 Rows, mode "static+compile" (grouped_mm, fusedmoe, patched; --no-compile skips them): the same
 generation with a static KV cache, which transformers' generate() compiles on its own
 (generation_config.cache_implementation = "static", compile_config = CompileConfig(
 fullgraph=False, mode="reduce-overhead"): the decode steps run torch.compile'd and replayed
 from CUDA graphs, the prompt's forward eager); the first two generate() calls (compilation, graph
-recording) are not timed, and the impls take turns as in the eager rows.
+recording) are not timed, and the impls take turns and decode is timed as in the eager rows.
 experts_graph_breaks: torch._dynamo.explain(module)(...) on the first MoE layer's experts
 module (fusedmoe, grouped_mm) or FusedMoEBlock (patched) with a one-token input: its
 graph_break_count, the number of breaks torch.compile takes inside that call, at least 1 when
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import statistics
 import sys
@@ -233,9 +238,36 @@ def _once(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _generate(model, prompt, args) -> None:
+class StepTimer:
+    """A generate() streamer that stamps each token as it comes out. generate() calls put()
+    with the prompt, then once per new token, after the step's forward and the host sync that
+    picks the token: from the first token on, the gaps between stamps are decode steps."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def steps_ms(self) -> list[float]:
+        """The milliseconds of each decode step (the prompt's forward excluded)."""
+        return [(b - a) * 1e3 for a, b in itertools.pairwise(self.stamps[1:])]
+
+
+def _generate(model, prompt, args, streamer: StepTimer | None = None) -> None:
     model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode,
-                   do_sample=False)  # fmt: skip
+                   do_sample=False, streamer=streamer)  # fmt: skip
+
+
+def _decode_steps(model, prompt, args) -> list[float]:
+    """The milliseconds of each decode step of one greedy generate()."""
+    timer = StepTimer()
+    torch.cuda.synchronize()
+    _generate(model, prompt, args, timer)
+    return timer.steps_ms()
 
 
 def _take_turns(models: dict, values: dict, repeats: int, timed) -> dict[str, list]:
@@ -279,14 +311,13 @@ def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
             models[impl] = model
             values[impl] = dict(max_abs_logit_diff_vs_eager=diff, note=note)
         samples = _take_turns(models, values, args.repeats, lambda model: (
-            _once(lambda: model(prefill_ids)),
-            _once(lambda: _generate(model, prompt, args)) / args.decode,
+            _once(lambda: model(prefill_ids)), _decode_steps(model, prompt, args),
         ))  # fmt: skip
     for impl, rounds in samples.items():
         prefill_ms = statistics.median(p for p, _ in rounds)
         values[impl].update(
             prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
-            decode_ms_per_token=round(statistics.median(d for _, d in rounds), 3),
+            decode_ms_per_token=round(statistics.median(d for _, ds in rounds for d in ds), 3),
         )  # fmt: skip
     models.clear()
     torch.cuda.empty_cache()
@@ -325,11 +356,12 @@ def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
             values[impl]["note"] = _failure(exc)
             del models[impl]
     with torch.inference_mode():
-        samples = _take_turns(models, values, args.repeats, lambda model: (
-            _once(lambda: _generate(model, prompt, args)) / args.decode
-        ))  # fmt: skip
-    for impl, decode in samples.items():
-        values[impl]["decode_ms_per_token"] = round(statistics.median(decode), 3)
+        samples = _take_turns(
+            models, values, args.repeats, lambda model: _decode_steps(model, prompt, args)
+        )
+    for impl, rounds in samples.items():
+        steps = [d for ds in rounds for d in ds]
+        values[impl]["decode_ms_per_token"] = round(statistics.median(steps), 3)
     models.clear()
     torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph pools
     torch.cuda.empty_cache()

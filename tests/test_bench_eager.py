@@ -1,6 +1,7 @@
 """fusedmoe bench --eager on the CPU (eager and host time; the CUDA columns are "-"), and the
 models of benchmarks/bench_hf_model.py built at tiny sizes."""
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -74,6 +75,21 @@ def test_hf_bench_models_build_tiny(name):
         report = fmt.patch(model)
         assert len(report.replaced) >= 1 and not report.skipped, report
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_bench_times_each_decode_step():
+    """The step timer gets the prompt, then each new token: decode - 1 steps after the first
+    token, each a positive gap; the prompt's forward (before the first token) is not one."""
+    bench = _hf_bench()
+    model = bench.build_model("qwen3", 2, "cpu", dtype=torch.float32, **bench.TINY_SIZES["qwen3"])
+    prompt = torch.randint(0, model.config.vocab_size, (1, 6))
+    timer = bench.StepTimer()
+    with torch.inference_mode():
+        bench._generate(model, prompt, argparse.Namespace(decode=5), timer)
+    assert len(timer.stamps) == 6
+    steps = timer.steps_ms()
+    assert len(steps) == 4 and all(step > 0 for step in steps)
+    assert steps[0] == pytest.approx((timer.stamps[2] - timer.stamps[1]) * 1e3)
 
 
 def test_hf_bench_no_experts_floor_does_no_expert_work():
