@@ -6,6 +6,7 @@ E_l local experts, k top-k.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -235,6 +236,14 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
+def _quant_tensors(quant_config: FusedMoEQuantConfig | None) -> tuple:
+    """The scale tensors of a quant config (None where an operand has none)."""
+    if quant_config is None:
+        return ()
+    operands = (quant_config.a1, quant_config.a2, quant_config.w1, quant_config.w2)
+    return tuple(t for o in operands for t in (o.scale, o.global_scale))
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -260,10 +269,10 @@ def fused_experts(
     topk_ids are global expert ids (-1 marks an empty slot); with an expert_map, experts that
     are not on this rank contribute zero.
 
-    A call whose signature (every shape, dtype and device, the weights' addresses and strides,
-    the options) was checked before skips the checks and the backend choice: they read nothing
-    else, so they would pass again. The value checks (ids in range, debug mode on a GPU) run
-    on every call.
+    A call whose signature (every shape but the token count, dtype and device, the weights' and
+    scales' addresses and strides, the options) was checked before skips the checks and the
+    backend choice: they read nothing else, so they would pass again. The value checks (ids in
+    range, debug mode on a GPU) run on every call.
     """
     x = hidden_states
     signature = resolved = None
@@ -271,17 +280,21 @@ def fused_experts(
     # full path every time
     if not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
         try:
+            # no token count: one entry per layer whatever the batch (M is checked below)
             signature = (
-                x.shape, x.dtype, x.device,
-                topk_weights.shape, topk_weights.dtype, topk_weights.device,
-                topk_ids.shape, topk_ids.dtype, topk_ids.device,
+                x.shape[1:], x.dtype, x.device,
+                topk_weights.shape[1:], topk_weights.dtype, topk_weights.device,
+                topk_ids.shape[1:], topk_ids.dtype, topk_ids.device,
                 _layout(w13), _layout(w2), _layout(w13_bias), _layout(w2_bias),
                 _layout(expert_map), activation, activation_params,
-                None if quant_config is None else id(quant_config), global_num_experts,
+                None if quant_config is None else id(quant_config),
+                *(_layout(t) for t in _quant_tensors(quant_config)), global_num_experts,
                 apply_router_weight_on_input, backend, os.environ.get(CHUNK_SIZE_ENV),
             )  # fmt: skip
-            resolved = _CALLS.get(signature)
-        except (AttributeError, TypeError):  # not tensors, an unhashable option: checks below
+            if x.shape[0] == topk_weights.shape[0] == topk_ids.shape[0]:
+                resolved = _CALLS.get(signature)
+        # not tensors, an unhashable option, a tensor without storage: the full path's checks
+        except (AttributeError, TypeError, RuntimeError, IndexError):
             signature = None
     if resolved is None:
         check_quant_config(quant_config)
@@ -305,12 +318,14 @@ def fused_experts(
             x.device, x.dtype, weights, num_global, topk_ids.shape[1], spec, quant_config,
             expert_map is not None, grad, backend,
         )  # fmt: skip
-        # the captured launches read the weights, the map and the scales by address
-        tensors = (w13, w2, w13_bias, w2_bias, expert_map)
-        graph_key = (
-            topk_weights.dtype, topk_ids.dtype, apply_router_weight_on_input,
-            *(0 if t is None else t.data_ptr() for t in tensors),
-        )  # fmt: skip
+        graph_key = ()
+        if graphs is not None:  # (never while tracing: a fake tensor has no address)
+            # the captured launches read the weights, the map and the scales by address
+            tensors = (w13, w2, w13_bias, w2_bias, expert_map, *_quant_tensors(quant_config))
+            graph_key = (
+                topk_weights.dtype, topk_ids.dtype, apply_router_weight_on_input,
+                *(0 if t is None else t.data_ptr() for t in tensors),
+            )  # fmt: skip
         resolved = _ResolvedCall(
             spec, weights.k_packing, num_global, kernel, graphs, graph_key, quant_config
         )
@@ -319,7 +334,8 @@ def fused_experts(
             if len(_CALLS) > _MAX_CALLS:
                 _CALLS.popitem(last=False)
     else:
-        _CALLS.move_to_end(signature)
+        with contextlib.suppress(KeyError):  # another thread may have evicted it since
+            _CALLS.move_to_end(signature)
         weights = ExpertWeights(w13, w2, w13_bias, w2_bias, k_packing=resolved.packing)
         # what the signature does not hold: the values, where value checks run
         check_ids_in_range("topk_ids", topk_ids, -1, resolved.num_global)

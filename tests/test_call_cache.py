@@ -6,6 +6,8 @@ one the full path would give: a changed weight, a bad value or a hook shows thro
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -29,7 +31,9 @@ def _call_inputs(num_tokens: int = 5, seed: int = 0):
 
 
 def _counting(monkeypatch) -> list[int]:
-    """Counts the calls of fused_experts' full checks (check_expert_weights)."""
+    """Counts the calls of fused_experts' full checks (check_expert_weights), from an empty
+    cache (a freed tensor's address may come back in a later test's tensors)."""
+    monkeypatch.setattr(functional, "_CALLS", OrderedDict())
     calls = []
     check = functional.check_expert_weights
     monkeypatch.setattr(
@@ -45,15 +49,19 @@ def test_fused_experts_checks_a_signature_once(monkeypatch):
     first = fused_experts(x, w13, w2, weights, ids)
     second = fused_experts(x, w13, w2, weights, ids)
     assert torch.equal(first, second) and len(calls) == 1
-    # another token count, activation or weight address is another signature
-    fused_experts(x[:3], w13, w2, weights[:3], ids[:3])
+    fused_experts(x[:3], w13, w2, weights[:3], ids[:3])  # another token count: the same entry
+    assert len(calls) == 1
+    # another activation or weight address is another signature
     fused_experts(x, w13, w2, weights, ids, activation="gelu")
     fused_experts(x, w13, w2.clone(), weights, ids)
-    assert len(calls) == 4
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="topk_ids has 3 tokens, hidden_states 5"):
+        fused_experts(x, w13, w2, weights[:3], ids[:3])
 
 
 @torch.inference_mode()
-def test_a_cached_signature_computes_with_the_tensors_it_is_given():
+def test_a_cached_signature_computes_with_the_tensors_it_is_given(monkeypatch):
+    _counting(monkeypatch)
     x, w13, w2, weights, ids = _call_inputs()
     fused_experts(x, w13, w2, weights, ids)
     w2.mul_(-2.0)  # in place: same address, same signature
@@ -64,7 +72,8 @@ def test_a_cached_signature_computes_with_the_tensors_it_is_given():
 
 
 @torch.inference_mode()
-def test_a_cached_signature_still_checks_values_and_new_metadata():
+def test_a_cached_signature_still_checks_values_and_new_metadata(monkeypatch):
+    _counting(monkeypatch)
     x, w13, w2, weights, ids = _call_inputs()
     fused_experts(x, w13, w2, weights, ids)
     bad = ids.clone()
@@ -91,7 +100,26 @@ def test_autograd_calls_are_not_cached(monkeypatch):
     assert len(calls) == 2 and w13.grad is not None
 
 
-# ---- transformers' experts modules: the layout read once per set of parameters ----------------
+def test_fused_experts_exports():
+    """torch.export traces the call with fake tensors: nothing may ask one for its address."""
+
+    class Experts(nn.Module):
+        def __init__(self, w13, w2):
+            super().__init__()
+            self.w13, self.w2 = nn.Parameter(w13), nn.Parameter(w2)
+
+        def forward(self, x, weights, ids):
+            return fused_experts(x, self.w13, self.w2, weights, ids, backend="triton")
+
+    x, w13, w2, weights, ids = _call_inputs()
+    module = Experts(w13, w2)
+    with torch.no_grad():
+        program = torch.export.export(module, (x, weights, ids), strict=False)
+        expected = module(x, weights, ids)
+        assert_close(program.module()(x, weights, ids), expected, torch.float32)
+
+
+# ---- transformers' experts modules: their settings read once ---------------------------------
 def _qwen3_experts():
     transformers = pytest.importorskip("transformers")
     import fusedmoe.integrations.transformers as hf
@@ -122,6 +150,31 @@ def test_registered_experts_follow_a_replaced_or_rewritten_parameter():
     out = hf.fusedmoe_experts_forward(experts, x.double(), ids, weights.double())
     assert out.dtype == torch.float64
     assert_close(out, 0.5 * first.double(), torch.float32)
+
+
+def test_registered_transposed_experts_train_after_an_inference_call():
+    """gpt-oss stores its experts transposed: the views taken in a no_grad call (an eval, a
+    generate) must not stand in for those of a later training call."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    import fusedmoe.integrations.transformers as hf
+
+    config = transformers.GptOssConfig(
+        hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K
+    )
+    config._experts_implementation = "fusedmoe"
+    torch.manual_seed(6)
+    experts = modeling_gpt_oss.GptOssExperts(config)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    x, _, _, weights, ids = _call_inputs(seed=7)
+    with torch.no_grad():
+        hf.fusedmoe_experts_forward(experts, x, ids, weights)
+    hf.fusedmoe_experts_forward(experts, x, ids, weights).square().sum().backward()
+    for name, param in experts.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
 # ---- the gated forward: the router and shared experts a graph may capture ----------------------

@@ -32,12 +32,12 @@ transformers 5 experts layouts, and what fusedmoe reads:
                                                          already its layout
     gate_up_proj_bias [E, 2I], down_proj_bias [E, H]  -> w13_bias / w2_bias
 
-In place, never copied: the views are taken from the module's attributes (a transpose only
-changes strides), again whenever a parameter was replaced, moved or cast (each call compares
-their identities and addresses), so they follow in-place updates, a replaced Parameter or a
+In place, never copied: the views are taken from the module's attributes on every call (a
+transpose only changes strides), so they follow in-place updates, a replaced Parameter or a
 .to(), cost no memory, and carry gradients back to the parameters. A cached contiguous copy
 would double the experts' memory and go stale; the price of views is that a backend reads
-gpt-oss's transposed weights with strides.
+gpt-oss's transposed weights with strides. The module's settings (has_gate, is_transposed,
+has_bias, its activation) are read at its first call.
 """
 
 from __future__ import annotations
@@ -223,20 +223,43 @@ def _tensor(module: nn.Module, name: str, ndim: int) -> torch.Tensor:
     return t
 
 
-def experts_layout(module: nn.Module) -> ExpertsLayout:
-    """The fusedmoe view of a transformers `@use_experts_implementation` experts module.
+@dataclass(frozen=True)
+class _ExpertsSettings:
+    """What experts_layout reads from an experts module besides its tensors: the attributes
+    transformers sets at construction."""
 
-    Raises NotRepresentable (saying why) for a module fusedmoe cannot compute.
-    """
+    w13_name: str  # "gate_up_proj" (gated) or "up_proj"
+    transposed: bool  # is_transposed: [E, H, N] / [E, I, H] stored
+    w13_bias_name: str | None  # the bias attributes where has_bias, else None
+    w2_bias_name: str | None
+    activation: MoEActivation
+    activation_params: ActivationParams | None
+
+
+def _experts_settings(module: nn.Module) -> _ExpertsSettings:
     if getattr(module, "has_post_expert_norm", False):
         raise NotRepresentable("it normalises each expert's output (has_post_expert_norm)")
     if getattr(module, "_is_expert_parallel", False):
         raise NotRepresentable("it is sharded for expert parallelism by transformers")
     gated = getattr(module, "has_gate", True)
     activation, params = _activation(module, gated)
-    w13 = _tensor(module, "gate_up_proj" if gated else "up_proj", 3)
+    has_bias = getattr(module, "has_bias", False)
+    return _ExpertsSettings(
+        w13_name="gate_up_proj" if gated else "up_proj",
+        transposed=bool(getattr(module, "is_transposed", False)),
+        w13_bias_name=("gate_up_proj_bias" if gated else "up_proj_bias") if has_bias else None,
+        w2_bias_name="down_proj_bias" if has_bias else None,
+        activation=activation,
+        activation_params=params,
+    )
+
+
+def _read_layout(module: nn.Module, settings: _ExpertsSettings) -> ExpertsLayout:
+    """The module's tensors, as `settings` says to read them, checked."""
+    activation = settings.activation
+    w13 = _tensor(module, settings.w13_name, 3)
     w2 = _tensor(module, "down_proj", 3)
-    if getattr(module, "is_transposed", False):
+    if settings.transposed:
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, H, N] -> [E, N, H]; [E, I, H]
     num_experts, num_n, hidden = w13.shape
     if (
@@ -250,37 +273,44 @@ def experts_layout(module: nn.Module) -> ExpertsLayout:
             f"are not w13 [E, N, H] and w2 [E, H, I] of one dtype for {activation.value}"
         )
     w13_bias = w2_bias = None
-    if getattr(module, "has_bias", False):
-        first = "gate_up_proj_bias" if gated else "up_proj_bias"
-        if getattr(module, first, None) is not None:
-            w13_bias = _tensor(module, first, 2)
-        if getattr(module, "down_proj_bias", None) is not None:
-            w2_bias = _tensor(module, "down_proj_bias", 2)
-    return ExpertsLayout(w13, w2, w13_bias, w2_bias, activation, params)
+    if (
+        settings.w13_bias_name is not None
+        and getattr(module, settings.w13_bias_name, None) is not None
+    ):
+        w13_bias = _tensor(module, settings.w13_bias_name, 2)
+    if (
+        settings.w2_bias_name is not None
+        and getattr(module, settings.w2_bias_name, None) is not None
+    ):
+        w2_bias = _tensor(module, settings.w2_bias_name, 2)
+    return ExpertsLayout(w13, w2, w13_bias, w2_bias, activation, settings.activation_params)
 
 
-#: experts module -> (what its layout was read from, the layout), for _layout_of
-_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+def experts_layout(module: nn.Module) -> ExpertsLayout:
+    """The fusedmoe view of a transformers `@use_experts_implementation` experts module.
+
+    Raises NotRepresentable (saying why) for a module fusedmoe cannot compute.
+    """
+    return _read_layout(module, _experts_settings(module))
+
+
+#: experts module -> (the ids of its submodules, its settings), for _layout_of
+_SETTINGS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def _layout_of(module: nn.Module) -> ExpertsLayout:
-    """experts_layout(module), read again only when one of its parameters or submodules (its
-    activation) was replaced, moved, cast or reshaped: a new Parameter, .to(), a load with
-    assign=True. What transformers sets at construction (has_gate, is_transposed, has_bias,
-    an activation's limits) is read with the first call's layout. The views follow in-place
-    writes; a module fusedmoe cannot represent raises NotRepresentable on every call."""
+    """experts_layout(module), its settings (the attribute walk, the activation) read at the
+    first call and again when a submodule (its activation) is replaced; what transformers sets
+    at construction (has_gate, is_transposed, has_bias, an activation's limits) is not read
+    again. The tensors are read and checked on every call: views taken now, in this call's
+    grad mode, of the parameters as they are now (a new Parameter, .to(), a load)."""
     if torch.compiler.is_compiling():  # traced once into the graph: nothing to look up
         return experts_layout(module)
-    source = [id(m) for m in module._modules.values()]
-    for p in module._parameters.values():
-        if p is not None:
-            source += (id(p), p.data_ptr(), p.shape, p.stride(), p.dtype, p.device)
-    cached = _LAYOUTS.get(module)
-    if cached is not None and cached[0] == source:
-        return cached[1]
-    layout = experts_layout(module)
-    _LAYOUTS[module] = (source, layout)
-    return layout
+    submodules = tuple(id(m) for m in module._modules.values())
+    cached = _SETTINGS.get(module)
+    if cached is None or cached[0] != submodules:
+        cached = _SETTINGS[module] = (submodules, _experts_settings(module))
+    return _read_layout(module, cached[1])
 
 
 def _original_forward(module: nn.Module) -> Callable:
