@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
@@ -78,25 +77,64 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 class RouterGate:
     """A router its caller owns, for FusedMoE.forward_gated: logits(module, x [T, H]) gives
     the router logits [T, E (+ zero experts)], reading the module's parameters and buffers
-    (a CUDA graph may replay it: nothing else it reads may change between calls)."""
+    only (a CUDA graph may replay it: nothing else it reads may change between calls). Pass
+    the same `logits` callable on every call (a module-level function): it is part of the
+    graph's key, and a new one is a new graph."""
 
     module: nn.Module
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
-def _runs_forward_only(*modules: nn.Module | None) -> bool:
-    """Whether calling these modules runs their class's forward and nothing else: no forward
-    hook on them or a submodule (nor a global one), no forward set on an instance (as
-    accelerate's offloading does). A CUDA graph replays kernels, not Python: only such modules
-    may be captured."""
-    if _global_forward_hooks or _global_forward_pre_hooks:
+@dataclass(frozen=True)
+class _Replayed:
+    """What a graph replay of the routed part gives (FusedMoE._forward_graphed)."""
+
+    y: torch.Tensor  # [T, H] the routed sum
+    zero_output: torch.Tensor | None  # [T, H] the zero experts' output, None without them
+    shared_added: bool  # y holds the shared experts' output too
+
+
+_HOOKS = nn.modules.module
+#: the module classes whose forward reads nothing but their parameters, buffers and the
+#: settings they were built with; and the packages whose modules are held to do the same
+_PLAIN_CLASSES = (nn.Linear, nn.Identity, nn.Dropout)
+_PLAIN_PACKAGES = ("torch.nn.modules.activation", "transformers.", "fusedmoe.")
+
+
+def _plain_call(module: nn.Module) -> bool:
+    """Whether module(...) runs module.forward(...) and nothing else: no hook on it (forward,
+    backward, or global), no forward set on the instance (as accelerate's offloading does), no
+    compiled call (module.compile())."""
+    hooks = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")  # fmt: skip
+    if any(getattr(_HOOKS, name, None) for name in hooks):
         return False
-    return not any(
-        m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
-        for root in modules
-        if root is not None
-        for m in root.modules()
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in module.__dict__
+        or getattr(module, "_compiled_call_impl", None) is not None
     )
+
+
+def _capturable(*modules: nn.Module | None) -> bool:
+    """Whether a CUDA graph may stand in for calls of these modules. A graph replays kernels,
+    not Python: every module of each tree must be called plainly (_plain_call, so no hook is
+    skipped), be in eval mode, and be of a class whose forward reads only its tensors and
+    construction-time settings (_PLAIN_CLASSES; torch's activations, transformers' and
+    fusedmoe's own modules). Anything else (a LoRA adapter that can be merged or disabled, a
+    module of your own) runs eagerly."""
+    for root in modules:
+        if root is None:
+            continue
+        for m in root.modules():
+            cls = type(m)
+            plain = cls in _PLAIN_CLASSES or cls.__module__.startswith(_PLAIN_PACKAGES)
+            if not plain or m.training or not _plain_call(m):
+                return False
+    return True
 
 
 def _addresses(*modules: nn.Module | None) -> tuple[int, ...]:
@@ -553,7 +591,7 @@ class FusedMoE(nn.Module):
             replayed = self._forward_graphed(choice, x_routed, logits, gate)
         shared_done = False
         if replayed is not None:
-            y, zero_output, shared_done = replayed
+            y, zero_output, shared_done = replayed.y, replayed.zero_output, replayed.shared_added
         else:
             if gate is not None:
                 logits = self._gate_logits(gate, x)
@@ -609,26 +647,26 @@ class FusedMoE(nn.Module):
 
     def _gate_in_graph(self, gate: RouterGate) -> bool:
         """Whether a graph may compute the gate's logits: from the layer's input (no routed
-        input transform), with nothing but the gate's forward to run (_runs_forward_only)."""
-        return self.routed_input_transform is None and _runs_forward_only(gate.module)
+        input transform), of a module a graph may stand in for (_capturable)."""
+        return self.routed_input_transform is None and _capturable(gate.module)
 
     def _shared_in_graph(self) -> bool:
         """Whether a graph may add the shared experts: from the layer's input, right after the
-        routed sum (no zero experts or routed transforms between), forwards only."""
+        routed sum (no zero experts or routed transforms between), of modules a graph may
+        stand in for (_capturable)."""
         return (
             self.shared_experts is not None
             and self.routed_input_transform is None
             and self.routed_output_transform is None
             and self.zero_expert_num == 0
-            and _runs_forward_only(self.shared_experts, self.shared_expert_gate)
+            and _capturable(self.shared_experts, self.shared_expert_gate)
         )
 
-    def _forward_graphed(self, choice: BackendChoice, x_routed, logits, gate):
-        """(y, zero output, whether y holds the shared experts) of the routed part replayed
-        from a CUDA graph, or None where it cannot be captured; with a gate (logits None), the
-        graph computes the logits too. The graphs belong to the current set of backends
-        (_kernels): a new set (set_backend, .to(), quantize_, a new placement) starts an empty
-        cache."""
+    def _forward_graphed(self, choice: BackendChoice, x_routed, logits, gate) -> _Replayed | None:
+        """The routed part replayed from a CUDA graph, or None where it cannot be captured;
+        with a gate (logits None), the graph computes the logits too. The graphs belong to the
+        current set of backends (_kernels): a new set (set_backend, .to(), quantize_, a new
+        placement) starts an empty cache."""
         state = self._graph_state
         if state is None or state[0] is not self._kernels:
             state = self._graph_state = (self._kernels, GraphCache(), {})
@@ -649,7 +687,7 @@ class FusedMoE(nn.Module):
         with_shared = self._shared_in_graph()
 
         def routed(x, *given):
-            router_logits = given[0] if gate is None else gate.logits(gate.module, x)
+            router_logits = given[0] if gate is None else self._gate_logits(gate, x)
             if choice.experts_cls.routes_inside:
                 y, zero_output = self._forward_monolithic(runner, x, router_logits, None)
             else:
@@ -667,7 +705,7 @@ class FusedMoE(nn.Module):
             reads += ("shared", *_addresses(self.shared_experts, self.shared_expert_gate))
         key = (device, dtype, *reads, *self._graph_addresses())
         replayed = graphs.run(routed, inputs, key)
-        return None if replayed is None else (*replayed, with_shared)
+        return None if replayed is None else _Replayed(*replayed, with_shared)
 
     def _graph_addresses(self) -> tuple[int, ...]:
         """The addresses a captured call reads: every parameter and buffer of the layer's own

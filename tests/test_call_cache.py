@@ -14,7 +14,7 @@ from torch import nn
 
 import fusedmoe.functional as functional
 from fusedmoe import FusedMoE, RouterGate, fused_experts
-from fusedmoe.layer import _runs_forward_only
+from fusedmoe.layer import _capturable, _plain_call
 from tests.helpers import assert_close
 from tests.reference import experts_ref, random_experts
 
@@ -231,21 +231,71 @@ def test_forward_gated_trains_the_router_and_the_shared_experts():
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
 
 
-def test_only_modules_without_hooks_may_be_captured():
-    mlp = _MLP()
-    assert _runs_forward_only(mlp, None)
-    handle = mlp.down.register_forward_hook(lambda *args: None)  # on a submodule
-    assert not _runs_forward_only(mlp)
-    handle.remove()
-    handle = mlp.register_forward_pre_hook(lambda *args: None)
-    assert not _runs_forward_only(mlp)
+def _transformers_mlp():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+    config = transformers.Qwen2MoeConfig(hidden_size=H, intermediate_size=2 * I)
+    return modeling_qwen2_moe.Qwen2MoeMLP(config).eval()
+
+
+def test_only_plain_modules_may_be_captured():
+    """A graph stands in for transformers' and torch's own modules in eval mode, called plainly;
+    never for a module of another package (its forward may read Python state: a LoRA adapter
+    merged or disabled), a module in training mode, or one with a hook or a forward of its own."""
+    mlp = _transformers_mlp()
+    assert _capturable(mlp, None) and _capturable(nn.Linear(H, E).eval())
+    assert not _capturable(_MLP().eval())  # not transformers', torch's or fusedmoe's
+    assert not _capturable(mlp.train())
+    mlp.eval()
+    handle = mlp.down_proj.register_forward_hook(lambda *args: None)  # on a submodule
+    assert not _capturable(mlp)
     handle.remove()
     handle = nn.modules.module.register_module_forward_hook(lambda *args: None)  # global
     try:
-        assert not _runs_forward_only(mlp)
+        assert not _capturable(mlp) and not _plain_call(nn.Linear(2, 2))
     finally:
         handle.remove()
-    mlp.up.forward = lambda x: x  # an instance forward (accelerate's offloading sets one)
-    assert not _runs_forward_only(mlp)
-    del mlp.up.forward
-    assert _runs_forward_only(mlp)
+    mlp.up_proj.forward = lambda x: x  # an instance forward (accelerate's offloading sets one)
+    assert not _capturable(mlp)
+    del mlp.up_proj.forward
+    assert _capturable(mlp)
+    compiled = nn.Linear(2, 2)
+    compiled.compile()
+    assert not _plain_call(compiled)
+
+
+@pytest.mark.parametrize("wrap", ["global hook", "instance forward"])
+def test_a_patched_block_calls_its_layer_through_its_wrappers(wrap):
+    """The block hands its layer the router (forward_gated) only when calling the layer would
+    run its forward and nothing else; otherwise it calls the layer, whose wrappers run."""
+    transformers = pytest.importorskip("transformers")
+    import fusedmoe.integrations.transformers as hf
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=H, intermediate_size=2 * I, moe_intermediate_size=I,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+    )  # fmt: skip
+    torch.manual_seed(8)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    hf.patch(model)
+    block = next(m for m in model.modules() if isinstance(m, hf.FusedMoEBlock))
+    h = torch.randn(1, 3, H)
+    with torch.inference_mode():
+        expected = block(h)
+        seen = []
+        if wrap == "global hook":
+            handle = nn.modules.module.register_module_forward_hook(
+                lambda module, args, out: seen.append(type(module).__name__)
+            )
+            try:
+                out = block(h)
+            finally:
+                handle.remove()
+        else:
+            forward = block.moe.forward
+            block.moe.forward = lambda *args: seen.append("FusedMoE") or forward(*args)
+            out = block(h)
+    assert "FusedMoE" in seen
+    assert torch.equal(out, expected)

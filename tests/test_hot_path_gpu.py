@@ -297,7 +297,8 @@ def test_captures_take_their_blas_workspace_from_the_graph_pool(monkeypatch):
     """torch caches one cuBLAS workspace per stream and frees it when its cache is cleared
     (torch.compile's CUDA graph trees clear it around every recording): a graph that captured a
     GEMM with a workspace cached before the capture would write to freed memory. Each capture
-    clears the cache first (the capture then allocates in the graphs' pool) and after."""
+    clears the cache first (the capture then allocates in the graphs' pool) and after. Whether
+    freed memory gets overwritten is not observable here: the test checks the clears."""
     from fusedmoe.modular import graphs
 
     events = []
@@ -311,14 +312,12 @@ def test_captures_take_their_blas_workspace_from_the_graph_pool(monkeypatch):
     cache = graphs.GraphCache()
     with torch.inference_mode():
         (out,) = cache.run(lambda x: (x @ w,), (x,), ("a GEMM",))
-        assert len(events) == 2  # around the capture
+        assert events == [False, False]  # before and after the capture, outside it
         torch._C._cuda_clearCublasWorkspaces()  # what a graph tree recording does
-        junk = torch.full((1 << 24,), 7.0, device="cuda")  # takes freed memory, if any
         (again,) = cache.run(lambda x: (x @ w,), (x,), ("a GEMM",))
     assert cache.captures == 1
     assert_close(out.float(), (x.float() @ w.float()), torch.bfloat16)
     assert torch.equal(again, out)
-    assert bool((junk == 7.0).all())
 
 
 def test_graph_replay_matches_eager_and_follows_the_weights():

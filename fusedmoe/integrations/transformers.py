@@ -55,7 +55,7 @@ from torch import nn
 from fusedmoe._checks import FLOAT_DTYPES
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.functional import fused_experts
-from fusedmoe.layer import FusedMoE, RouterGate
+from fusedmoe.layer import FusedMoE, RouterGate, _plain_call
 from fusedmoe.oracle import get_backend
 from fusedmoe.quant import SCHEMES
 
@@ -583,26 +583,23 @@ class FusedMoEBlock(nn.Module):
             )
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         router = getattr(self, self.router_attr)
-        moe_hooked = self.moe._forward_hooks or self.moe._forward_pre_hooks
-        if not (self.returns_router_scores or moe_hooked):
-            # the logits from the router's weights, where the layer may compute them inside
-            # its CUDA graph (it calls a router with hooks eagerly)
-            gate = RouterGate(router, self._gate_logits)
+        router_hooked = router._forward_hooks or router._forward_pre_hooks
+        if not (router_hooked or self.returns_router_scores) and _plain_call(self.moe):
+            # the layer computes the logits from the router's weights: inside its CUDA graph,
+            # where it replays one (self.router_logits: one function on every call)
+            gate = RouterGate(router, self.router_logits)
             return self.moe.forward_gated(x, gate).view(hidden_states.shape)
-        logits = self._gate_logits(router, x)  # [T, E]
+        if router_hooked:
+            # output_router_logits: transformers records the router's output with hooks on it
+            extra = (self.moe.e_score_correction_bias,) if self.router_takes_bias else ()
+            logits = router(x, *extra)[0]
+        else:
+            logits = self.router_logits(router, x)  # [T, E]
         y = self.moe(x, logits).view(hidden_states.shape)
         if self.returns_router_scores:
             topk_weights, _ = self.moe.router.select_experts(x, logits)  # [T, k]
             return y, topk_weights.to(logits.dtype)
         return y
-
-    def _gate_logits(self, router: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The router logits [T, E] of x [T, H]."""
-        if router._forward_hooks or router._forward_pre_hooks:
-            # output_router_logits: transformers records the router's output with hooks on it
-            extra = (self.moe.e_score_correction_bias,) if self.router_takes_bias else ()
-            return router(x, *extra)[0]
-        return self.router_logits(router, x)
 
     def extra_repr(self) -> str:
         return f"replaced={self.replaced}"
