@@ -548,9 +548,9 @@ class FusedMoE(nn.Module):
         Where the call replays a CUDA graph, the logits are computed inside it, and so are the
         shared experts when nothing runs between them and the routed sum (no zero experts, no
         routed transforms): the whole block is one graph launch, its input copied in and its
-        output out. Modules with forward hooks (or a forward of their own instance, as
-        accelerate's offloading sets) are called eagerly, outside the graph, where their hooks
-        run."""
+        output out. Only modules a graph may stand in for are captured (_capturable: torch's,
+        transformers' and fusedmoe's own classes, in eval mode, called plainly); the others,
+        hooks and all, run eagerly, outside the graph."""
         x = check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES)
         if not isinstance(gate, RouterGate):
             raise TypeError(f"gate must be a RouterGate, got {type(gate).__name__}")
