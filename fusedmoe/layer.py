@@ -101,7 +101,7 @@ _PLAIN_CLASSES = (nn.Linear, nn.Identity, nn.Dropout)
 _PLAIN_PACKAGES = ("torch.nn.modules.activation", "transformers.", "fusedmoe.")
 
 
-def _plain_call(module: nn.Module) -> bool:
+def plain_call(module: nn.Module) -> bool:
     """Whether module(...) runs module.forward(...) and nothing else: no hook on it (forward,
     backward, or global), no forward set on the instance (as accelerate's offloading does), no
     compiled call (module.compile())."""
@@ -121,7 +121,7 @@ def _plain_call(module: nn.Module) -> bool:
 
 def _capturable(*modules: nn.Module | None) -> bool:
     """Whether a CUDA graph may stand in for calls of these modules. A graph replays kernels,
-    not Python: every module of each tree must be called plainly (_plain_call, so no hook is
+    not Python: every module of each tree must be called plainly (plain_call, so no hook is
     skipped), be in eval mode, and be of a class whose forward reads only its tensors and
     construction-time settings (_PLAIN_CLASSES; torch's activations, transformers' and
     fusedmoe's own modules). Anything else (a LoRA adapter that can be merged or disabled, a
@@ -132,7 +132,7 @@ def _capturable(*modules: nn.Module | None) -> bool:
         for m in root.modules():
             cls = type(m)
             plain = cls in _PLAIN_CLASSES or cls.__module__.startswith(_PLAIN_PACKAGES)
-            if not plain or m.training or not _plain_call(m):
+            if not plain or m.training or not plain_call(m):
                 return False
     return True
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import fusedmoe.functional as functional
 from fusedmoe import FusedMoE, RouterGate, fused_experts
-from fusedmoe.layer import _capturable, _plain_call
+from fusedmoe.layer import _capturable, plain_call
 from tests.helpers import assert_close
 from tests.reference import experts_ref, random_experts
 
@@ -253,7 +253,7 @@ def test_only_plain_modules_may_be_captured():
     handle.remove()
     handle = nn.modules.module.register_module_forward_hook(lambda *args: None)  # global
     try:
-        assert not _capturable(mlp) and not _plain_call(nn.Linear(2, 2))
+        assert not _capturable(mlp) and not plain_call(nn.Linear(2, 2))
     finally:
         handle.remove()
     mlp.up_proj.forward = lambda x: x  # an instance forward (accelerate's offloading sets one)
@@ -262,7 +262,7 @@ def test_only_plain_modules_may_be_captured():
     assert _capturable(mlp)
     compiled = nn.Linear(2, 2)
     compiled.compile()
-    assert not _plain_call(compiled)
+    assert not plain_call(compiled)
 
 
 @pytest.mark.parametrize("wrap", ["global hook", "instance forward"])

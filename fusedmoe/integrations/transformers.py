@@ -55,7 +55,7 @@ from torch import nn
 from fusedmoe._checks import FLOAT_DTYPES
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.functional import fused_experts
-from fusedmoe.layer import FusedMoE, RouterGate, _plain_call
+from fusedmoe.layer import FusedMoE, RouterGate, plain_call
 from fusedmoe.oracle import get_backend
 from fusedmoe.quant import SCHEMES
 
@@ -584,7 +584,7 @@ class FusedMoEBlock(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         router = getattr(self, self.router_attr)
         router_hooked = router._forward_hooks or router._forward_pre_hooks
-        if not (router_hooked or self.returns_router_scores) and _plain_call(self.moe):
+        if not (router_hooked or self.returns_router_scores) and plain_call(self.moe):
             # the layer computes the logits from the router's weights: inside its CUDA graph,
             # where it replays one (self.router_logits: one function on every call)
             gate = RouterGate(router, self.router_logits)
