@@ -575,7 +575,9 @@ class FusedMoE(nn.Module):
 
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
         self._check_routed_input(x_routed, x)
-        if gate is not None and (torch.is_grad_enabled() or not self._gate_in_graph(gate)):
+        # the gate stays for a graph to compute: no autograd, no tracing, a capturable module
+        graph_gate = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+        if gate is not None and not (graph_gate and self._gate_in_graph(gate)):
             logits, gate = self._gate_logits(gate, x), None
         grad = torch.is_grad_enabled() and (
             x_routed.requires_grad

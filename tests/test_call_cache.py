@@ -299,3 +299,26 @@ def test_a_patched_block_calls_its_layer_through_its_wrappers(wrap):
             out = block(h)
     assert "FusedMoE" in seen
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek"])
+def test_a_patched_block_compiles_whole(name):
+    """Under torch.compile the gated forward computes the logits in the traced graph (no CUDA
+    graph of fusedmoe's own): fullgraph, eager's result."""
+    pytest.importorskip("transformers")
+    import fusedmoe.integrations.transformers as hf
+    from tests.test_bench_eager import _benchmark
+
+    bench = _benchmark("bench_hf_model")
+    model = bench.build_model(name, 2, "cpu", dtype=torch.float32, **bench.TINY_SIZES[name])
+    hf.patch(model, backend="triton")
+    block = next(m for m in model.modules() if isinstance(m, hf.FusedMoEBlock))
+    h = torch.randn(1, 3, model.config.hidden_size)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            expected = block(h)
+            compiled = torch.compile(block, fullgraph=True, backend="eager")(h)
+    finally:
+        torch._dynamo.reset()
+    assert_close(compiled, expected, torch.float32)
