@@ -42,7 +42,6 @@ fusedmoe.parallel.eplb.rebalance and apply_placement move the experts.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -119,13 +118,15 @@ def plain_call(module: nn.Module) -> bool:
     )
 
 
-def _capturable(*modules: nn.Module | None) -> bool:
-    """Whether a CUDA graph may stand in for calls of these modules. A graph replays kernels,
-    not Python: every module of each tree must be called plainly (plain_call, so no hook is
-    skipped), be in eval mode, and be of a class whose forward reads only its tensors and
-    construction-time settings (_PLAIN_CLASSES; torch's activations, transformers' and
-    fusedmoe's own modules). Anything else (a LoRA adapter that can be merged or disabled, a
-    module of your own) runs eagerly."""
+def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
+    """The addresses of the parameters and buffers of these modules (and their submodules),
+    which a CUDA graph standing in for their calls reads; None where no graph may stand in for
+    them. A graph replays kernels, not Python: every module of each tree must be called plainly
+    (plain_call, so no hook is skipped), be in eval mode, and be of a class whose forward reads
+    only its tensors and construction-time settings (_PLAIN_CLASSES; torch's activations,
+    transformers' and fusedmoe's own modules). Anything else (a LoRA adapter that can be merged
+    or disabled, a module of your own) runs eagerly."""
+    addresses = []
     for root in modules:
         if root is None:
             continue
@@ -133,18 +134,15 @@ def _capturable(*modules: nn.Module | None) -> bool:
             cls = type(m)
             plain = cls in _PLAIN_CLASSES or cls.__module__.startswith(_PLAIN_PACKAGES)
             if not plain or m.training or not plain_call(m):
-                return False
-    return True
+                return None
+            for tensors in (m._parameters, m._buffers):
+                addresses += (t.data_ptr() for t in tensors.values() if t is not None)
+    return tuple(addresses)
 
 
-def _addresses(*modules: nn.Module | None) -> tuple[int, ...]:
-    """The addresses of the parameters and buffers of these modules (and their submodules)."""
-    return tuple(
-        t.data_ptr()
-        for root in modules
-        if root is not None
-        for t in itertools.chain(root.parameters(), root.buffers())
-    )
+def _capturable(*modules: nn.Module | None) -> bool:
+    """Whether a CUDA graph may stand in for calls of these modules (_graph_reads)."""
+    return _graph_reads(*modules) is not None
 
 
 class FusedMoE(nn.Module):
@@ -548,7 +546,7 @@ class FusedMoE(nn.Module):
         Where the call replays a CUDA graph, the logits are computed inside it, and so are the
         shared experts when nothing runs between them and the routed sum (no zero experts, no
         routed transforms): the whole block is one graph launch, its input copied in and its
-        output out. Only modules a graph may stand in for are captured (_capturable: torch's,
+        output out. Only modules a graph may stand in for are captured (_graph_reads: torch's,
         transformers' and fusedmoe's own classes, in eval mode, called plainly); the others,
         hooks and all, run eagerly, outside the graph."""
         x = check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES)
@@ -576,8 +574,10 @@ class FusedMoE(nn.Module):
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
         self._check_routed_input(x_routed, x)
         # the gate stays for a graph to compute: no autograd, no tracing, a capturable module
-        graph_gate = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-        if gate is not None and not (graph_gate and self._gate_in_graph(gate)):
+        gate_reads = None
+        if gate is not None and not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            gate_reads = self._gate_reads(gate)
+        if gate is not None and gate_reads is None:
             logits, gate = self._gate_logits(gate, x), None
         grad = torch.is_grad_enabled() and (
             x_routed.requires_grad
@@ -590,7 +590,7 @@ class FusedMoE(nn.Module):
         replayed = None
         graphed = input_ids is None and self._graph_safe(choice)
         if graphed and may_replay(x_routed, self.cuda_graph_max_tokens):
-            replayed = self._forward_graphed(choice, x_routed, logits, gate)
+            replayed = self._forward_graphed(choice, x_routed, logits, gate, gate_reads)
         shared_done = False
         if replayed is not None:
             y, zero_output, shared_done = replayed.y, replayed.zero_output, replayed.shared_added
@@ -647,26 +647,30 @@ class FusedMoE(nn.Module):
             and (self.quant_scheme is None or self._call_quant_config().rows_independent)
         )
 
-    def _gate_in_graph(self, gate: RouterGate) -> bool:
-        """Whether a graph may compute the gate's logits: from the layer's input (no routed
-        input transform), of a module a graph may stand in for (_capturable)."""
-        return self.routed_input_transform is None and _capturable(gate.module)
+    def _gate_reads(self, gate: RouterGate) -> tuple[int, ...] | None:
+        """What a graph computing the gate's logits reads (_graph_reads of its module); None
+        where it may not: the logits come from the layer's input (no routed input transform)."""
+        return None if self.routed_input_transform is not None else _graph_reads(gate.module)
 
-    def _shared_in_graph(self) -> bool:
-        """Whether a graph may add the shared experts: from the layer's input, right after the
-        routed sum (no zero experts or routed transforms between), of modules a graph may
-        stand in for (_capturable)."""
-        return (
-            self.shared_experts is not None
-            and self.routed_input_transform is None
-            and self.routed_output_transform is None
-            and self.zero_expert_num == 0
-            and _capturable(self.shared_experts, self.shared_expert_gate)
-        )
+    def _shared_reads(self) -> tuple[int, ...] | None:
+        """What a graph adding the shared experts reads (_graph_reads of theirs); None where it
+        may not: they come from the layer's input right after the routed sum (no zero experts
+        or routed transforms between)."""
+        if (
+            self.shared_experts is None
+            or self.routed_input_transform is not None
+            or self.routed_output_transform is not None
+            or self.zero_expert_num != 0
+        ):
+            return None
+        return _graph_reads(self.shared_experts, self.shared_expert_gate)
 
-    def _forward_graphed(self, choice: BackendChoice, x_routed, logits, gate) -> _Replayed | None:
+    def _forward_graphed(
+        self, choice: BackendChoice, x_routed, logits, gate, gate_reads
+    ) -> _Replayed | None:
         """The routed part replayed from a CUDA graph, or None where it cannot be captured;
-        with a gate (logits None), the graph computes the logits too. The graphs belong to the
+        with a gate (logits None; gate_reads, what its module reads), the graph computes the
+        logits too. The graphs belong to the
         current set of backends (_kernels): a new set (set_backend, .to(), quantize_, a new
         placement) starts an empty cache."""
         state = self._graph_state
@@ -686,7 +690,8 @@ class FusedMoE(nn.Module):
                     retain_workspaces=True,
                 )
             runner = runners[(device, dtype)] = experts
-        with_shared = self._shared_in_graph()
+        shared_reads = self._shared_reads()
+        with_shared = shared_reads is not None
 
         def routed(x, *given):
             router_logits = given[0] if gate is None else self._gate_logits(gate, x)
@@ -702,9 +707,9 @@ class FusedMoE(nn.Module):
         if gate is None:
             inputs, reads = (x_routed, logits), (logits.dtype, logits.shape[1])
         else:
-            inputs, reads = (x_routed,), (gate.logits, *_addresses(gate.module))
+            inputs, reads = (x_routed,), (gate.logits, *gate_reads)
         if with_shared:
-            reads += ("shared", *_addresses(self.shared_experts, self.shared_expert_gate))
+            reads += ("shared", *shared_reads)
         key = (device, dtype, *reads, *self._graph_addresses())
         replayed = graphs.run(routed, inputs, key)
         return None if replayed is None else _Replayed(*replayed, with_shared)
