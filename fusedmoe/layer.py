@@ -100,22 +100,36 @@ _PLAIN_CLASSES = (nn.Linear, nn.Identity, nn.Dropout)
 _PLAIN_PACKAGES = ("torch.nn.modules.activation", "transformers.", "fusedmoe.")
 
 
-def plain_call(module: nn.Module) -> bool:
-    """Whether module(...) runs module.forward(...) and nothing else: no hook on it (forward,
-    backward, or global), no forward set on the instance (as accelerate's offloading does), no
-    compiled call (module.compile())."""
-    hooks = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-             "_global_backward_pre_hooks")  # fmt: skip
-    if any(getattr(_HOOKS, name, None) for name in hooks):
-        return False
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")  # fmt: skip
+
+
+def _global_hooks() -> bool:
+    """Whether any hook is registered for every module (torch.nn.modules.module's globals)."""
+    return any(getattr(_HOOKS, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _called_plainly(module: nn.Module) -> bool:
+    """plain_call, less the global hooks (checked once per walk, not once per module)."""
     return not (
         module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
         or "forward" in module.__dict__
-        or getattr(module, "_compiled_call_impl", None) is not None
+        or module.__dict__.get("_compiled_call_impl") is not None
     )
+
+
+def plain_call(module: nn.Module) -> bool:
+    """Whether module(...) runs module.forward(...) and nothing else: no hook on it (forward,
+    backward, or global), no forward set on the instance (as accelerate's offloading does), no
+    compiled call (module.compile())."""
+    return not _global_hooks() and _called_plainly(module)
+
+
+#: module class -> whether its forward is held to read only its tensors and settings
+_PLAIN: dict[type, bool] = {}
 
 
 def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
@@ -125,18 +139,35 @@ def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
     (plain_call, so no hook is skipped), be in eval mode, and be of a class whose forward reads
     only its tensors and construction-time settings (_PLAIN_CLASSES; torch's activations,
     transformers' and fusedmoe's own modules). Anything else (a LoRA adapter that can be merged
-    or disabled, a module of your own) runs eagerly."""
-    addresses = []
-    for root in modules:
-        if root is None:
+    or disabled, a module of your own) runs eagerly.
+
+    Called on every gated call, so one walk of _modules (not modules(), which names every
+    submodule) with the global hooks looked up once."""
+    if _global_hooks():
+        return None
+    addresses: list[int] = []
+    stack = [m for m in modules if m is not None]
+    seen: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
             continue
-        for m in root.modules():
-            cls = type(m)
-            plain = cls in _PLAIN_CLASSES or cls.__module__.startswith(_PLAIN_PACKAGES)
-            if not plain or m.training or not plain_call(m):
-                return None
-            for tensors in (m._parameters, m._buffers):
-                addresses += (t.data_ptr() for t in tensors.values() if t is not None)
+        seen.add(id(m))
+        cls = type(m)
+        plain = _PLAIN.get(cls)
+        if plain is None:
+            plain = _PLAIN[cls] = cls in _PLAIN_CLASSES or cls.__module__.startswith(
+                _PLAIN_PACKAGES
+            )
+        if not plain or m.training or not _called_plainly(m):
+            return None
+        for t in m._parameters.values():
+            if t is not None:
+                addresses.append(t.data_ptr())
+        for t in m._buffers.values():
+            if t is not None:
+                addresses.append(t.data_ptr())
+        stack.extend(c for c in m._modules.values() if c is not None)
     return tuple(addresses)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import fusedmoe.functional as functional
 from fusedmoe import FusedMoE, RouterGate, fused_experts
-from fusedmoe.layer import _capturable, plain_call
+from fusedmoe.layer import _capturable, _graph_reads, plain_call
 from tests.helpers import assert_close
 from tests.reference import experts_ref, random_experts
 
@@ -263,6 +263,23 @@ def test_only_plain_modules_may_be_captured():
     compiled = nn.Linear(2, 2)
     compiled.compile()
     assert not plain_call(compiled)
+
+
+def test_graph_reads_every_tensor_of_the_trees_once():
+    """_graph_reads gives the address of every parameter and buffer of the trees, nested ones
+    included, a module shared by two trees once; a tensor replaced (or its storage swapped)
+    changes them, so a graph keyed by them is not replayed over stale weights."""
+    mlp = _transformers_mlp()
+    gate = nn.Linear(H, 1).eval()
+    gate.register_buffer("scale", torch.ones(1))
+    expected = {t.data_ptr() for t in (*mlp.parameters(), *gate.parameters(), *gate.buffers())}
+    reads = _graph_reads(mlp, None, gate, mlp.down_proj)  # down_proj twice: read once
+    assert len(reads) == len(expected) and set(reads) == expected
+    mlp.up_proj.weight = nn.Parameter(torch.randn_like(mlp.up_proj.weight))
+    assert mlp.up_proj.weight.data_ptr() in _graph_reads(mlp, None, gate)
+    mlp.up_proj.weight.data = torch.randn_like(mlp.up_proj.weight)
+    assert mlp.up_proj.weight.data_ptr() in _graph_reads(mlp, None, gate)
+    assert _graph_reads() == () and _graph_reads(None) == ()
 
 
 @pytest.mark.parametrize("wrap", ["global hook", "instance forward"])
