@@ -46,6 +46,12 @@ graph_break_count, the number of breaks torch.compile takes inside that call, at
 a fullgraph compile of the call fails (a break Dynamo cannot resume from skips the whole frame,
 and explain() does not count it); 0: the experts compile into the decode graph. The first
 reason goes in the note.
+decode_gpu_ms_per_token (both modes): the GPU's share of a decode step, which the host's noise
+does not move: the summed time of every kernel (CUDA-graph replays' kernels included) of one
+generate() under torch.profiler, after the timed rounds, divided by its decode steps (the
+prompt's forward is in the sum: about one step's worth). A step costs at least this much; when
+decode_ms_per_token is well above it, the step waits on the host (Python, launches), not on
+the GPU.
 An impl that fails writes its error in the note column; the others still run.
 """
 
@@ -270,6 +276,23 @@ def _decode_steps(model, prompt, args) -> list[float]:
     return timer.steps_ms()
 
 
+def _decode_gpu_ms(model, prompt, args) -> float:
+    """GPU ms per decode step of one greedy generate(): every kernel's time, summed over the
+    profiler's trace, divided by the decode steps (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _generate(model, prompt, args)
+        torch.cuda.synchronize()
+    kernels_us = sum(
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return kernels_us / 1e3 / args.decode
+
+
 def _take_turns(models: dict, values: dict, repeats: int, timed) -> dict[str, list]:
     """impl -> the samples of timed(model) (a tuple of ms): one untimed round in turn, then
     `repeats` timed ones. An impl whose call raises leaves `models`, its error in its note."""
@@ -313,11 +336,13 @@ def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
         samples = _take_turns(models, values, args.repeats, lambda model: (
             _once(lambda: model(prefill_ids)), _decode_steps(model, prompt, args),
         ))  # fmt: skip
+        gpu = {impl: _decode_gpu_ms(model, prompt, args) for impl, model in models.items()}
     for impl, rounds in samples.items():
         prefill_ms = statistics.median(p for p, _ in rounds)
         values[impl].update(
             prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
             decode_ms_per_token=round(statistics.median(d for _, ds in rounds for d in ds), 3),
+            decode_gpu_ms_per_token=round(gpu[impl], 3),
         )  # fmt: skip
     models.clear()
     torch.cuda.empty_cache()
@@ -359,9 +384,11 @@ def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
         samples = _take_turns(
             models, values, args.repeats, lambda model: _decode_steps(model, prompt, args)
         )
+        gpu = {impl: _decode_gpu_ms(model, prompt, args) for impl, model in models.items()}
     for impl, rounds in samples.items():
         steps = [d for ds in rounds for d in ds]
         values[impl]["decode_ms_per_token"] = round(statistics.median(steps), 3)
+        values[impl]["decode_gpu_ms_per_token"] = round(gpu[impl], 3)
     models.clear()
     torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph pools
     torch.cuda.empty_cache()
@@ -370,7 +397,8 @@ def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
 
 def _row(model: str, impl: str, mode: str, **values) -> dict:
     row = dict(model=model, impl=impl, mode=mode, prefill_ms=None, prefill_tok_s=None,
-               decode_ms_per_token=None, max_abs_logit_diff_vs_eager=None,
+               decode_ms_per_token=None, decode_gpu_ms_per_token=None,
+               max_abs_logit_diff_vs_eager=None,
                experts_graph_breaks=None, note="")  # fmt: skip
     row.update(values)
     return row
