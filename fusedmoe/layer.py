@@ -751,8 +751,18 @@ class FusedMoE(nn.Module):
         tensors = (*self._parameters.values(), *self._buffers.values())
         return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
 
+    def _trace_router_tensors(self) -> None:
+        """Under torch.compile, reach the router's tensors (correction bias, hash table) through
+        this layer's buffers before the router does. The router holds the same tensors as plain
+        attributes: a tensor Dynamo first meets there becomes a non-static graph input, which
+        CUDA graph trees copy at every replay; met first as a buffer it is a static one, and
+        Dynamo reuses that input wherever it meets the tensor again."""
+        if torch.compiler.is_compiling():
+            _ = (self.e_score_correction_bias, self.hash_indices_table)
+
     def _forward_modular(self, choice, kernel, x_routed, logits, input_ids):
         """Route, then run the modular kernel: -> (y [T, H], zero experts' output or None)."""
+        self._trace_router_tensors()
         topk_weights, topk_ids = self.router.select_experts(x_routed, logits, input_ids)
         zero_output = None
         if self.zero_expert_num > 0:
@@ -791,6 +801,7 @@ class FusedMoE(nn.Module):
         Zero experts are routed with the rest; the backend skips their ids (>= E, never on a
         rank) and their output is computed here from the routing it returns.
         """
+        self._trace_router_tensors()
         result = experts.apply_monolithic(
             x_routed,
             logits,

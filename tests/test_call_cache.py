@@ -318,6 +318,39 @@ def test_a_patched_block_calls_its_layer_through_its_wrappers(wrap):
     assert torch.equal(out, expected)
 
 
+def test_compiled_layer_reads_router_tensors_as_buffers():
+    """Under torch.compile the correction bias (held by the router too) is a graph input of the
+    layer's buffer, static for CUDA graph trees, not a copy-per-replay input of the router's
+    attribute: every input of the traced graph is x, the logits or a parameter or buffer."""
+    layer = FusedMoE(
+        E, 2, H, I, use_grouped_topk=True, num_expert_group=2, topk_group=1,
+        scoring_func="sigmoid", e_score_correction_bias=torch.randn(E),
+        params_dtype=torch.float32, backend="triton",
+    ).eval()  # fmt: skip
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            expected = layer(x, logits)
+            assert_close(torch.compile(layer, backend=backend)(x, logits), expected, torch.float32)
+    finally:
+        torch._dynamo.reset()
+    inputs = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "placeholder"]
+    assert any("e_score_correction_bias" in name for name in inputs), inputs
+    assert all(
+        name.startswith(("L_hidden_states_", "L_router_logits_"))
+        or "_parameters_" in name
+        or "_buffers_" in name
+        for name in inputs
+    ), inputs
+
+
 @pytest.mark.parametrize("name", ["qwen3", "deepseek"])
 def test_a_patched_block_compiles_whole(name):
     """Under torch.compile the gated forward computes the logits in the traced graph (no CUDA
