@@ -143,10 +143,12 @@ def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
 
     Called on every gated call, so one walk of _modules (not modules(), which names every
     submodule) with the global hooks looked up once."""
+    stack = [m for m in modules if m is not None]
+    if not stack:
+        return ()
     if _global_hooks():
         return None
     addresses: list[int] = []
-    stack = [m for m in modules if m is not None]
     seen: set[int] = set()
     while stack:
         m = stack.pop()
