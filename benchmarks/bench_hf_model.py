@@ -47,11 +47,12 @@ a fullgraph compile of the call fails (a break Dynamo cannot resume from skips t
 and explain() does not count it); 0: the experts compile into the decode graph. The first
 reason goes in the note.
 decode_gpu_ms_per_token (both modes): the GPU's share of a decode step, which the host's noise
-does not move: the summed time of every kernel (CUDA-graph replays' kernels included) of one
-generate() under torch.profiler, after the timed rounds, divided by its decode steps (the
-prompt's forward is in the sum: about one step's worth). A step costs at least this much; when
+does not move: the summed time of the device's work (kernels, CUDA-graph replays' kernels
+included, and device copies) in one generate() under torch.profiler, after the timed rounds,
+divided by its decode steps (the prompt's forward is in the sum: about one step's worth). On
+one stream, as every impl here runs, a step costs at least this much; when
 decode_ms_per_token is well above it, the step waits on the host (Python, launches), not on
-the GPU.
+the GPU. A profiler failure leaves the cell empty, its error in the note.
 An impl that fails writes its error in the note column; the others still run.
 """
 
@@ -277,8 +278,8 @@ def _decode_steps(model, prompt, args) -> list[float]:
 
 
 def _decode_gpu_ms(model, prompt, args) -> float:
-    """GPU ms per decode step of one greedy generate(): every kernel's time, summed over the
-    profiler's trace, divided by the decode steps (module docstring)."""
+    """GPU ms per decode step of one greedy generate(): the device's work (kernels, copies),
+    summed over the profiler's trace, divided by the decode steps (module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -291,6 +292,20 @@ def _decode_gpu_ms(model, prompt, args) -> float:
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
     return kernels_us / 1e3 / args.decode
+
+
+def _gpu_shares(models: dict, values: dict, prompt, args) -> dict[str, float | None]:
+    """impl -> _decode_gpu_ms of its model; None where the profiled run fails (its error in
+    the impl's note, the other figures kept)."""
+    shares = {}
+    for impl, model in models.items():
+        try:
+            shares[impl] = _decode_gpu_ms(model, prompt, args)
+        except Exception as exc:
+            shares[impl] = None
+            note = values[impl].get("note", "")
+            values[impl]["note"] = "; ".join(n for n in (note, f"GPU share {_failure(exc)}") if n)
+    return shares
 
 
 def _take_turns(models: dict, values: dict, repeats: int, timed) -> dict[str, list]:
@@ -336,13 +351,13 @@ def run_eager_rows(base, args, prefill_ids, prompt) -> dict[str, dict]:
         samples = _take_turns(models, values, args.repeats, lambda model: (
             _once(lambda: model(prefill_ids)), _decode_steps(model, prompt, args),
         ))  # fmt: skip
-        gpu = {impl: _decode_gpu_ms(model, prompt, args) for impl, model in models.items()}
+        gpu = _gpu_shares(models, values, prompt, args)
     for impl, rounds in samples.items():
         prefill_ms = statistics.median(p for p, _ in rounds)
         values[impl].update(
             prefill_ms=round(prefill_ms, 2), prefill_tok_s=round(args.prefill / prefill_ms * 1e3),
             decode_ms_per_token=round(statistics.median(d for _, ds in rounds for d in ds), 3),
-            decode_gpu_ms_per_token=round(gpu[impl], 3),
+            decode_gpu_ms_per_token=None if gpu[impl] is None else round(gpu[impl], 3),
         )  # fmt: skip
     models.clear()
     torch.cuda.empty_cache()
@@ -384,11 +399,11 @@ def run_compiled_rows(base, args, prompt) -> dict[str, dict]:
         samples = _take_turns(
             models, values, args.repeats, lambda model: _decode_steps(model, prompt, args)
         )
-        gpu = {impl: _decode_gpu_ms(model, prompt, args) for impl, model in models.items()}
+        gpu = _gpu_shares(models, values, prompt, args)
     for impl, rounds in samples.items():
         steps = [d for ds in rounds for d in ds]
         values[impl]["decode_ms_per_token"] = round(statistics.median(steps), 3)
-        values[impl]["decode_gpu_ms_per_token"] = round(gpu[impl], 3)
+        values[impl]["decode_gpu_ms_per_token"] = None if gpu[impl] is None else round(gpu[impl], 3)
     models.clear()
     torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph pools
     torch.cuda.empty_cache()

@@ -128,8 +128,8 @@ def plain_call(module: nn.Module) -> bool:
     return not _global_hooks() and _called_plainly(module)
 
 
-#: module class -> whether its forward is held to read only its tensors and settings
-_PLAIN: dict[type, bool] = {}
+#: the layer's buffers its router holds too (FusedMoE._sync_router)
+_ROUTER_BUFFERS = ("e_score_correction_bias", "hash_indices_table")
 
 
 def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
@@ -156,11 +156,7 @@ def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
             continue
         seen.add(id(m))
         cls = type(m)
-        plain = _PLAIN.get(cls)
-        if plain is None:
-            plain = _PLAIN[cls] = cls in _PLAIN_CLASSES or cls.__module__.startswith(
-                _PLAIN_PACKAGES
-            )
+        plain = cls in _PLAIN_CLASSES or cls.__module__.startswith(_PLAIN_PACKAGES)
         if not plain or m.training or not _called_plainly(m):
             return None
         for t in m._parameters.values():
@@ -307,6 +303,23 @@ class FusedMoE(nn.Module):
         self.set_backend(backend)
 
     # ---- construction helpers ----
+    def _sync_router(self) -> None:
+        """Rebuild the router where a buffer it holds was replaced, not changed in place:
+        load_state_dict(..., assign=True) (loading into a layer built on the meta device), a
+        buffer assigned anew. The router keeps references to the layer's correction bias and
+        hash table, so it would route with the old tensors (.to() rebuilds it in _apply).
+
+        The buffer is read before the router's attribute, for torch.compile: a tensor Dynamo
+        first meets as a plain attribute becomes a non-static graph input, which CUDA graph
+        trees copy at every replay; met first as a buffer it is a static one, and Dynamo reuses
+        that input wherever it meets the tensor again."""
+        for name in _ROUTER_BUFFERS:
+            mine = getattr(self, name)
+            held = getattr(self.router, name, None)
+            if held is not None and held is not mine:
+                self.router = self._make_router()
+                return
+
     def _make_router(self):
         return create_router(
             self.top_k,
@@ -591,6 +604,7 @@ class FusedMoE(nn.Module):
 
     def _forward(self, x, router_logits, input_ids, gate: RouterGate | None) -> torch.Tensor:
         """forward, its arguments checked; router_logits None: gate computes them."""
+        self._sync_router()
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         logits = None
@@ -753,18 +767,8 @@ class FusedMoE(nn.Module):
         tensors = (*self._parameters.values(), *self._buffers.values())
         return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
 
-    def _trace_router_tensors(self) -> None:
-        """Under torch.compile, reach the router's tensors (correction bias, hash table) through
-        this layer's buffers before the router does. The router holds the same tensors as plain
-        attributes: a tensor Dynamo first meets there becomes a non-static graph input, which
-        CUDA graph trees copy at every replay; met first as a buffer it is a static one, and
-        Dynamo reuses that input wherever it meets the tensor again."""
-        if torch.compiler.is_compiling():
-            _ = (self.e_score_correction_bias, self.hash_indices_table)
-
     def _forward_modular(self, choice, kernel, x_routed, logits, input_ids):
         """Route, then run the modular kernel: -> (y [T, H], zero experts' output or None)."""
-        self._trace_router_tensors()
         topk_weights, topk_ids = self.router.select_experts(x_routed, logits, input_ids)
         zero_output = None
         if self.zero_expert_num > 0:
@@ -803,7 +807,6 @@ class FusedMoE(nn.Module):
         Zero experts are routed with the rest; the backend skips their ids (>= E, never on a
         rank) and their output is computed here from the routing it returns.
         """
-        self._trace_router_tensors()
         result = experts.apply_monolithic(
             x_routed,
             logits,

@@ -124,3 +124,21 @@ def test_hf_experts_call_bench_times_one_token_calls_and_changes_nothing(impl):
         assert samples == []  # five tokens: not a decode call
         torch.testing.assert_close(model(one).logits, untimed(one).logits)
     assert len(samples) == base.config.num_hidden_layers and all(s > 0 for s in samples)
+
+
+def test_hf_bench_gpu_share_failure_stays_in_its_row(monkeypatch):
+    """A profiled run that fails leaves that impl's GPU share empty with the error in its note;
+    the other impls keep theirs."""
+    bench = _hf_bench()
+
+    def share(model, prompt, args):
+        if model == "broken":
+            raise RuntimeError("CUPTI said no")
+        return 0.5
+
+    monkeypatch.setattr(bench, "_decode_gpu_ms", share)
+    values = {"fine": {"note": ""}, "bad": {"note": "replaced 4 blocks"}}
+    shares = bench._gpu_shares({"fine": "model", "bad": "broken"}, values, None, None)
+    assert shares == {"fine": 0.5, "bad": None}
+    assert values["fine"]["note"] == ""
+    assert values["bad"]["note"].startswith("replaced 4 blocks; GPU share failed: RuntimeError")

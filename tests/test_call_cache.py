@@ -275,10 +275,14 @@ def test_graph_reads_every_tensor_of_the_trees_once():
     expected = {t.data_ptr() for t in (*mlp.parameters(), *gate.parameters(), *gate.buffers())}
     reads = _graph_reads(mlp, None, gate, mlp.down_proj)  # down_proj twice: read once
     assert len(reads) == len(expected) and set(reads) == expected
-    mlp.up_proj.weight = nn.Parameter(torch.randn_like(mlp.up_proj.weight))
-    assert mlp.up_proj.weight.data_ptr() in _graph_reads(mlp, None, gate)
-    mlp.up_proj.weight.data = torch.randn_like(mlp.up_proj.weight)
-    assert mlp.up_proj.weight.data_ptr() in _graph_reads(mlp, None, gate)
+    for replace in ("parameter", "storage"):
+        old = mlp.up_proj.weight.data_ptr()
+        if replace == "parameter":
+            mlp.up_proj.weight = nn.Parameter(torch.randn_like(mlp.up_proj.weight))
+        else:
+            mlp.up_proj.weight.data = torch.randn_like(mlp.up_proj.weight)
+        reads = _graph_reads(mlp, None, gate)
+        assert mlp.up_proj.weight.data_ptr() in reads and old not in reads
     assert _graph_reads() == () and _graph_reads(None) == ()
 
 

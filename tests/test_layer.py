@@ -370,3 +370,48 @@ def test_no_tokens_with_shared_and_zero_experts():
     )
     out = layer(torch.randn(0, H), torch.randn(0, E + 2))
     assert out.shape == (0, H)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict assign", "attribute", "in place"])
+def test_the_router_follows_a_replaced_correction_bias(how):
+    """The router holds the layer's correction bias: replaced (load_state_dict(assign=True), as
+    after building on the meta device, or a buffer assigned anew) or changed in place, the
+    layer routes with the new one, as a layer built with it does."""
+    torch.manual_seed(0)
+    kwargs = dict(use_grouped_topk=True, num_expert_group=2, topk_group=1,
+                  scoring_func="sigmoid", params_dtype=torch.float32)  # fmt: skip
+    layer = FusedMoE(E, 2, H, I, e_score_correction_bias=torch.zeros(E), **kwargs).eval()
+    bias = 5 * torch.randn(E)
+    state = {name: t.clone() for name, t in layer.state_dict().items()}
+    state["e_score_correction_bias"] = bias.clone()
+    if how == "load_state_dict assign":
+        layer.load_state_dict(state, assign=True)
+    elif how == "attribute":
+        layer.e_score_correction_bias = bias.clone()
+    else:
+        layer.e_score_correction_bias.copy_(bias)
+    fresh = FusedMoE(E, 2, H, I, e_score_correction_bias=bias, **kwargs).eval()
+    fresh.load_state_dict(state)
+    x, logits = torch.randn(7, H), torch.randn(7, E)
+    with torch.no_grad():
+        expected = fresh(x, logits)
+        assert not torch.allclose(expected, FusedMoE(E, 2, H, I, **kwargs).eval()(x, logits))
+        assert_close(layer(x, logits), expected, torch.float32)
+
+
+def test_the_router_follows_a_replaced_hash_table():
+    """The same for a hash router's table (load_state_dict(assign=True))."""
+    torch.manual_seed(0)
+    vocab = 11
+    table = torch.stack([torch.randperm(E)[:2] for _ in range(vocab)])
+    layer = FusedMoE(E, 2, H, I, hash_indices_table=table, params_dtype=torch.float32).eval()
+    new_table = torch.stack([torch.randperm(E)[:2] for _ in range(vocab)])
+    state = {name: t.clone() for name, t in layer.state_dict().items()}
+    state["hash_indices_table"] = new_table
+    layer.load_state_dict(state, assign=True)
+    fresh = FusedMoE(E, 2, H, I, hash_indices_table=new_table, params_dtype=torch.float32).eval()
+    fresh.load_state_dict(state)
+    x, logits, ids = torch.randn(7, H), torch.randn(7, E), torch.randint(0, vocab, (7,))
+    with torch.no_grad():
+        expected = fresh(x, logits, input_ids=ids)
+        assert_close(layer(x, logits, input_ids=ids), expected, torch.float32)
