@@ -303,6 +303,13 @@ class FusedMoE(nn.Module):
         self.set_backend(backend)
 
     # ---- construction helpers ----
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """nn.Module's load, then the router rebuilt on the loaded buffers where assign=True
+        replaced them (before any forward, so that a first torch.compile trace has nothing to
+        rebuild: the router's checks do not trace)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._sync_router()
+
     def _sync_router(self) -> None:
         """Rebuild the router where a buffer it holds was replaced, not changed in place:
         load_state_dict(..., assign=True) (loading into a layer built on the meta device), a

@@ -415,3 +415,20 @@ def test_the_router_follows_a_replaced_hash_table():
     with torch.no_grad():
         expected = fresh(x, logits, input_ids=ids)
         assert_close(layer(x, logits, input_ids=ids), expected, torch.float32)
+
+
+def test_a_layer_built_on_meta_and_loaded_with_assign_routes_with_the_loaded_bias():
+    """Built on the meta device, loaded with assign=True: the router holds the loaded buffers
+    right after the load (rebuilt there, not at the first forward, which a torch.compile trace
+    could not do), and the layer computes what the source layer does."""
+    torch.manual_seed(0)
+    kwargs = dict(use_grouped_topk=True, num_expert_group=2, topk_group=1,
+                  scoring_func="sigmoid", params_dtype=torch.float32)  # fmt: skip
+    source = FusedMoE(E, 2, H, I, e_score_correction_bias=5 * torch.randn(E), **kwargs).eval()
+    with torch.device("meta"):
+        layer = FusedMoE(E, 2, H, I, e_score_correction_bias=torch.zeros(E), **kwargs).eval()
+    layer.load_state_dict(source.state_dict(), assign=True)
+    assert layer.router.e_score_correction_bias is layer.e_score_correction_bias
+    x, logits = torch.randn(7, H), torch.randn(7, E)
+    with torch.no_grad():
+        assert_close(layer(x, logits), source(x, logits), torch.float32)
