@@ -128,10 +128,6 @@ def plain_call(module: nn.Module) -> bool:
     return not _global_hooks() and _called_plainly(module)
 
 
-#: the layer's buffers its router holds too (FusedMoE._sync_router)
-_ROUTER_BUFFERS = ("e_score_correction_bias", "hash_indices_table")
-
-
 def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
     """The addresses of the parameters and buffers of these modules (and their submodules),
     which a CUDA graph standing in for their calls reads; None where no graph may stand in for
@@ -172,6 +168,10 @@ def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
 def _capturable(*modules: nn.Module | None) -> bool:
     """Whether a CUDA graph may stand in for calls of these modules (_graph_reads)."""
     return _graph_reads(*modules) is not None
+
+
+#: the layer's buffers its router holds too (FusedMoE._sync_router)
+_ROUTER_BUFFERS = ("e_score_correction_bias", "hash_indices_table")
 
 
 class FusedMoE(nn.Module):
