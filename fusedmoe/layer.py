@@ -414,7 +414,7 @@ class FusedMoE(nn.Module):
         if self.quant_scheme is None:
             self.params_dtype = self.w13_weight.dtype
         # .to() / .cuda() replace the buffers the router holds: rebuild it on the new ones
-        self.router = self._make_router()
+        self._sync_router()
         # and drop the backends built for the old tensors: their per-expert views would keep the
         # old device's or dtype's memory alive (workspaces and graph buffers are the process's:
         # fusedmoe.empty_cache() frees them)
@@ -627,11 +627,8 @@ class FusedMoE(nn.Module):
 
         x_routed = x if self.routed_input_transform is None else self.routed_input_transform(x)
         self._check_routed_input(x_routed, x)
-        # the gate stays for a graph to compute: no autograd, no tracing, a capturable module
-        gate_reads = None
-        if gate is not None and not (torch.is_grad_enabled() or torch.compiler.is_compiling()):
-            gate_reads = self._gate_reads(gate)
-        if gate is not None and gate_reads is None:
+        # a gate stays for a CUDA graph to compute (never under autograd or tracing)
+        if gate is not None and (torch.is_grad_enabled() or torch.compiler.is_compiling()):
             logits, gate = self._gate_logits(gate, x), None
         grad = torch.is_grad_enabled() and (
             x_routed.requires_grad
@@ -644,6 +641,10 @@ class FusedMoE(nn.Module):
         replayed = None
         graphed = input_ids is None and self._graph_safe(choice)
         if graphed and may_replay(x_routed, self.cuda_graph_max_tokens):
+            # the gate's module walked only here, where a graph may compute its logits
+            gate_reads = None if gate is None else self._gate_reads(gate)
+            if gate is not None and gate_reads is None:
+                logits, gate = self._gate_logits(gate, x), None
             replayed = self._forward_graphed(choice, x_routed, logits, gate, gate_reads)
         shared_done = False
         if replayed is not None:
