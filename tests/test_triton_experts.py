@@ -23,6 +23,7 @@ from fusedmoe.activation import MoEActivation
 from fusedmoe.experts.triton import TritonExperts
 from fusedmoe.kernels import moe_config as mc
 from fusedmoe.kernels.fused_moe import fused_experts_triton
+from fusedmoe.kernels import moe_align as ma
 from fusedmoe.kernels.moe_align import (
     aligned_sizes,
     moe_align_block_size,
@@ -193,6 +194,35 @@ def test_align_degenerate(case, chunk):
     ids = ids.to(DEVICE)
     for block_m in (16, 64):
         _assert_align_matches_twin(ids, block_m, num_local, expert_map, chunk=chunk)
+
+
+@pytest.mark.parametrize("case", ["random", "all_to_one", "one_hot_expert"])
+def test_align_many_experts_several_steps(case):
+    """600 local experts (1024 bins): the scan reads the programs' counts 4 rows at a time and
+    writes the block table one block per expert at a time, so a run of several programs and
+    an expert of several blocks each take several steps of those loops."""
+    num_tokens, top_k, num_local = 40, 3, 600
+    ids = torch.randint(0, num_local, (num_tokens, top_k), dtype=torch.int32)
+    if case == "all_to_one":
+        ids.fill_(599)
+    elif case == "one_hot_expert":  # expert 7 in every token: 40 slots, 3 blocks of 16
+        ids[:, 0] = 7
+    ids = ids.to(DEVICE)
+    for chunk in (16, None):  # 8 programs (two steps of 4 rows), and one program
+        _assert_align_matches_twin(ids, 16, num_local, None, chunk=chunk)
+
+
+def test_align_default_chunks():
+    """Above _SINGLE_MAX slots the default alignment runs programs of _CHUNK_MIN slots (the
+    three-launch path), and never more than _MAX_PROGRAMS programs short of _CHUNK_MAX."""
+    assert ma._chunk_for(1) == 1 and ma._chunk_for(300) == 512
+    assert ma._chunk_for(ma._SINGLE_MAX) == ma._SINGLE_MAX  # one program holds every slot
+    assert ma._chunk_for(ma._SINGLE_MAX + 1) == ma._CHUNK_MIN
+    for slots in (10_000, 131_072, 10**6):
+        chunk = ma._chunk_for(slots)
+        assert -(-slots // chunk) <= ma._MAX_PROGRAMS or chunk == ma._CHUNK_MAX
+    ids, expert_map = _align_ids(150, 4, 16, True)  # 600 slots: 3 programs of 256
+    _assert_align_matches_twin(ids, 16, 16, expert_map)
 
 
 def test_align_no_tokens():
