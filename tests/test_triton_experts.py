@@ -21,9 +21,9 @@ pytest.importorskip("triton")
 from fusedmoe import ActivationParams, FusedMoE, fused_experts, select_backend
 from fusedmoe.activation import MoEActivation
 from fusedmoe.experts.triton import TritonExperts
+from fusedmoe.kernels import moe_align as ma
 from fusedmoe.kernels import moe_config as mc
 from fusedmoe.kernels.fused_moe import fused_experts_triton
-from fusedmoe.kernels import moe_align as ma
 from fusedmoe.kernels.moe_align import (
     aligned_sizes,
     moe_align_block_size,
