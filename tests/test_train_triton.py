@@ -326,3 +326,30 @@ def test_gpu_training_step_makes_no_host_sync(bias):
         layer(x, logits).backward(grad_out)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_allocates_weight_gradients_late():
+    """The backward's peak over what the forward left: dh, dw2 and then dw13 and dx, never
+    also g / w * a, which is freed before dw13 and dx are allocated (they were allocated up
+    front: one [S, I] buffer more at the peak)."""
+    torch.manual_seed(0)
+    m, k, e, h, i = 2048, 2, 4, 512, 2048
+    layer = FusedMoE(e, k, h, i, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.randn(m, e, device="cuda", dtype=torch.bfloat16)
+    layer(x, logits).backward(torch.randn(m, h, device="cuda", dtype=torch.bfloat16))  # warm
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out = layer(x, logits)
+    grad_out = torch.randn_like(out)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out.backward(grad_out)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    slots, mib = m * k, 2**20
+    dh, ga, dx = slots * 2 * i * 2, slots * i * 2, m * h * 2
+    dw13, dw2 = layer.w13_weight.numel() * 2, layer.w2_weight.numel() * 2
+    assert peak <= dh + dw2 + dw13 + dx + 4 * mib < dh + ga + dw2 + dw13 + dx, peak / mib

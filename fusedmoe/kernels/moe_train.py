@@ -570,14 +570,19 @@ def _train_bwd_impl(
     act = _Act(MoEActivation(activation), alpha, beta, limit, has_limit)
     width = act.kind.output_size(gemm1_rows)
     mul = mul_routed_weight and need_topk_weights
-    # every element is written below (an expert without slots gets zeros from the wgrad kernel)
-    grads = _grad_buffers(
-        x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, need_w2, mul, need_b13,
-        need_b2,
-    )  # fmt: skip
     if num_tokens == 0:
+        grads = _grad_buffers(
+            x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, need_w2, mul, need_b13,
+            need_b2,
+        )  # fmt: skip
         return tuple(t.zero_() for t in grads)
-    dx, dw13, dw2, dweights, db13, db2 = grads
+    # Every element is written below (an expert without slots gets zeros from the wgrad
+    # kernel). dx and dw13 are allocated where they are first written, not here: at the peak
+    # of the step, while g / w * a and dh are both alive, they do not exist yet (dw13 is as
+    # large as dh at mixtral-8x7b's shape).
+    dx, dw13, dw2, dweights, db13, db2 = _grad_buffers(
+        x, w13, w2, topk_ids, w13_bias, w2_bias, False, False, need_w2, mul, need_b13, need_b2
+    )
     dout = dout.contiguous()
     config = _config(x, topk_ids, w13, width)
     params = (alpha, beta, limit, has_limit)
@@ -607,7 +612,7 @@ def _train_bwd_impl(
         # gradients while w * a is alive, then dx, then w13's from dh.
         bounds = (
             expert_block_bounds(rows)
-            if dw13.numel() + dw2.numel() + db13.numel() + db2.numel()
+            if need_w13 or dw2.numel() + db13.numel() + db2.numel()
             else None
         )
         if need_w2:
@@ -621,6 +626,7 @@ def _train_bwd_impl(
                 dout, top_k, slot_weights, 1, rows, num_slots, db2.view(num_local, -1, 1), bounds
             )
         if need_x:
+            dx = x.new_empty(x.shape)  # contiguous, whatever x's strides
             dx_slots = x.new_empty(num_slots, hidden)
             launch_gemm(
                 dh, None, g.A_NONE, 1, w13.transpose(1, 2), None, g.W_NONE, None, dx_slots, None,
@@ -630,6 +636,7 @@ def _train_bwd_impl(
             moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
             del dx_slots
         if need_w13:
+            dw13 = torch.empty_like(w13)
             _wgrad(dh, 1, x, top_k, rows, num_slots, dw13, bounds)
         if db13.numel():  # the column sums of dh over each expert's slots
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
