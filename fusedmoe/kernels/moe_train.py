@@ -701,6 +701,9 @@ def _setup_context(ctx, inputs, output):
                           *output[1:])  # fmt: skip
     ctx.params = tuple(rest)  # activation, alpha, beta, limit, has_limit, mul_routed_weight
     ctx.mark_non_differentiable(*output[1:])
+    # the saved outputs get no gradient: without this, autograd passes a zeros tensor of each,
+    # and the one of h [S, N_w] sat beside dh at the backward's peak
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, *_saved_outputs, eager: bool = False):
