@@ -332,7 +332,9 @@ def test_gpu_training_step_makes_no_host_sync(bias):
 def test_gpu_backward_allocates_weight_gradients_late():
     """The backward's peak over what the forward left: dh, dw2 and then dw13 and dx, never
     also g / w * a, which is freed before dw13 and dx are allocated (they were allocated up
-    front: one [S, I] buffer more at the peak)."""
+    front: one [S, I] buffer more at the peak), nor a zeros [S, N_w] gradient of the saved h
+    (autograd materialised one: the peak was 92 MiB here, against the 58 MiB these buffers
+    hold). Half of g / w * a is left for the small buffers (ids, weights, the bounds)."""
     torch.manual_seed(0)
     m, k, e, h, i = 2048, 2, 4, 512, 2048
     layer = FusedMoE(e, k, h, i, params_dtype=torch.bfloat16).cuda()
@@ -349,7 +351,7 @@ def test_gpu_backward_allocates_weight_gradients_late():
     out.backward(grad_out)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    slots, mib = m * k, 2**20
+    slots, mib = m * k, 2**20  # dh + dw2 + dw13 + dx = 58 MiB, g / w * a 16 MiB
     dh, ga, dx = slots * 2 * i * 2, slots * i * 2, m * h * 2
     dw13, dw2 = layer.w13_weight.numel() * 2, layer.w2_weight.numel() * 2
-    assert peak <= dh + dw2 + dw13 + dx + 4 * mib < dh + ga + dw2 + dw13 + dx, peak / mib
+    assert peak <= dh + dw2 + dw13 + dx + ga // 2 < dh + ga + dw2 + dw13 + dx, peak / mib
