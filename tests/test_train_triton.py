@@ -164,6 +164,38 @@ def test_double_backward_is_refused():
         grad_x.square().sum().backward()
 
 
+class _NoGradient(torch.autograd.Function):
+    """The identity, whose backward gives its input no gradient (an undefined one)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_output_without_gradient(compiled):
+    """The loss depends on x by another path only: the experts' backward gets no gradient
+    (grads are not materialised) and gives none. Compiled, AOTAutograd passes zeros instead
+    (a control)."""
+    leaves = {k: v.requires_grad_() for k, v in _leaves(5, 2, "silu", bias=False).items()}
+
+    def experts(x, w13, w2, weights):
+        return fused_experts(x, w13, w2, weights, _ids(5, 2), backend="triton")
+
+    fn = torch.compile(experts, backend="aot_eager") if compiled else experts
+    x = leaves["x"]
+    out = fn(x, leaves["w13"], leaves["w2"], leaves["weights"])
+    (_NoGradient.apply(out).sum() + (x * 2).sum()).backward()
+    assert_close(leaves["x"].grad, torch.full_like(leaves["x"], 2.0), torch.float32)
+    for name in ("w13", "w2", "weights"):
+        grad = leaves[name].grad
+        assert grad is None or not grad.any(), name
+
+
 def test_all_tokens_to_one_expert_and_zero_tokens():
     leaves = _leaves(21, 1, "silu", bias=True)
     _check_grads(leaves, torch.full((21, 1), 3, dtype=torch.int32, device=DEVICE), "silu")
@@ -330,8 +362,8 @@ def test_gpu_training_step_makes_no_host_sync(bias):
 
 @pytest.mark.gpu
 def test_gpu_backward_allocates_weight_gradients_late():
-    """The backward's peak over what the forward left: dh, dw2 and then dw13 and dx, never
-    also g / w * a, which is freed before dw13 and dx are allocated (they were allocated up
+    """The backward's peak over what the forward left: dh, dw2, then dx and dw13, never
+    also g / w * a, which is freed before dx and dw13 are allocated (they were allocated up
     front: one [S, I] buffer more at the peak), nor a zeros [S, N_w] gradient of the saved h
     (autograd materialised one: the peak was 92 MiB here, against the 58 MiB these buffers
     hold). Half of g / w * a is left for the small buffers (ids, weights, the bounds)."""

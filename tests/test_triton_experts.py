@@ -212,7 +212,7 @@ def test_align_many_experts_several_steps(case):
         _assert_align_matches_twin(ids, 16, num_local, None, chunk=chunk)
 
 
-def test_align_default_chunks():
+def test_align_default_chunks(monkeypatch):
     """Above _SINGLE_MAX slots the default alignment runs programs of _CHUNK_MIN slots (the
     three-launch path), and never more than _MAX_PROGRAMS programs short of _CHUNK_MAX."""
     assert ma._chunk_for(1) == 1 and ma._chunk_for(300) == 512
@@ -221,8 +221,13 @@ def test_align_default_chunks():
     for slots in (10_000, 131_072, 10**6):
         chunk = ma._chunk_for(slots)
         assert -(-slots // chunk) <= ma._MAX_PROGRAMS or chunk == ma._CHUNK_MAX
+    grids = []
+    launch = ma.launch
+    monkeypatch.setattr(ma, "launch", lambda kernel, grid, *a: grids.append(grid) or launch(
+        kernel, grid, *a))  # fmt: skip
     ids, expert_map = _align_ids(150, 4, 16, True)  # 600 slots: 3 programs of 256
     _assert_align_matches_twin(ids, 16, 16, expert_map)
+    assert grids == [(3,), (1,), (3,)]  # count, scan, scatter
 
 
 def test_align_no_tokens():

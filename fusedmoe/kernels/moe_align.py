@@ -136,7 +136,9 @@ def _scan_counts(
         running += tl.sum(counts, axis=0)
     num_post = tl.sum(padded, axis=0)
     tl.store(num_post_ptr, num_post)
-    # expert e owns blocks [padded_start[e] / BM, padded_end[e] / BM); the others are -1
+    # expert e owns blocks [padded_start[e] / BM, padded_end[e] / BM); the others are -1.
+    # The loop runs (the most blocks any expert has) / J_STEP times: 1 or 2 under uniform
+    # routing, S / BM / J_STEP where every slot goes to one expert (not timed at large S)
     first = padded_start // BLOCK_M
     num_blocks = padded // BLOCK_M  # 0 for the bin of slots not routed here
     steps = tl.arange(0, J_STEP)

@@ -518,9 +518,10 @@ def _train_fwd_impl(
 
 def _grad_buffers(x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, need_w2,
                   need_topk_weights, need_b13, need_b2) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The backward op's outputs, uninitialised (the real op and its fake): (dx [M, H], dw13,
-    dw2, d topk_weights float32 [M, k], db13, db2); a gradient not asked for (or without an
-    input: no bias) is a distinct empty tensor (a custom op's outputs may not alias)."""
+    """The backward op's outputs, uninitialised (its fake; the real op asks for dx and dw13
+    later, where they are written): (dx [M, H], dw13, dw2, d topk_weights float32 [M, k],
+    db13, db2); a gradient not asked for (or without an input: no bias) is a distinct empty
+    tensor (a custom op's outputs may not alias)."""
 
     def like(t, needed):
         return torch.empty_like(t) if needed and t is not None else x.new_empty(0)
