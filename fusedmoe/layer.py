@@ -165,11 +165,6 @@ def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
     return tuple(addresses)
 
 
-def _capturable(*modules: nn.Module | None) -> bool:
-    """Whether a CUDA graph may stand in for calls of these modules (_graph_reads)."""
-    return _graph_reads(*modules) is not None
-
-
 #: the layer's buffers its router holds too (FusedMoE._sync_router)
 _ROUTER_BUFFERS = ("e_score_correction_bias", "hash_indices_table")
 

@@ -709,7 +709,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, *_saved_outputs, eager: bool = False):
     if dout is None:  # grads are not materialised: no gradient reached the output
-        return (None,) * 14
+        return (None,) * len(ctx.needs_input_grad)
     x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
     # the registered op's backward runs the registered backward op: AOTAutograd traces it with
