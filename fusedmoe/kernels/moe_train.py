@@ -38,7 +38,10 @@ the host). a is recomputed from h (one elementwise pass, which act' makes anyway
 never needed: dw_s only asks for <y[s] / w_s, dout>, which the identity above takes from a and
 g. So a recorded call keeps S * N_w elements alive (plus its inputs), where a torch pipeline
 keeps the gathered x, h, a and y. The backward frees each of its buffers (g / w * a, the
-per-slot dx) as soon as it is consumed.
+per-slot dx) as soon as it is consumed, and in eager mode writes dh over h, whose last reader
+is the act kernel that makes dh (a torch pipeline's activation node frees what it saved at that
+point; one node cannot, so it reuses the memory). The price: no second backward through the
+same graph (retain_graph=True), which autograd's saved-tensor check refuses.
 
 Slots not routed to this rank (expert_map -1, ids out of range) are skipped everywhere: their
 rows of h, g and dh are never written nor read, and their dw_s is 0. With
@@ -48,6 +51,7 @@ op (prepare), so autograd differentiates that multiply and this op returns no dw
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -536,7 +540,7 @@ def _grad_buffers(x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, nee
     )
 
 
-def _train_bwd_impl(
+def _train_bwd(
     dout: torch.Tensor,
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -562,9 +566,13 @@ def _train_bwd_impl(
     need_topk_weights: bool,
     need_b13: bool,
     need_b2: bool,
+    *,
+    dh_over_h: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, H], dw13, dw2, d topk_weights [M, k] float32, db13, db2); a gradient that was not
-    asked for (or has no input: no bias) is an empty tensor, and costs nothing."""
+    asked for (or has no input: no bias) is an empty tensor, and costs nothing. dh_over_h: dh
+    is written over h, which the backward reads for the last time there (the eager backward;
+    see _backward)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     num_local, gemm1_rows, hidden = w13.shape
@@ -600,8 +608,13 @@ def _train_bwd_impl(
             weights_flat, rows, num_slots, config.gemm1, activation=None, params=params,
             out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
         )  # fmt: skip
-        # dh feeds dx, dw13 and db13 only
-        dh = torch.empty_like(h) if need_x or need_w13 or db13.numel() else None
+        # dh feeds dx, dw13 and db13 only. Each act program reads its rows' h before it writes
+        # their dh, and no two programs share a row: dh may take h's memory.
+        dh = None
+        if need_x or need_w13 or db13.numel():
+            dh = h if dh_over_h else torch.empty_like(h)
+            if dh_over_h:  # what autograd saved has changed (see _backward)
+                torch.autograd.graph.increment_version(h)
         dw_slots = dweights.view(-1) if mul else None
         _act_rows(
             h, ga, act, topk_ids, expert_map, num_local, dh=dh, backward=True,
@@ -643,6 +656,43 @@ def _train_bwd_impl(
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
             _wgrad(dh, 1, ones, 1, rows, num_slots, db13.view(num_local, -1, 1), bounds)
     return dx, dw13, dw2, dweights, db13, db2
+
+
+def _train_bwd_impl(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    h: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    activation: str,
+    alpha: float,
+    beta: float,
+    limit: float,
+    has_limit: bool,
+    mul_routed_weight: bool,
+    need_x: bool,
+    need_w13: bool,
+    need_w2: bool,
+    need_topk_weights: bool,
+    need_b13: bool,
+    need_b2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered backward op (torch.compile's): it writes none of its inputs, as its
+    schema says, so dh has a buffer of its own."""
+    return _train_bwd(
+        dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, h,
+        sorted_token_ids, expert_ids, num_tokens_post_padded, activation, alpha, beta, limit,
+        has_limit, mul_routed_weight, need_x, need_w13, need_w2, need_topk_weights, need_b13,
+        need_b2, dh_over_h=False,
+    )  # fmt: skip
 
 
 def _bias_dot(dout, w2_bias, topk_ids, expert_map, num_local) -> torch.Tensor:
@@ -714,7 +764,12 @@ def _backward(ctx, dout, *_saved_outputs, eager: bool = False):
     needs = ctx.needs_input_grad
     # the registered op's backward runs the registered backward op: AOTAutograd traces it with
     # fake tensors (where torch.compiler.is_compiling() may be False)
-    bwd = _train_bwd_impl if eager else _train_bwd_op
+    # The eager backward writes dh over the saved h (its last reader): at the step's peak one
+    # [S, N_w] buffer fewer, as many bytes as a torch pipeline frees when its activation's
+    # backward node releases what it saved. A second backward through this graph
+    # (retain_graph=True) then fails autograd's saved-tensor check ("modified by an inplace
+    # operation") instead of reading dh as h. The registered op writes none of its inputs.
+    bwd = functools.partial(_train_bwd, dh_over_h=True) if eager else _train_bwd_op
     dx, dw13, dw2, dweights, db13, db2 = bwd(
         dout, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, *saved,
         *ctx.params, needs[0], needs[1], needs[2], needs[3], needs[5], needs[6],
