@@ -112,8 +112,13 @@ def test_tune_candidates_are_valid_configs():
                 assert c.block_m * c.gemm2.block_n <= 128 * 256
                 if dtype == "fp8_block":
                     assert all(128 % g.block_k == 0 for g in (c.gemm1, c.gemm2))
+            assert any(c.gemm1.num_warps == 2 for c in around) == (base.gemm1.num_warps == 4)
             if dtype == "fp8_block":
                 assert any(not c.fuse_activation for c in around)
+                narrow = {c.gemm1.block_n for c in around if not c.fuse_activation}
+                assert base.fuse_activation <= (narrow >= {32, 64}), narrow
+                fused = {c.gemm1.block_n for c in around if c.fuse_activation}
+                assert fused <= {base.gemm1.block_n}, fused  # the launcher widens them to 128
 
 
 def test_tune_table_is_what_the_backend_loads(tmp_path):

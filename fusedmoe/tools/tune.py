@@ -9,8 +9,10 @@ For each token bucket M (the shape's real sizes):
     candidates  the heuristic's config (fusedmoe.kernels.moe_config.heuristic_config), the
                 config the tables give the bucket today (shipped, or the user's), the
                 heuristic's configs of the neighbouring buckets, and every config one step
-                from it: block_m x/÷ 2; per GEMM block_n and block_k x/÷ 2, num_warps 4 <-> 8,
-                num_stages +-1, group_m in {1, 8, 16}; fuse_activation toggled for fp8_block.
+                from it: block_m x/÷ 2; per GEMM block_n and block_k x/÷ 2,
+                num_warps 2 <-> 4 <-> 8, num_stages +-1 (2 to 6), group_m in {1, 8, 16};
+                fuse_activation toggled for fp8_block, and unfused with 32- and 64-wide GEMM1
+                tiles.
                 Then the same steps around the best so far, until nothing improves, the
                 bucket's share of --budget-s is spent, or --max-configs were timed
     timing      the whole fused_experts call under use_moe_kernel_config(candidate), median of
@@ -123,9 +125,10 @@ def _gemm_steps(g, *, fp8_block: bool) -> Iterable:
         yield dataclasses.replace(g, block_n=bn)
     for bk in _pow2_steps(g.block_k, 32 if fp8_block else 16, k_high):
         yield dataclasses.replace(g, block_k=bk)
-    yield dataclasses.replace(g, num_warps=8 if g.num_warps == 4 else 4)
+    for warps in {2: (4,), 4: (2, 8), 8: (4,)}.get(g.num_warps, (4,)):
+        yield dataclasses.replace(g, num_warps=warps)
     for stages in (g.num_stages - 1, g.num_stages + 1):
-        if 2 <= stages <= 5:
+        if 2 <= stages <= 6:
             yield dataclasses.replace(g, num_stages=stages)
     for group_m in (1, 8, 16):
         if group_m != g.group_m:
@@ -141,11 +144,23 @@ def candidates_around(config, dtype_key: str, gated: bool = True) -> list:
     """Configs one step from `config`, most promising first (rows per block, then tiles)."""
     fp8_block = dtype_key == "fp8_block"
     out = [dataclasses.replace(config, block_m=bm) for bm in _pow2_steps(config.block_m, 16, 128)]
+    # fused, an fp8_block GEMM1 runs 128 wide whatever its block_n (the launcher widens it to
+    # whole quantization groups): other widths would time the same kernel again
+    pinned = fp8_block and config.fuse_activation
     for which in ("gemm1", "gemm2"):
-        for g in _gemm_steps(getattr(config, which), fp8_block=fp8_block):
-            out.append(dataclasses.replace(config, **{which: g}))
+        current = getattr(config, which)
+        for g in _gemm_steps(current, fp8_block=fp8_block):
+            if not (which == "gemm1" and pinned and g.block_n != current.block_n):
+                out.append(dataclasses.replace(config, **{which: g}))
     if fp8_block:
         out.append(dataclasses.replace(config, fuse_activation=not config.fuse_activation))
+        if config.fuse_activation:
+            # unfused, GEMM1's tile is free to narrow (fused, the launcher widens it to a whole
+            # 128 group): at M = 1 on an H100, 32- or 64-wide tiles (4x the programs) plus the
+            # act + quant launch were 4-18% faster for every preset
+            for bn in (32, 64):
+                gemm1 = dataclasses.replace(config.gemm1, block_n=bn)
+                out.append(dataclasses.replace(config, gemm1=gemm1, fuse_activation=False))
     return [c for c in out if _fits(c, gated)]
 
 
