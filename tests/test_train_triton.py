@@ -102,6 +102,33 @@ def _ids(num_tokens, top_k, num_experts=E, *, generator_seed=1):
     ).to(DEVICE, torch.int32)
 
 
+@pytest.fixture(params=["grouped_mm", "triton"])
+def wgrad(request, monkeypatch):
+    """The weight gradients' engine: torch._grouped_mm (the default where it runs: bf16 on
+    sm90 / sm100, every dtype on the CPU) or the Triton kernel. Checks afterwards that the
+    test ran it."""
+    from fusedmoe.kernels import moe_train
+
+    grouped = request.param == "grouped_mm"
+    monkeypatch.setattr(moe_train, "_GROUPED_MM_WGRAD", grouped)
+    calls = {"grouped_mm": 0, "triton": 0}
+    grouped_wgrad, triton_wgrad = moe_train._grouped_wgrad, moe_train._wgrad
+
+    def grouped_spy(*args):
+        calls["grouped_mm"] += 1
+        return grouped_wgrad(*args)
+
+    def triton_spy(left, l_div, right, r_div, rows, num_slots, out, bounds):
+        calls["triton"] += out.shape[2] > 1  # a weight gradient (a bias's is one column)
+        return triton_wgrad(left, l_div, right, r_div, rows, num_slots, out, bounds)
+
+    monkeypatch.setattr(moe_train, "_grouped_wgrad", grouped_spy)
+    monkeypatch.setattr(moe_train, "_wgrad", triton_spy)
+    yield request.param
+    other = "triton" if grouped else "grouped_mm"
+    assert calls[request.param] > 0 and calls[other] == 0, calls
+
+
 @pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
 def test_every_activation_trains(activation):
     leaves = _leaves(13, 2, activation, bias=False)
@@ -111,7 +138,7 @@ def test_every_activation_trains(activation):
 
 
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
-def test_biases_and_clamped_silu(activation):
+def test_biases_and_clamped_silu(activation, wgrad):
     from fusedmoe import ActivationParams
 
     params = ActivationParams(limit=0.8) if activation == "silu" else None
@@ -119,7 +146,7 @@ def test_biases_and_clamped_silu(activation):
     _check_grads(leaves, _ids(9, 3), activation, params=params)
 
 
-def test_expert_map_uneven_and_empty_experts():
+def test_expert_map_uneven_and_empty_experts(wgrad):
     """A rank holding 4 of 10 experts: slots of the others get no gradient and cost nothing;
     one local expert takes most slots, one none."""
     num_global, top_k, m = 10, 3, 17
@@ -228,7 +255,7 @@ def test_second_backward_through_the_graph(compiled):
         assert_close(leaves[name].grad, 2 * grad, torch.float32)
 
 
-def test_all_tokens_to_one_expert_and_zero_tokens():
+def test_all_tokens_to_one_expert_and_zero_tokens(wgrad):
     leaves = _leaves(21, 1, "silu", bias=True)
     _check_grads(leaves, torch.full((21, 1), 3, dtype=torch.int32, device=DEVICE), "silu")
     empty = _leaves(0, 2, "silu", bias=True)
@@ -242,6 +269,56 @@ def test_all_tokens_to_one_expert_and_zero_tokens():
     assert out.shape == (0, H)
     assert torch.equal(ours["w13"].grad, torch.ones_like(ours["w13"]))
     assert ours["w2"].grad is None or not ours["w2"].grad.any()
+
+
+def _padding_rows_case(device, dtype):
+    """The backward's buffers in the layout's order before the grouped weight gradients: the
+    gathered rows and the act kernel's dh and w * a hold zeros in the padding rows (they enter
+    the GEMMs' sums), whatever the buffers held; the rows past the layout's end are never read.
+    Buffers start as NaN; one expert has no slot."""
+    from fusedmoe.activation import MoEActivation
+    from fusedmoe.kernels import moe_train as mt
+
+    torch.manual_seed(4)
+    m, top_k, e, h, i = 37, 2, 5, 48, 40
+    ids = _ids(m, top_k, e).to(device)
+    ids[ids == 4] = 1  # expert 4: no slot; expert 1: many
+    num_slots = m * top_k
+    routing = mt.moe_align_block_size(ids, 16, e)
+    num_rows = routing.sorted_token_ids.shape[0]
+    used = int(routing.num_tokens_post_padded)
+    slots = routing.sorted_token_ids.long()
+    valid = slots < num_slots
+    pad = ~valid & (torch.arange(num_rows, device=device) < used)
+    x = torch.randn(m, h, device=device, dtype=dtype)
+    nan_rows = torch.full((num_rows, h), torch.nan, device=device, dtype=dtype)
+    x_pos = mt._gather_rows(x, top_k, routing, num_slots, out=nan_rows)
+    assert torch.equal(x_pos[valid], x[slots[valid] // top_k])
+    assert not x_pos[pad].any() and x_pos[used:].isnan().all()
+
+    act = mt._Act(MoEActivation.SILU, 1.0, 0.0, 0.0, False)
+    hbuf = torch.randn(num_rows, 2 * i, device=device, dtype=dtype)
+    ga = torch.randn(num_rows, i, device=device, dtype=dtype)
+    ga[~valid] = torch.nan
+    dh = torch.full_like(hbuf, torch.nan)
+    weights = torch.rand(num_slots, device=device)
+    mt._act_rows(hbuf, ga, act, routing, num_slots, backward=True, dh=dh, weights=weights)
+    assert not dh[pad].any() and not ga[pad].any()
+    assert dh[:used].isfinite().all() and ga[:used].isfinite().all()
+
+    bounds = mt.expert_block_bounds(mt._rows(routing, ids, None, e))
+    dh[used:] = torch.nan  # past the end: never read
+    dw13 = mt._grouped_wgrad(dh, x_pos, 16, bounds)
+    ref = torch.zeros(e, 2 * i, h, dtype=torch.float64, device=device)
+    for r in valid.nonzero().flatten().tolist():
+        expert = int(ids.reshape(-1)[slots[r]])
+        ref[expert] += dh[r].double()[:, None] * x[slots[r] // top_k].double()[None, :]
+    assert not dw13[4].any()
+    assert_close(dw13, ref, dtype)
+
+
+def test_padding_rows_of_the_layout_are_zeros():
+    _padding_rows_case(DEVICE, torch.float32)
 
 
 def test_layer_trains_on_triton_with_router_gradient():
@@ -340,6 +417,13 @@ def test_gpu_gradients(m, top_k, num_experts, activation, bias, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_padding_rows_and_grouped_weight_gradient():
+    """The same on the GPU in bf16, where torch._grouped_mm runs CUTLASS: an empty group gets
+    zeros, and NaN past the layout's end is not read."""
+    _padding_rows_case("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_layer_trains_under_torch_compile():
     """One op and its backward under torch.compile (fullgraph): the same gradients as eager."""
     torch.manual_seed(5)
@@ -362,7 +446,7 @@ def test_gpu_layer_trains_under_torch_compile():
     assert choice.name == "triton"
 
 
-def test_weight_gradient_steps_within_taller_blocks(monkeypatch):
+def test_weight_gradient_steps_within_taller_blocks(monkeypatch, wgrad):
     """The GEMMs' blocks (64 rows here) hold several weight-gradient steps (16 rows): runs
     whose padding fills whole steps skip them, and the gradients are unchanged."""
     from fusedmoe.kernels import moe_train

@@ -317,7 +317,7 @@ def _zero_slice(ptr, numel, BLOCK: tl.constexpr):
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # [rows of A, K]
-    a_desc,  # USE_TMA_A: a TMA descriptor of A (contiguous layout), block [BM, BK]
+    a_desc,  # USE_TMA_A: a TMA descriptor of A (rows at the layout's positions), block [BM, BK]
     a_scale_ptr, stride_asm, stride_ask,  # [1] | [rows of A, 1] | [rows of A, ceil(K/g)]
     w_ptr, stride_we, stride_wn, stride_wk,  # [E_l, N_w, K] (FP4: [E_l, N_w, K/2])
     w_desc,  # USE_TMA: a TMA descriptor of w as [E_l * N_w, K], block [BN, BK]
@@ -356,10 +356,12 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr,  # one block per slot, no alignment (M = 1: k distinct experts)
     CONTIGUOUS: tl.constexpr,  # A permuted into expert-aligned runs (rows = block rows)
+    A_AT_POS: tl.constexpr,  # aligned layout: A's rows are the layout's positions, not slots
+    OUT_AT_POS: tl.constexpr,  # aligned layout: the output's rows are the layout's positions
     ALIGN: tl.constexpr,  # CONTIGUOUS: rows per entry of expert_ids (a multiple of BLOCK_M)
     HAS_MAP: tl.constexpr,
     USE_TMA: tl.constexpr,  # w contiguous with halves (not interleaved) gate / up rows
-    USE_TMA_A: tl.constexpr,  # CONTIGUOUS: TMA loads of A
+    USE_TMA_A: tl.constexpr,  # CONTIGUOUS or A_AT_POS: TMA loads of A
     W_BLOCK_UNIFORM: tl.constexpr,  # 128-block w: each tile's rows lie in one block of 128
     ZERO_OUT: tl.constexpr,
     MX_DTYPE: tl.constexpr,  # what MX operands are dequantized to: bf16 (fp32 on the interpreter)
@@ -397,7 +399,10 @@ def _moe_gemm_kernel(
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = slots < num_slots
-    a_rows = (slots // A_ROW_DIV).to(tl.int64)
+    # A_AT_POS / OUT_AT_POS (training): buffers in the layout's order; their padding rows are
+    # computed from whatever they hold and never stored
+    positions = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    a_rows = positions if A_AT_POS else (slots // A_ROW_DIV).to(tl.int64)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -536,7 +541,8 @@ def _moe_gemm_kernel(
             bias_u = tl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0)
             h_u += bias_u.to(tl.float32)[None, :]
 
-    out_rows = slots.to(tl.int64)
+    slot_rows = slots.to(tl.int64)
+    out_rows = positions if OUT_AT_POS else slot_rows
     out_mask = row_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     if ACTIVATION == _ACT_NONE:
@@ -545,11 +551,11 @@ def _moe_gemm_kernel(
             # rounded where the reference stores a slot's output, weighted as finalize does
             y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
         if MUL_ROUTED_WEIGHT:
-            w = tl.load(topk_weights_ptr + out_rows, mask=row_mask, other=0.0)
+            w = tl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
             y = y * w[:, None]
         if OUT_MODE == _OUT_ATOMIC:
             token_ptrs = (
-                out_ptr + (out_rows // OUT_ROW_DIV)[:, None] * stride_om
+                out_ptr + (slot_rows // OUT_ROW_DIV)[:, None] * stride_om
                 + offs_n[None, :] * stride_on
             )  # fmt: skip
             tl.atomic_add(token_ptrs, y, mask=out_mask, sem="relaxed")

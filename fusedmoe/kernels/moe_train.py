@@ -61,7 +61,14 @@ import triton.language as tl
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
-from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, device_name, launch_gemm, moe_sum
+from fusedmoe.kernels.fused_moe import (
+    TL_DTYPE,
+    GemmRows,
+    GemmVariant,
+    device_name,
+    launch_gemm,
+    moe_sum,
+)
 from fusedmoe.kernels.moe_align import AlignedRouting, aligned_sizes, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
 from fusedmoe.quant.kernels import ACTIVATION_CODE
@@ -93,12 +100,19 @@ _SILU_NO_MUL = tl.constexpr(g.ACT_SILU_NO_MUL)
 _GELU_NO_MUL = tl.constexpr(g.ACT_GELU_NO_MUL)
 _RELU2_NO_MUL = tl.constexpr(g.ACT_RELU2_NO_MUL)
 
-_ROWS_BLOCK_R = 16  # rows per program of the act kernel
+_ROWS_BLOCK_R = 16  # rows per program of the act kernel (divides every block_m: whole blocks)
 _ROWS_BLOCK_C = 128  # activation columns per step
 #: wgrad output tile (BN, BK), warps, stages, L loaded transposed; the reduction step is the
 #: alignment's BM
 _WGRAD_TILE = (128, 128, 4, 2, False)
 _WGRAD_STEP = 64  # rows reduced per step of the weight gradient (64 beat 128 on an H200)
+#: torch._grouped_mm takes the weight gradients where it runs (_grouped_mm_ok); False: always
+#: the Triton kernel (tests switch it)
+_GROUPED_MM_WGRAD = True
+#: GEMM row addressing: GEMM1 and the dgrad of g write rows in the layout's order (h, g); GEMM2
+#: and the dgrad of dx read them so
+_OUT_AT_POS = GemmVariant(out_at_pos=True)
+_A_AT_POS = GemmVariant(a_at_pos=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,19 +203,18 @@ def _act_and_grad(gate, up, da, alpha, beta, limit, ACTIVATION: tl.constexpr,
 
 @triton.jit
 def _act_rows_kernel(
-    h_ptr, stride_hm, stride_hn,  # [S, N_w] GEMM1's output (the activation dtype)
-    ga_ptr, stride_gm, stride_gn,  # [S, I]: forward, a written; backward, g read, w * a written
-    dh_ptr, stride_dm, stride_dn,  # STORE_DH: [S, N_w] dL/dh
+    h_ptr, stride_hm, stride_hn,  # [R, N_w] GEMM1's output (the activation dtype)
+    ga_ptr, stride_gm, stride_gn,  # [R, I]: forward, a written; backward, g read, w * a written
+    dh_ptr, stride_dm, stride_dn,  # STORE_DH: [R, N_w] dL/dh
     w_ptr,  # MUL_WEIGHT: float32 [S] router weights
-    dw_ptr,  # STORE_DW: float32 [S] <a[s], g[s]>, 0 for slots not routed here
-    ids_ptr, map_ptr, num_ids, num_local,  # the slots routed here (as moe_align finds them)
+    dw_ptr,  # STORE_DW: float32 [S] <a[s], g[s]>
+    sorted_ids_ptr, num_post_ptr,  # the aligned layout: slot of each row, rows in use
     S, N,  # N = I, the activation width
     alpha, beta, limit,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,  # gate / up rows of w13 alternate (gpt-oss)
     HAS_LIMIT: tl.constexpr,
-    HAS_MAP: tl.constexpr,
     BACKWARD: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,  # backward: the router weight multiplied the expert's output
     STORE_DW: tl.constexpr,
@@ -210,29 +223,30 @@ def _act_rows_kernel(
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """forward: a = act(h).  backward: dh = act'(h) * (w * g), dw = <a, g>, and w * a written
-    over g (the right operand of w2's weight gradient: the weight is applied once, here)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rows64 = rows.to(tl.int64)
-    # rows of slots not routed here were never written by GEMM1: not read
-    ids = tl.load(ids_ptr + rows64, mask=rows < S, other=-1).to(tl.int32)
-    routed = (ids >= 0) & (ids < num_ids)
-    if HAS_MAP:
-        local = tl.load(map_ptr + ids, mask=routed, other=-1).to(tl.int32)
-        routed = (local >= 0) & (local < num_local)
-    row_mask = (rows < S) & routed
+    over g (the right operand of w2's weight gradient: the weight is applied once, here).
+    Rows are the aligned layout's; the backward writes zeros in its padding rows (the grouped
+    weight-gradient GEMMs sum over whole runs), the rows past the layout's end are left."""
+    row0 = tl.program_id(0) * BLOCK_R
+    if row0 >= tl.load(num_post_ptr):
+        return
+    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    slots = tl.load(sorted_ids_ptr + rows)  # the grid covers whole blocks of the layout
+    row_mask = slots < S  # padding: a sentinel >= S
+    slots64 = tl.where(row_mask, slots, 0).to(tl.int64)
     if BACKWARD and MUL_WEIGHT:
-        w = tl.load(w_ptr + rows64, mask=row_mask, other=0.0)
+        w = tl.load(w_ptr + slots64, mask=row_mask, other=0.0)
     dot = tl.zeros((BLOCK_R,), tl.float32)
     for c0 in range(0, N, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
-        mask = row_mask[:, None] & (cols < N)[None, :]
+        col_mask = (cols < N)[None, :]
+        mask = row_mask[:, None] & col_mask
         if INTERLEAVED:
             gate_cols = 2 * cols
             up_cols = 2 * cols + 1
         else:
             gate_cols = cols
             up_cols = cols + N
-        h_row = h_ptr + rows64[:, None] * stride_hm
+        h_row = h_ptr + rows[:, None] * stride_hm
         gate = tl.load(h_row + gate_cols[None, :] * stride_hn, mask=mask, other=0.0)
         gate = gate.to(tl.float32)
         if GATED:
@@ -240,7 +254,7 @@ def _act_rows_kernel(
             up = up.to(tl.float32)
         else:
             up = gate
-        ga_ptrs = ga_ptr + rows64[:, None] * stride_gm + cols[None, :] * stride_gn
+        ga_ptrs = ga_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
         if BACKWARD:
             grad_a = tl.load(ga_ptrs, mask=mask, other=0.0).to(tl.float32)
             da = grad_a * w[:, None] if MUL_WEIGHT else grad_a
@@ -252,25 +266,29 @@ def _act_rows_kernel(
                 dot += tl.sum(tl.where(mask, act * grad_a, 0.0), axis=1)
             if MUL_WEIGHT:
                 act = act * w[:, None]
+            act = tl.where(mask, act, 0.0)
+            tile = (rows >= 0)[:, None] & col_mask  # padding rows too: zeros
             if STORE_DH:
-                dh_row = dh_ptr + rows64[:, None] * stride_dm
+                dh_row = dh_ptr + rows[:, None] * stride_dm
                 dh_ty = dh_ptr.dtype.element_ty
-                tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
+                d_gate = tl.where(mask, d_gate, 0.0).to(dh_ty)
+                tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate, mask=tile)
                 if GATED:
-                    tl.store(dh_row + up_cols[None, :] * stride_dn, d_up.to(dh_ty), mask=mask)
-            act = act.to(ga_ptr.dtype.element_ty)
+                    d_up = tl.where(mask, d_up, 0.0).to(dh_ty)
+                    tl.store(dh_row + up_cols[None, :] * stride_dn, d_up, mask=tile)
+            tl.store(ga_ptrs, act.to(ga_ptr.dtype.element_ty), mask=tile)
         else:
             act, _, _ = _act_and_grad(gate, up, 0.0, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
-            act = act.to(ga_ptr.dtype.element_ty)
-        tl.store(ga_ptrs, act, mask=mask)
-    if STORE_DW:  # 0 for the slots not routed here
-        tl.store(dw_ptr + rows64, dot, mask=rows < S)
+            tl.store(ga_ptrs, act.to(ga_ptr.dtype.element_ty), mask=mask)
+    if STORE_DW:
+        tl.store(dw_ptr + slots64, dot, mask=row_mask)
 
 
 @triton.jit
 def _moe_wgrad_kernel(
-    l_ptr, stride_lm, stride_ln,  # L [rows, N]: row of slot s is s // L_ROW_DIV
-    r_ptr, stride_rm, stride_rk,  # R [rows, K]: row of slot s is s // R_ROW_DIV
+    l_ptr, stride_lm, stride_ln,  # L [rows, N]: row of slot s is s // L_ROW_DIV (0: the
+                                  # layout's position of s)
+    r_ptr, stride_rm, stride_rk,  # R [rows, K]: row of slot s is s // R_ROW_DIV (0: as L)
     out_ptr, stride_oe, stride_on, stride_ok,  # [E_l, N, K]
     sorted_ids_ptr,  # moe_align's sorted slot ids (BM rows a block)
     bounds_ptr,  # int32 [E_l + 1]: expert e owns blocks bounds[e] .. bounds[e + 1]
@@ -310,10 +328,11 @@ def _moe_wgrad_kernel(
     k_mask = offs_k < K
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for step in range(first, last):
-        slots = tl.load(sorted_ids_ptr + step * BLOCK_M + tl.arange(0, BLOCK_M))
+        positions = step * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(sorted_ids_ptr + positions)
         row_mask = slots < num_slots
-        l_rows = (slots // L_ROW_DIV).to(tl.int64)
-        r_rows = (slots // R_ROW_DIV).to(tl.int64)
+        l_rows = (positions if L_ROW_DIV == 0 else slots // L_ROW_DIV).to(tl.int64)
+        r_rows = (positions if R_ROW_DIV == 0 else slots // R_ROW_DIV).to(tl.int64)
         if TRANS_LOAD:
             left_t = tl.load(
                 l_ptr + l_rows[None, :] * stride_lm + offs_n[:, None] * stride_ln,
@@ -354,22 +373,20 @@ class _Act:
     has_limit: bool
 
 
-def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, backward=False, dh=None,
-              weights=None, dw=None) -> None:  # fmt: skip
-    """forward: ga = act(h). backward: ga holds g, (w *) a is written over it, and dh and dw
-    filled when given."""
-    num_slots, width = ga.shape
+def _act_rows(h, ga, act: _Act, routing: AlignedRouting, num_slots, *, backward=False,
+              dh=None, weights=None, dw=None) -> None:  # fmt: skip
+    """Over the aligned layout's rows: forward, ga = act(h); backward, ga holds g, (w *) a is
+    written over it, and dh and dw filled when given (dh may be h itself)."""
+    num_rows, width = ga.shape
     mul = backward and weights is not None
-    num_ids = num_local if expert_map is None else expert_map.shape[0]
-    ids = topk_ids.reshape(-1)
-    grid = (cdiv(num_slots, _ROWS_BLOCK_R),)
+    grid = (cdiv(num_rows, _ROWS_BLOCK_R),)
     args = (
         h, h.stride(0), h.stride(1),
         ga, ga.stride(0), ga.stride(1),
         *((dh, dh.stride(0), dh.stride(1)) if dh is not None else (h, 0, 0)),
         weights if mul else ga,
         ga if dw is None else dw,
-        ids, ids if expert_map is None else expert_map, num_ids, num_local,
+        routing.sorted_token_ids, routing.num_tokens_post_padded,
         num_slots, width,
         act.alpha, act.beta, act.limit,
     )  # fmt: skip
@@ -378,7 +395,6 @@ def _act_rows(h, ga, act: _Act, topk_ids, expert_map, num_local, *, backward=Fal
         GATED=act.kind.is_gated,
         INTERLEAVED=act.kind is MoEActivation.SWIGLUOAI,
         HAS_LIMIT=act.has_limit,
-        HAS_MAP=expert_map is not None,
         BACKWARD=backward,
         MUL_WEIGHT=mul,
         STORE_DW=dw is not None,
@@ -404,8 +420,9 @@ def expert_block_bounds(rows: GemmRows) -> torch.Tensor:
 def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bounds,
            tile=None) -> None:  # fmt: skip
     """out [E_l, N, K] = per local expert, the sum over its slots of left rows.T @ right rows
-    (row of slot s: s // l_row_div of left, s // r_row_div of right; a right with row stride 0
-    is one row for every slot, e.g. ones for a bias gradient)."""
+    (row of slot s: s // l_row_div of left, s // r_row_div of right, or the layout's position
+    of s where the divisor is 0; a right with row stride 0 is one row for every slot, e.g.
+    ones for a bias gradient)."""
     num_local, n, k = out.shape
     routing = rows.routing
     block_n, block_k, warps, stages, trans = tile or _WGRAD_TILE
@@ -434,6 +451,73 @@ def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bo
         num_stages=stages,
     )
     launch(_moe_wgrad_kernel, grid, args, constexprs, left.is_cuda)
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, stride_sm, stride_sc,  # [rows, C]
+    out_ptr, stride_om, stride_oc,  # [R, C]: row r = src row of slot sorted[r] // ROW_DIV
+    sorted_ids_ptr, num_post_ptr, S, C,
+    ROW_DIV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """The layout's rows of src, zeros in its padding rows (rows past its end are left)."""
+    row0 = tl.program_id(0) * BLOCK_R
+    if row0 >= tl.load(num_post_ptr):
+        return
+    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    slots = tl.load(sorted_ids_ptr + rows)
+    valid = slots < S
+    src_rows = (tl.where(valid, slots, 0) // ROW_DIV).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = (cols < C)[None, :]
+    vals = tl.load(
+        src_ptr + src_rows[:, None] * stride_sm + cols[None, :] * stride_sc,
+        mask=valid[:, None] & col_mask, other=0.0,
+    )  # fmt: skip
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oc, vals,
+             mask=(rows >= 0)[:, None] & col_mask)  # fmt: skip
+
+
+def _gather_rows(src, row_div, routing: AlignedRouting, num_slots, out=None) -> torch.Tensor:
+    """[R, C]: row r holds src[sorted[r] // row_div], zeros in the layout's padding rows (out:
+    a buffer to fill, else a new one)."""
+    num_rows, cols = routing.sorted_token_ids.shape[0], src.shape[1]
+    out = src.new_empty(num_rows, cols) if out is None else out
+    block_c = min(_ROWS_BLOCK_C * 2, next_power_of_2(cols))
+    grid = (cdiv(num_rows, _ROWS_BLOCK_R), cdiv(cols, block_c))
+    args = (
+        src, src.stride(0), src.stride(1), out, out.stride(0), out.stride(1),
+        routing.sorted_token_ids, routing.num_tokens_post_padded, num_slots, cols,
+    )  # fmt: skip
+    constexprs = dict(ROW_DIV=row_div, BLOCK_R=_ROWS_BLOCK_R, BLOCK_C=block_c, num_warps=4)
+    launch(_gather_rows_kernel, grid, args, constexprs, src.is_cuda)
+    return out
+
+
+def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes the weight gradients: bf16 on an sm90 / sm100 GPU
+    (CUTLASS grouped GEMMs, 1.1x to 1.7x our Triton kernel's speed on an H100 for the five
+    presets at 4096 and 16384 tokens), rows 16-byte aligned. The CPU (the interpreter's tests)
+    runs its reference implementation, in every training dtype."""
+    first = tensors[0]
+    if getattr(torch, "_grouped_mm", None) is None or not _GROUPED_MM_WGRAD:
+        return False
+    if any(t.shape[1] * t.element_size() % 16 for t in tensors):
+        return False
+    if not first.is_cuda:
+        return True
+    major = torch.cuda.get_device_capability(first.device)[0]
+    return first.dtype == torch.bfloat16 and major in (9, 10)
+
+
+def _grouped_wgrad(left_pos, right_pos, block_m, bounds) -> torch.Tensor:
+    """[E_l, N, K]: per local expert, left_pos.T @ right_pos over its run of the layout
+    (both [R, .] in the layout's order, zeros in the padding rows; a run of no rows gives
+    zeros). One K-grouped GEMM: the groups split the reduced dimension at the runs' ends."""
+    ends = (bounds[1:] * block_m).to(torch.int32)
+    return torch._grouped_mm(left_pos.t(), right_pos, offs=ends)
 
 
 def _train_block_m(num_slots: int) -> int:
@@ -486,34 +570,36 @@ def _train_fwd_impl(
     has_limit: bool,
     mul_routed_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [M, H], h [S, N_w], the aligned layout's three tensors): the experts' weighted sum,
-    and what the backward reads: GEMM1's output and the slot alignment."""
+    """(out [M, H], h [R, N_w], the aligned layout's three tensors): the experts' weighted sum,
+    and what the backward reads: GEMM1's output (rows in the layout's order, R its rows) and
+    the slot alignment."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     num_local, gemm1_rows, hidden = w13.shape
     act = _Act(MoEActivation(activation), alpha, beta, limit, has_limit)
     width = act.kind.output_size(gemm1_rows)
     out = x.new_empty(num_tokens, hidden)
-    h = x.new_empty(num_slots, gemm1_rows)
     if num_tokens == 0:
-        return out, h, *_empty_routing(x.device)
+        return out, x.new_empty(0, gemm1_rows), *_empty_routing(x.device)
     config = _config(x, topk_ids, w13, width)
     params = (alpha, beta, limit, has_limit)
     h_dtype = TL_DTYPE[x.dtype]
     with device_guard(x):
         rows = _aligned(topk_ids, expert_map, _train_block_m(num_slots), num_local)
+        num_rows = rows.routing.sorted_token_ids.shape[0]
+        h = x.new_empty(num_rows, gemm1_rows)  # in the layout's order
         launch_gemm(
             x, None, g.A_NONE, top_k, w13, None, g.W_NONE, w13_bias, h, None, topk_weights,
             rows, num_slots, config.gemm1, activation=None, params=params, out_mode=g.OUT_PLAIN,
-            mul_routed_weight=False, h_dtype=h_dtype,
+            mul_routed_weight=False, h_dtype=h_dtype, variant=_OUT_AT_POS,
         )  # fmt: skip
-        a = x.new_empty(num_slots, width)
-        _act_rows(h, a, act, topk_ids, expert_map, num_local)
+        a = x.new_empty(num_rows, width)
+        _act_rows(h, a, act, rows.routing, num_slots)
         y = x.new_empty(num_slots, hidden)
         launch_gemm(
             a, None, g.A_NONE, 1, w2, None, g.W_NONE, w2_bias, y, None, topk_weights.reshape(-1),
             rows, num_slots, config.gemm2, activation=None, params=params, out_mode=g.OUT_PLAIN,
-            mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
+            mul_routed_weight=mul_routed_weight, h_dtype=h_dtype, variant=_A_AT_POS,
         )  # fmt: skip
         moe_sum(y, out, topk_ids, expert_map, num_local)
     r = rows.routing
@@ -585,13 +671,14 @@ def _train_bwd(
             need_b2,
         )  # fmt: skip
         return tuple(t.zero_() for t in grads)
-    # Every element is written below (an expert without slots gets zeros from the wgrad
-    # kernel). dx and dw13 are allocated where they are first written, not here: at the peak
-    # of the step, while g / w * a and dh are both alive, they do not exist yet (dw13 is as
-    # large as dh at mixtral-8x7b's shape).
+    # Every element is written below (an expert without slots gets zeros from the weight
+    # gradients; a slot not routed here, a zero dw). The weight gradients and dx are allocated
+    # where they are first written, not here: while g / w * a is alive, dx and dw13 do not
+    # exist yet (dw13 is as large as h at mixtral-8x7b's shape).
     dx, dw13, dw2, dweights, db13, db2 = _grad_buffers(
-        x, w13, w2, topk_ids, w13_bias, w2_bias, False, False, need_w2, mul, need_b13, need_b2
+        x, w13, w2, topk_ids, w13_bias, w2_bias, False, False, False, mul, need_b13, need_b2
     )
+    dweights.zero_()  # the act kernel writes the routed slots' only
     dout = dout.contiguous()
     config = _config(x, topk_ids, w13, width)
     params = (alpha, beta, limit, has_limit)
@@ -602,11 +689,11 @@ def _train_bwd(
             sorted_token_ids, expert_ids, num_tokens_post_padded, _train_block_m(num_slots)
         )
         rows = _rows(routing, topk_ids, expert_map, num_local)
-        ga = x.new_empty(num_slots, width)  # g, then w * a
+        ga = x.new_empty(h.shape[0], width)  # g, then w * a (rows in the layout's order)
         launch_gemm(
             dout, None, g.A_NONE, top_k, w2.transpose(1, 2), None, g.W_NONE, None, ga, None,
             weights_flat, rows, num_slots, config.gemm1, activation=None, params=params,
-            out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
+            out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype, variant=_OUT_AT_POS,
         )  # fmt: skip
         # dh feeds dx, dw13 and db13 only. Each act program reads its rows' h before it writes
         # their dh, and no two programs share a row: dh may take h's memory.
@@ -617,7 +704,7 @@ def _train_bwd(
                 torch.autograd.graph.increment_version(h)
         dw_slots = dweights.view(-1) if mul else None
         _act_rows(
-            h, ga, act, topk_ids, expert_map, num_local, dh=dh, backward=True,
+            h, ga, act, routing, num_slots, dh=dh, backward=True,
             weights=weights_flat if mul_routed_weight else None, dw=dw_slots,
         )  # fmt: skip
         if mul and w2_bias is not None:  # <b2[e(s)], dout[t(s)]>: y's bias part
@@ -625,12 +712,16 @@ def _train_bwd(
         # In the order that frees each buffer soonest (the peak memory of a step): w2's
         # gradients while w * a is alive, then dx, then w13's from dh.
         bounds = (
-            expert_block_bounds(rows)
-            if need_w13 or dw2.numel() + db13.numel() + db2.numel()
-            else None
+            expert_block_bounds(rows) if need_w13 or need_w2 or db13.numel() + db2.numel() else None
         )
         if need_w2:
-            _wgrad(dout, top_k, ga, 1, rows, num_slots, dw2, bounds)  # ga holds w * a
+            if _grouped_mm_ok(dout, ga):
+                dout_pos = _gather_rows(dout, top_k, routing, num_slots)
+                dw2 = _grouped_wgrad(dout_pos, ga, routing.block_m, bounds)
+                del dout_pos
+            else:
+                dw2 = torch.empty_like(w2)
+                _wgrad(dout, top_k, ga, 0, rows, num_slots, dw2, bounds)  # ga holds w * a
         del ga
         if db2.numel():  # the sums of w * dout over each expert's slots
             slot_weights = weights_flat.view(num_slots, 1)
@@ -646,15 +737,21 @@ def _train_bwd(
                 dh, None, g.A_NONE, 1, w13.transpose(1, 2), None, g.W_NONE, None, dx_slots, None,
                 weights_flat, rows, num_slots, config.gemm2, activation=None, params=params,
                 out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
+                variant=_A_AT_POS,
             )  # fmt: skip
             moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
             del dx_slots
         if need_w13:
-            dw13 = torch.empty_like(w13)
-            _wgrad(dh, 1, x, top_k, rows, num_slots, dw13, bounds)
+            if _grouped_mm_ok(dh, x):
+                x_pos = _gather_rows(x, top_k, routing, num_slots)
+                dw13 = _grouped_wgrad(dh, x_pos, routing.block_m, bounds)
+                del x_pos
+            else:
+                dw13 = torch.empty_like(w13)
+                _wgrad(dh, 0, x, top_k, rows, num_slots, dw13, bounds)
         if db13.numel():  # the column sums of dh over each expert's slots
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
-            _wgrad(dh, 1, ones, 1, rows, num_slots, db13.view(num_local, -1, 1), bounds)
+            _wgrad(dh, 0, ones, 1, rows, num_slots, db13.view(num_local, -1, 1), bounds)
     return dx, dw13, dw2, dweights, db13, db2
 
 
@@ -731,7 +828,7 @@ def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activat
             x.new_empty(1, dtype=torch.int32),
         )
     out = x.new_empty(topk_ids.shape[0], w13.shape[2])
-    return out, x.new_empty(num_slots, w13.shape[1]), *routing
+    return out, x.new_empty(routing[0].shape[0], w13.shape[1]), *routing
 
 
 @_train_bwd_op.register_fake
