@@ -118,9 +118,9 @@ def wgrad(request, monkeypatch):
         calls["grouped_mm"] += 1
         return grouped_wgrad(*args)
 
-    def triton_spy(left, l_div, right, r_div, rows, num_slots, out, bounds):
+    def triton_spy(left, l_div, right, r_div, rows, num_slots, out, bounds, **kwargs):
         calls["triton"] += out.shape[2] > 1  # a weight gradient (a bias's is one column)
-        return triton_wgrad(left, l_div, right, r_div, rows, num_slots, out, bounds)
+        return triton_wgrad(left, l_div, right, r_div, rows, num_slots, out, bounds, **kwargs)
 
     monkeypatch.setattr(moe_train, "_grouped_wgrad", grouped_spy)
     monkeypatch.setattr(moe_train, "_wgrad", triton_spy)
@@ -271,11 +271,11 @@ def test_all_tokens_to_one_expert_and_zero_tokens(wgrad):
     assert ours["w2"].grad is None or not ours["w2"].grad.any()
 
 
-def _padding_rows_case(device, dtype):
-    """The backward's buffers in the layout's order before the grouped weight gradients: the
-    gathered rows and the act kernel's dh and w * a hold zeros in the padding rows (they enter
-    the GEMMs' sums), whatever the buffers held; the rows past the layout's end are never read.
-    Buffers start as NaN; one expert has no slot."""
+def _in_order_case(device, dtype):
+    """The backward's buffers in expert order (S rows, no padding) before the grouped weight
+    gradients: every row is written, by the gather and by the act kernel, from the slot the
+    layout puts there; the grouped GEMM's groups end where each expert's slots end. Buffers
+    start as NaN; one expert has no slot, one most."""
     from fusedmoe.activation import MoEActivation
     from fusedmoe.kernels import moe_train as mt
 
@@ -285,40 +285,37 @@ def _padding_rows_case(device, dtype):
     ids[ids == 4] = 1  # expert 4: no slot; expert 1: many
     num_slots = m * top_k
     routing = mt.moe_align_block_size(ids, 16, e)
-    num_rows = routing.sorted_token_ids.shape[0]
+    row_map = mt._in_order(routing, num_slots)
     used = int(routing.num_tokens_post_padded)
-    slots = routing.sorted_token_ids.long()
+    slots = routing.sorted_token_ids.long()[:used]
     valid = slots < num_slots
-    pad = ~valid & (torch.arange(num_rows, device=device) < used)
+    order = slots[valid]  # the slot of each row in expert order
+    assert torch.equal(row_map[:used][valid].long(), torch.arange(num_slots, device=device))
     x = torch.randn(m, h, device=device, dtype=dtype)
-    nan_rows = torch.full((num_rows, h), torch.nan, device=device, dtype=dtype)
-    x_pos = mt._gather_rows(x, top_k, routing, num_slots, out=nan_rows)
-    assert torch.equal(x_pos[valid], x[slots[valid] // top_k])
-    assert not x_pos[pad].any() and x_pos[used:].isnan().all()
+    nan_rows = torch.full((num_slots, h), torch.nan, device=device, dtype=dtype)
+    x_in_order = mt._gather_rows(x, top_k, routing, row_map, num_slots, out=nan_rows)
+    assert torch.equal(x_in_order, x[order // top_k])
 
     act = mt._Act(MoEActivation.SILU, 1.0, 0.0, 0.0, False)
-    hbuf = torch.randn(num_rows, 2 * i, device=device, dtype=dtype)
-    ga = torch.randn(num_rows, i, device=device, dtype=dtype)
-    ga[~valid] = torch.nan
+    hbuf = torch.randn(num_slots, 2 * i, device=device, dtype=dtype)
+    ga = torch.randn(num_slots, i, device=device, dtype=dtype)
     dh = torch.full_like(hbuf, torch.nan)
     weights = torch.rand(num_slots, device=device)
-    mt._act_rows(hbuf, ga, act, routing, num_slots, backward=True, dh=dh, weights=weights)
-    assert not dh[pad].any() and not ga[pad].any()
-    assert dh[:used].isfinite().all() and ga[:used].isfinite().all()
+    dw = torch.full((num_slots,), torch.nan, device=device)
+    mt._act_rows(hbuf, ga, act, routing, row_map, backward=True, dh=dh, weights=weights, dw=dw)
+    assert dh.isfinite().all() and ga.isfinite().all() and dw.isfinite().all()
 
     bounds = mt.expert_block_bounds(mt._rows(routing, ids, None, e))
-    dh[used:] = torch.nan  # past the end: never read
-    dw13 = mt._grouped_wgrad(dh, x_pos, 16, bounds)
+    dw13 = mt._grouped_wgrad(dh, x_in_order, row_map, bounds, 16)
+    experts = ids.reshape(-1).long()[order]
     ref = torch.zeros(e, 2 * i, h, dtype=torch.float64, device=device)
-    for r in valid.nonzero().flatten().tolist():
-        expert = int(ids.reshape(-1)[slots[r]])
-        ref[expert] += dh[r].double()[:, None] * x[slots[r] // top_k].double()[None, :]
+    ref.index_add_(0, experts, dh.double()[:, :, None] * x_in_order.double()[:, None, :])
     assert not dw13[4].any()
     assert_close(dw13, ref, dtype)
 
 
-def test_padding_rows_of_the_layout_are_zeros():
-    _padding_rows_case(DEVICE, torch.float32)
+def test_expert_order_buffers():
+    _in_order_case(DEVICE, torch.float32)
 
 
 def test_layer_trains_on_triton_with_router_gradient():
@@ -417,10 +414,10 @@ def test_gpu_gradients(m, top_k, num_experts, activation, bias, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_padding_rows_and_grouped_weight_gradient():
-    """The same on the GPU in bf16, where torch._grouped_mm runs CUTLASS: an empty group gets
-    zeros, and NaN past the layout's end is not read."""
-    _padding_rows_case("cuda", torch.bfloat16)
+def test_gpu_expert_order_buffers():
+    """The same on the GPU in bf16, where torch._grouped_mm runs CUTLASS (an empty group gets
+    zeros)."""
+    _in_order_case("cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -172,10 +172,11 @@ class GemmVariant:
     out_row_div: int = 1  # OUT_ATOMIC: slot -> output row
     zero: torch.Tensor | None = None  # a float32 buffer the launch zeroes (GEMM2's accumulator)
     w_fp4: bool = False  # W_MX weights pack two E2M1 codes per byte
-    # aligned (gather) layout, training: A's rows / the output's rows are the layout's
-    # positions (buffers kept in expert order), not the slots'
-    a_at_pos: bool = False
-    out_at_pos: bool = False
+    # aligned (gather) layout, training: A's rows / the output's rows are in expert order (S
+    # rows, no padding: row_map[p] is the row of the layout's position p), not the slots'
+    a_in_order: bool = False
+    out_in_order: bool = False
+    row_map: torch.Tensor | None = None
 
 
 _GATHER = GemmVariant()
@@ -199,7 +200,7 @@ def launch_gemm(
     use_tma = rows.block_m >= 64 and not interleaved and w_mode != g.W_MX and _tma_ok(w)
     w_desc = _tma_descriptor(w, config.block_n, config.block_k) if use_tma else w
     contiguous = variant.align > 0
-    positional_a = contiguous or variant.a_at_pos
+    positional_a = contiguous or variant.a_in_order
     use_tma_a = positional_a and rows.block_m >= 64 and variant.a_quant == g.AQ_NONE and _tma_ok(a)
     a_desc = _tma_descriptor(a, rows.block_m, config.block_k) if use_tma_a else a
     zero = variant.zero
@@ -216,6 +217,7 @@ def launch_gemm(
         topk_weights,
         *rows.kernel_args(),
         dummy if zero is None else zero, 0 if zero is None else zero.numel(),
+        dummy if variant.row_map is None else variant.row_map,
         n_out, k, num_slots, rows.num_blocks,
         alpha, beta, limit,
     )  # fmt: skip
@@ -243,8 +245,8 @@ def launch_gemm(
         GROUP_M=config.group_m,
         DIRECT=rows.routing is None,
         CONTIGUOUS=contiguous,
-        A_AT_POS=variant.a_at_pos,
-        OUT_AT_POS=variant.out_at_pos,
+        A_IN_ORDER=variant.a_in_order,
+        OUT_IN_ORDER=variant.out_in_order,
         ALIGN=max(variant.align, 1),
         HAS_MAP=rows.expert_map is not None,
         USE_TMA=use_tma,

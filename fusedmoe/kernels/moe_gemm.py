@@ -317,7 +317,7 @@ def _zero_slice(ptr, numel, BLOCK: tl.constexpr):
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # [rows of A, K]
-    a_desc,  # USE_TMA_A: a TMA descriptor of A (rows at the layout's positions), block [BM, BK]
+    a_desc,  # USE_TMA_A: a TMA descriptor of A (CONTIGUOUS / A_IN_ORDER rows), block [BM, BK]
     a_scale_ptr, stride_asm, stride_ask,  # [1] | [rows of A, 1] | [rows of A, ceil(K/g)]
     w_ptr, stride_we, stride_wn, stride_wk,  # [E_l, N_w, K] (FP4: [E_l, N_w, K/2])
     w_desc,  # USE_TMA: a TMA descriptor of w as [E_l * N_w, K], block [BN, BK]
@@ -331,6 +331,7 @@ def _moe_gemm_kernel(
     ids_ptr, map_ptr,  # DIRECT: topk_ids [S] and expert_map [E] (global -> local, -1 elsewhere)
     num_ids, num_local,  # DIRECT: ids outside [0, num_ids) / map entries outside [0, E_l): skipped
     zero_ptr, zero_numel,  # ZERO_OUT: float32 buffer this launch zeroes (GEMM2's accumulator)
+    row_map_ptr,  # A_IN_ORDER / OUT_IN_ORDER: int32 [layout rows]: a slot's row in expert order
     N, K, num_slots, max_blocks,
     alpha, beta, limit,  # activation parameters, defaults resolved
     A_ROW_DIV: tl.constexpr,  # k for GEMM1 (x is per token), 1 for GEMM2 (a2 is per slot)
@@ -356,12 +357,12 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr,  # one block per slot, no alignment (M = 1: k distinct experts)
     CONTIGUOUS: tl.constexpr,  # A permuted into expert-aligned runs (rows = block rows)
-    A_AT_POS: tl.constexpr,  # aligned layout: A's rows are the layout's positions, not slots
-    OUT_AT_POS: tl.constexpr,  # aligned layout: the output's rows are the layout's positions
+    A_IN_ORDER: tl.constexpr,  # aligned layout: A's rows in expert order (row_map), not slots
+    OUT_IN_ORDER: tl.constexpr,  # aligned layout: the output's rows in expert order (row_map)
     ALIGN: tl.constexpr,  # CONTIGUOUS: rows per entry of expert_ids (a multiple of BLOCK_M)
     HAS_MAP: tl.constexpr,
     USE_TMA: tl.constexpr,  # w contiguous with halves (not interleaved) gate / up rows
-    USE_TMA_A: tl.constexpr,  # CONTIGUOUS or A_AT_POS: TMA loads of A
+    USE_TMA_A: tl.constexpr,  # CONTIGUOUS or A_IN_ORDER: TMA loads of A
     W_BLOCK_UNIFORM: tl.constexpr,  # 128-block w: each tile's rows lie in one block of 128
     ZERO_OUT: tl.constexpr,
     MX_DTYPE: tl.constexpr,  # what MX operands are dequantized to: bf16 (fp32 on the interpreter)
@@ -399,10 +400,16 @@ def _moe_gemm_kernel(
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = slots < num_slots
-    # A_AT_POS / OUT_AT_POS (training): buffers in the layout's order; their padding rows are
-    # computed from whatever they hold and never stored
-    positions = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    a_rows = positions if A_AT_POS else (slots // A_ROW_DIV).to(tl.int64)
+    # A_IN_ORDER / OUT_IN_ORDER (training): buffers of S rows in expert order, no padding. A
+    # block's first row is always a slot (padding ends a run), and its slots are consecutive
+    # rows from row_map's entry; its padding rows compute from the rows after (or TMA's zeros
+    # past the end) and are never stored.
+    if A_IN_ORDER or OUT_IN_ORDER:
+        first_row = tl.load(row_map_ptr + pid_m * BLOCK_M)
+    else:
+        first_row = pid_m * BLOCK_M
+    in_order = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+    a_rows = in_order if A_IN_ORDER else (slots // A_ROW_DIV).to(tl.int64)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -436,7 +443,7 @@ def _moe_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_remaining = K - k0
         if USE_TMA_A:
-            a = a_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
+            a = a_desc.load([first_row.to(tl.int32), k0])
         elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
         else:
@@ -542,7 +549,7 @@ def _moe_gemm_kernel(
             h_u += bias_u.to(tl.float32)[None, :]
 
     slot_rows = slots.to(tl.int64)
-    out_rows = positions if OUT_AT_POS else slot_rows
+    out_rows = in_order if OUT_IN_ORDER else slot_rows
     out_mask = row_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     if ACTIVATION == _ACT_NONE:

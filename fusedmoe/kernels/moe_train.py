@@ -109,10 +109,6 @@ _WGRAD_STEP = 64  # rows reduced per step of the weight gradient (64 beat 128 on
 #: torch._grouped_mm takes the weight gradients where it runs (_grouped_mm_ok); False: always
 #: the Triton kernel (tests switch it)
 _GROUPED_MM_WGRAD = True
-#: GEMM row addressing: GEMM1 and the dgrad of g write rows in the layout's order (h, g); GEMM2
-#: and the dgrad of dx read them so
-_OUT_AT_POS = GemmVariant(out_at_pos=True)
-_A_AT_POS = GemmVariant(a_at_pos=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,12 +199,12 @@ def _act_and_grad(gate, up, da, alpha, beta, limit, ACTIVATION: tl.constexpr,
 
 @triton.jit
 def _act_rows_kernel(
-    h_ptr, stride_hm, stride_hn,  # [R, N_w] GEMM1's output (the activation dtype)
-    ga_ptr, stride_gm, stride_gn,  # [R, I]: forward, a written; backward, g read, w * a written
-    dh_ptr, stride_dm, stride_dn,  # STORE_DH: [R, N_w] dL/dh
+    h_ptr, stride_hm, stride_hn,  # [S, N_w] GEMM1's output (the activation dtype)
+    ga_ptr, stride_gm, stride_gn,  # [S, I]: forward, a written; backward, g read, w * a written
+    dh_ptr, stride_dm, stride_dn,  # STORE_DH: [S, N_w] dL/dh
     w_ptr,  # MUL_WEIGHT: float32 [S] router weights
     dw_ptr,  # STORE_DW: float32 [S] <a[s], g[s]>
-    sorted_ids_ptr, num_post_ptr,  # the aligned layout: slot of each row, rows in use
+    sorted_ids_ptr, num_post_ptr, row_map_ptr,  # the aligned layout, each position's row
     S, N,  # N = I, the activation width
     alpha, beta, limit,
     ACTIVATION: tl.constexpr,
@@ -224,15 +220,16 @@ def _act_rows_kernel(
 ):  # fmt: skip
     """forward: a = act(h).  backward: dh = act'(h) * (w * g), dw = <a, g>, and w * a written
     over g (the right operand of w2's weight gradient: the weight is applied once, here).
-    Rows are the aligned layout's; the backward writes zeros in its padding rows (the grouped
-    weight-gradient GEMMs sum over whole runs), the rows past the layout's end are left."""
-    row0 = tl.program_id(0) * BLOCK_R
-    if row0 >= tl.load(num_post_ptr):
+    The buffers' rows are in expert order; programs walk the aligned layout (BLOCK_R of its
+    positions each) to find each row's slot."""
+    pos0 = tl.program_id(0) * BLOCK_R
+    if pos0 >= tl.load(num_post_ptr):
         return
-    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-    slots = tl.load(sorted_ids_ptr + rows)  # the grid covers whole blocks of the layout
+    positions = pos0 + tl.arange(0, BLOCK_R)
+    slots = tl.load(sorted_ids_ptr + positions)  # the grid covers whole blocks of the layout
     row_mask = slots < S  # padding: a sentinel >= S
     slots64 = tl.where(row_mask, slots, 0).to(tl.int64)
+    rows = tl.load(row_map_ptr + positions).to(tl.int64)
     if BACKWARD and MUL_WEIGHT:
         w = tl.load(w_ptr + slots64, mask=row_mask, other=0.0)
     dot = tl.zeros((BLOCK_R,), tl.float32)
@@ -266,17 +263,13 @@ def _act_rows_kernel(
                 dot += tl.sum(tl.where(mask, act * grad_a, 0.0), axis=1)
             if MUL_WEIGHT:
                 act = act * w[:, None]
-            act = tl.where(mask, act, 0.0)
-            tile = (rows >= 0)[:, None] & col_mask  # padding rows too: zeros
             if STORE_DH:
                 dh_row = dh_ptr + rows[:, None] * stride_dm
                 dh_ty = dh_ptr.dtype.element_ty
-                d_gate = tl.where(mask, d_gate, 0.0).to(dh_ty)
-                tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate, mask=tile)
+                tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
                 if GATED:
-                    d_up = tl.where(mask, d_up, 0.0).to(dh_ty)
-                    tl.store(dh_row + up_cols[None, :] * stride_dn, d_up, mask=tile)
-            tl.store(ga_ptrs, act.to(ga_ptr.dtype.element_ty), mask=tile)
+                    tl.store(dh_row + up_cols[None, :] * stride_dn, d_up.to(dh_ty), mask=mask)
+            tl.store(ga_ptrs, act.to(ga_ptr.dtype.element_ty), mask=mask)
         else:
             act, _, _ = _act_and_grad(gate, up, 0.0, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
             tl.store(ga_ptrs, act.to(ga_ptr.dtype.element_ty), mask=mask)
@@ -286,11 +279,12 @@ def _act_rows_kernel(
 
 @triton.jit
 def _moe_wgrad_kernel(
-    l_ptr, stride_lm, stride_ln,  # L [rows, N]: row of slot s is s // L_ROW_DIV (0: the
-                                  # layout's position of s)
+    l_ptr, stride_lm, stride_ln,  # L [rows, N]: row of slot s is s // L_ROW_DIV (0: its row
+                                  # in expert order, row_map)
     r_ptr, stride_rm, stride_rk,  # R [rows, K]: row of slot s is s // R_ROW_DIV (0: as L)
     out_ptr, stride_oe, stride_on, stride_ok,  # [E_l, N, K]
     sorted_ids_ptr,  # moe_align's sorted slot ids (BM rows a block)
+    row_map_ptr,  # int32: the row in expert order of each position of the layout
     bounds_ptr,  # int32 [E_l + 1]: expert e owns blocks bounds[e] .. bounds[e + 1]
     N, K, num_slots,
     L_ROW_DIV: tl.constexpr,
@@ -331,8 +325,10 @@ def _moe_wgrad_kernel(
         positions = step * BLOCK_M + tl.arange(0, BLOCK_M)
         slots = tl.load(sorted_ids_ptr + positions)
         row_mask = slots < num_slots
-        l_rows = (positions if L_ROW_DIV == 0 else slots // L_ROW_DIV).to(tl.int64)
-        r_rows = (positions if R_ROW_DIV == 0 else slots // R_ROW_DIV).to(tl.int64)
+        if L_ROW_DIV == 0 or R_ROW_DIV == 0:
+            in_order = tl.load(row_map_ptr + positions)
+        l_rows = (in_order if L_ROW_DIV == 0 else slots // L_ROW_DIV).to(tl.int64)
+        r_rows = (in_order if R_ROW_DIV == 0 else slots // R_ROW_DIV).to(tl.int64)
         if TRANS_LOAD:
             left_t = tl.load(
                 l_ptr + l_rows[None, :] * stride_lm + offs_n[:, None] * stride_ln,
@@ -373,20 +369,20 @@ class _Act:
     has_limit: bool
 
 
-def _act_rows(h, ga, act: _Act, routing: AlignedRouting, num_slots, *, backward=False,
-              dh=None, weights=None, dw=None) -> None:  # fmt: skip
-    """Over the aligned layout's rows: forward, ga = act(h); backward, ga holds g, (w *) a is
-    written over it, and dh and dw filled when given (dh may be h itself)."""
-    num_rows, width = ga.shape
+def _act_rows(h, ga, act: _Act, routing: AlignedRouting, row_map, *, backward=False, dh=None,
+              weights=None, dw=None) -> None:  # fmt: skip
+    """Rows in expert order: forward, ga = act(h); backward, ga holds g, (w *) a is written
+    over it, and dh and dw filled when given (dh may be h itself)."""
+    num_slots, width = ga.shape
     mul = backward and weights is not None
-    grid = (cdiv(num_rows, _ROWS_BLOCK_R),)
+    grid = (cdiv(routing.sorted_token_ids.shape[0], _ROWS_BLOCK_R),)
     args = (
         h, h.stride(0), h.stride(1),
         ga, ga.stride(0), ga.stride(1),
         *((dh, dh.stride(0), dh.stride(1)) if dh is not None else (h, 0, 0)),
         weights if mul else ga,
         ga if dw is None else dw,
-        routing.sorted_token_ids, routing.num_tokens_post_padded,
+        routing.sorted_token_ids, routing.num_tokens_post_padded, row_map,
         num_slots, width,
         act.alpha, act.beta, act.limit,
     )  # fmt: skip
@@ -417,12 +413,12 @@ def expert_block_bounds(rows: GemmRows) -> torch.Tensor:
     return torch.searchsorted(table, experts, out_int32=True)
 
 
-def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bounds,
-           tile=None) -> None:  # fmt: skip
+def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bounds, *,
+           row_map=None, tile=None) -> None:  # fmt: skip
     """out [E_l, N, K] = per local expert, the sum over its slots of left rows.T @ right rows
-    (row of slot s: s // l_row_div of left, s // r_row_div of right, or the layout's position
-    of s where the divisor is 0; a right with row stride 0 is one row for every slot, e.g.
-    ones for a bias gradient)."""
+    (row of slot s: s // l_row_div of left, s // r_row_div of right, or its row in expert
+    order, row_map's, where the divisor is 0; a right with row stride 0 is one row for every
+    slot, e.g. ones for a bias gradient)."""
     num_local, n, k = out.shape
     routing = rows.routing
     block_n, block_k, warps, stages, trans = tile or _WGRAD_TILE
@@ -434,7 +430,8 @@ def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bo
         left, left.stride(0), left.stride(1),
         right, right.stride(0), right.stride(1),
         out, out.stride(0), out.stride(1), out.stride(2),
-        routing.sorted_token_ids, bounds,
+        routing.sorted_token_ids, routing.sorted_token_ids if row_map is None else row_map,
+        bounds,
         n, k, num_slots,
     )  # fmt: skip
     constexprs = dict(
@@ -456,44 +453,48 @@ def _wgrad(left, l_row_div, right, r_row_div, rows: GemmRows, num_slots, out, bo
 @triton.jit
 def _gather_rows_kernel(
     src_ptr, stride_sm, stride_sc,  # [rows, C]
-    out_ptr, stride_om, stride_oc,  # [R, C]: row r = src row of slot sorted[r] // ROW_DIV
-    sorted_ids_ptr, num_post_ptr, S, C,
+    out_ptr, stride_om, stride_oc,  # [S, C]: the slots' rows in expert order
+    sorted_ids_ptr, num_post_ptr, row_map_ptr, S, C,
     ROW_DIV: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """The layout's rows of src, zeros in its padding rows (rows past its end are left)."""
-    row0 = tl.program_id(0) * BLOCK_R
-    if row0 >= tl.load(num_post_ptr):
+    """out[row of s] = src[s // ROW_DIV] for each slot s of the aligned layout."""
+    pos0 = tl.program_id(0) * BLOCK_R
+    if pos0 >= tl.load(num_post_ptr):
         return
-    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-    slots = tl.load(sorted_ids_ptr + rows)
+    positions = pos0 + tl.arange(0, BLOCK_R)
+    slots = tl.load(sorted_ids_ptr + positions)
     valid = slots < S
+    rows = tl.load(row_map_ptr + positions).to(tl.int64)
     src_rows = (tl.where(valid, slots, 0) // ROW_DIV).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = (cols < C)[None, :]
-    vals = tl.load(
-        src_ptr + src_rows[:, None] * stride_sm + cols[None, :] * stride_sc,
-        mask=valid[:, None] & col_mask, other=0.0,
-    )  # fmt: skip
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oc, vals,
-             mask=(rows >= 0)[:, None] & col_mask)  # fmt: skip
+    mask = valid[:, None] & (cols < C)[None, :]
+    vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + cols[None, :] * stride_sc, mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oc, vals, mask=mask)
 
 
-def _gather_rows(src, row_div, routing: AlignedRouting, num_slots, out=None) -> torch.Tensor:
-    """[R, C]: row r holds src[sorted[r] // row_div], zeros in the layout's padding rows (out:
-    a buffer to fill, else a new one)."""
-    num_rows, cols = routing.sorted_token_ids.shape[0], src.shape[1]
-    out = src.new_empty(num_rows, cols) if out is None else out
+def _gather_rows(src, row_div, routing: AlignedRouting, row_map, num_slots,
+                 out=None) -> torch.Tensor:  # fmt: skip
+    """[S, C]: the rows src[s // row_div] of the slots in expert order (out: a buffer to fill,
+    else a new one)."""
+    cols = src.shape[1]
+    out = src.new_empty(num_slots, cols) if out is None else out
     block_c = min(_ROWS_BLOCK_C * 2, next_power_of_2(cols))
-    grid = (cdiv(num_rows, _ROWS_BLOCK_R), cdiv(cols, block_c))
+    grid = (cdiv(routing.sorted_token_ids.shape[0], _ROWS_BLOCK_R), cdiv(cols, block_c))
     args = (
         src, src.stride(0), src.stride(1), out, out.stride(0), out.stride(1),
-        routing.sorted_token_ids, routing.num_tokens_post_padded, num_slots, cols,
+        routing.sorted_token_ids, routing.num_tokens_post_padded, row_map, num_slots, cols,
     )  # fmt: skip
     constexprs = dict(ROW_DIV=row_div, BLOCK_R=_ROWS_BLOCK_R, BLOCK_C=block_c, num_warps=4)
     launch(_gather_rows_kernel, grid, args, constexprs, src.is_cuda)
     return out
+
+
+def _in_order(routing: AlignedRouting, num_slots) -> torch.Tensor:
+    """int32 [rows of the layout]: the row of each position's slot when the slots are stored in
+    expert order, without padding (a padding position gets the row before it: never used)."""
+    return torch.cumsum(routing.sorted_token_ids < num_slots, 0, dtype=torch.int32) - 1
 
 
 def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
@@ -512,12 +513,12 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     return first.dtype == torch.bfloat16 and major in (9, 10)
 
 
-def _grouped_wgrad(left_pos, right_pos, block_m, bounds) -> torch.Tensor:
-    """[E_l, N, K]: per local expert, left_pos.T @ right_pos over its run of the layout
-    (both [R, .] in the layout's order, zeros in the padding rows; a run of no rows gives
-    zeros). One K-grouped GEMM: the groups split the reduced dimension at the runs' ends."""
-    ends = (bounds[1:] * block_m).to(torch.int32)
-    return torch._grouped_mm(left_pos.t(), right_pos, offs=ends)
+def _grouped_wgrad(left, right, row_map, bounds, block_m) -> torch.Tensor:
+    """[E_l, N, K]: per local expert, left.T @ right over its slots (both [S, .] in expert
+    order; an expert with no slot gets zeros). One K-grouped GEMM: the groups split the
+    reduced dimension where each expert's slots end."""
+    ends = torch.nn.functional.pad(row_map + 1, (1, 0))[bounds[1:] * block_m]
+    return torch._grouped_mm(left.t(), right, offs=ends)
 
 
 def _train_block_m(num_slots: int) -> int:
@@ -570,9 +571,9 @@ def _train_fwd_impl(
     has_limit: bool,
     mul_routed_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [M, H], h [R, N_w], the aligned layout's three tensors): the experts' weighted sum,
-    and what the backward reads: GEMM1's output (rows in the layout's order, R its rows) and
-    the slot alignment."""
+    """(out [M, H], h [S, N_w], the aligned layout's three tensors): the experts' weighted sum,
+    and what the backward reads: GEMM1's output (rows in expert order) and the slot
+    alignment."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     num_local, gemm1_rows, hidden = w13.shape
@@ -586,20 +587,22 @@ def _train_fwd_impl(
     h_dtype = TL_DTYPE[x.dtype]
     with device_guard(x):
         rows = _aligned(topk_ids, expert_map, _train_block_m(num_slots), num_local)
-        num_rows = rows.routing.sorted_token_ids.shape[0]
-        h = x.new_empty(num_rows, gemm1_rows)  # in the layout's order
+        row_map = _in_order(rows.routing, num_slots)
+        h = x.new_empty(num_slots, gemm1_rows)  # rows in expert order
         launch_gemm(
             x, None, g.A_NONE, top_k, w13, None, g.W_NONE, w13_bias, h, None, topk_weights,
             rows, num_slots, config.gemm1, activation=None, params=params, out_mode=g.OUT_PLAIN,
-            mul_routed_weight=False, h_dtype=h_dtype, variant=_OUT_AT_POS,
+            mul_routed_weight=False, h_dtype=h_dtype,
+            variant=GemmVariant(out_in_order=True, row_map=row_map),
         )  # fmt: skip
-        a = x.new_empty(num_rows, width)
-        _act_rows(h, a, act, rows.routing, num_slots)
+        a = x.new_empty(num_slots, width)
+        _act_rows(h, a, act, rows.routing, row_map)
         y = x.new_empty(num_slots, hidden)
         launch_gemm(
             a, None, g.A_NONE, 1, w2, None, g.W_NONE, w2_bias, y, None, topk_weights.reshape(-1),
             rows, num_slots, config.gemm2, activation=None, params=params, out_mode=g.OUT_PLAIN,
-            mul_routed_weight=mul_routed_weight, h_dtype=h_dtype, variant=_A_AT_POS,
+            mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
+            variant=GemmVariant(a_in_order=True, row_map=row_map),
         )  # fmt: skip
         moe_sum(y, out, topk_ids, expert_map, num_local)
     r = rows.routing
@@ -689,11 +692,14 @@ def _train_bwd(
             sorted_token_ids, expert_ids, num_tokens_post_padded, _train_block_m(num_slots)
         )
         rows = _rows(routing, topk_ids, expert_map, num_local)
-        ga = x.new_empty(h.shape[0], width)  # g, then w * a (rows in the layout's order)
+        row_map = _in_order(routing, num_slots)
+        out_in_order = GemmVariant(out_in_order=True, row_map=row_map)
+        a_in_order = GemmVariant(a_in_order=True, row_map=row_map)
+        ga = x.new_empty(num_slots, width)  # g, then w * a (rows in expert order)
         launch_gemm(
             dout, None, g.A_NONE, top_k, w2.transpose(1, 2), None, g.W_NONE, None, ga, None,
             weights_flat, rows, num_slots, config.gemm1, activation=None, params=params,
-            out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype, variant=_OUT_AT_POS,
+            out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype, variant=out_in_order,
         )  # fmt: skip
         # dh feeds dx, dw13 and db13 only. Each act program reads its rows' h before it writes
         # their dh, and no two programs share a row: dh may take h's memory.
@@ -704,7 +710,7 @@ def _train_bwd(
                 torch.autograd.graph.increment_version(h)
         dw_slots = dweights.view(-1) if mul else None
         _act_rows(
-            h, ga, act, routing, num_slots, dh=dh, backward=True,
+            h, ga, act, routing, row_map, dh=dh, backward=True,
             weights=weights_flat if mul_routed_weight else None, dw=dw_slots,
         )  # fmt: skip
         if mul and w2_bias is not None:  # <b2[e(s)], dout[t(s)]>: y's bias part
@@ -716,12 +722,12 @@ def _train_bwd(
         )
         if need_w2:
             if _grouped_mm_ok(dout, ga):
-                dout_pos = _gather_rows(dout, top_k, routing, num_slots)
-                dw2 = _grouped_wgrad(dout_pos, ga, routing.block_m, bounds)
-                del dout_pos
+                dout_in_order = _gather_rows(dout, top_k, routing, row_map, num_slots)
+                dw2 = _grouped_wgrad(dout_in_order, ga, row_map, bounds, routing.block_m)
+                del dout_in_order
             else:
                 dw2 = torch.empty_like(w2)
-                _wgrad(dout, top_k, ga, 0, rows, num_slots, dw2, bounds)  # ga holds w * a
+                _wgrad(dout, top_k, ga, 0, rows, num_slots, dw2, bounds, row_map=row_map)
         del ga
         if db2.numel():  # the sums of w * dout over each expert's slots
             slot_weights = weights_flat.view(num_slots, 1)
@@ -737,21 +743,22 @@ def _train_bwd(
                 dh, None, g.A_NONE, 1, w13.transpose(1, 2), None, g.W_NONE, None, dx_slots, None,
                 weights_flat, rows, num_slots, config.gemm2, activation=None, params=params,
                 out_mode=g.OUT_PLAIN, mul_routed_weight=False, h_dtype=h_dtype,
-                variant=_A_AT_POS,
+                variant=a_in_order,
             )  # fmt: skip
             moe_sum(dx_slots, dx, topk_ids, expert_map, num_local)
             del dx_slots
         if need_w13:
             if _grouped_mm_ok(dh, x):
-                x_pos = _gather_rows(x, top_k, routing, num_slots)
-                dw13 = _grouped_wgrad(dh, x_pos, routing.block_m, bounds)
-                del x_pos
+                x_in_order = _gather_rows(x, top_k, routing, row_map, num_slots)
+                dw13 = _grouped_wgrad(dh, x_in_order, row_map, bounds, routing.block_m)
+                del x_in_order
             else:
                 dw13 = torch.empty_like(w13)
-                _wgrad(dh, 0, x, top_k, rows, num_slots, dw13, bounds)
+                _wgrad(dh, 0, x, top_k, rows, num_slots, dw13, bounds, row_map=row_map)
         if db13.numel():  # the column sums of dh over each expert's slots
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)
-            _wgrad(dh, 0, ones, 1, rows, num_slots, db13.view(num_local, -1, 1), bounds)
+            db13_3d = db13.view(num_local, -1, 1)
+            _wgrad(dh, 0, ones, 1, rows, num_slots, db13_3d, bounds, row_map=row_map)
     return dx, dw13, dw2, dweights, db13, db2
 
 
@@ -828,7 +835,7 @@ def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, activat
             x.new_empty(1, dtype=torch.int32),
         )
     out = x.new_empty(topk_ids.shape[0], w13.shape[2])
-    return out, x.new_empty(routing[0].shape[0], w13.shape[1]), *routing
+    return out, x.new_empty(num_slots, w13.shape[1]), *routing
 
 
 @_train_bwd_op.register_fake
