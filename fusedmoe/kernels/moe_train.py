@@ -9,28 +9,35 @@ Legend: M tokens, k top-k, S = M * k slots (slot s: token t(s) = s // k, local e
 router weight w_s), E_l local experts, H hidden, N_w rows of w13 per expert (2I gated, I
 otherwise), I the activation width.
 
-Forward (the slots aligned into 128-row blocks per expert for large calls, as inference does):
-    h[s]     = x[t(s)] @ w13[e(s)].T + b13[e(s)]              GEMM1 -> [S, N_w]   (saved)
-    a[s]     = act(h[s])                                       act kernel -> [S, I]
-    y[s]     = (a[s] @ w2[e(s)].T + b2[e(s)]) * w_s            GEMM2 -> [S, H]
+Forward (the slots aligned into 128-row blocks per expert for large calls, as inference does;
+the per-slot buffers h, a, g, dh are kept in expert order, S rows without padding: row r(s)):
+    h[r(s)]  = x[t(s)] @ w13[e(s)].T + b13[e(s)]              GEMM1 -> [S, N_w]   (saved)
+    a[r(s)]  = act(h[r(s)])                                    act kernel -> [S, I]
+    y[s]     = (a[r(s)] @ w2[e(s)].T + b2[e(s)]) * w_s         GEMM2 -> [S, H]
     out[t]   = sum over the slots of t routed here of y[s]     moe_sum -> [M, H]
 
 Backward, from dout [M, H]:
-    g[s]     = dout[t(s)] @ w2[e(s)]                           dgrad GEMM (w2 read transposed)
-    dw_s     = <a[s], g[s]> + <b2[e(s)], dout[t(s)]>            = <y[s] / w_s, dout[t(s)]>
-    dh[s]    = act'(h[s]) * (w_s * g[s])                       act kernel, which also writes
-                                                               w_s * a[s] over g
-    dw2[e]   = sum_{s of e} dout[t(s)].T (w_s * a[s])           wgrad kernel -> [E_l, H, I]
+    g[r(s)]  = dout[t(s)] @ w2[e(s)]                           dgrad GEMM (w2 read transposed)
+    dw_s     = <a[r(s)], g[r(s)]> + <b2[e(s)], dout[t(s)]>      = <y[s] / w_s, dout[t(s)]>
+    dh[r(s)] = act'(h[r(s)]) * (w_s * g[r(s)])                 act kernel, which also writes
+                                                               w_s * a over g
+    dw2[e]   = sum_{s of e} dout[t(s)].T (w_s * a[r(s)])        weight gradient -> [E_l, H, I]
     db2[e]   = sum_{s of e} w_s * dout[t(s)]                    wgrad kernel, one column
-    dx[t]    = sum_j dh[s] @ w13[e(s)]                         dgrad GEMM (w13 transposed) + sum
-    dw13[e]  = sum_{s of e} dh[s].T x[t(s)]                     wgrad kernel -> [E_l, N_w, H]
-    db13[e]  = sum_{s of e} dh[s]                               wgrad kernel, one column
+    dx[t]    = sum_j dh[r(s)] @ w13[e(s)]                      dgrad GEMM (w13 transposed) + sum
+    dw13[e]  = sum_{s of e} dh[r(s)].T x[t(s)]                  weight gradient -> [E_l, N_w, H]
+    db13[e]  = sum_{s of e} dh[r(s)]                            wgrad kernel, one column
 
-The weight gradient (wgrad) is one program per (expert, 128 x 128 tile of dW), reducing over
-the expert's run of the aligned layout 64 rows a step; each reads its run's bounds from a
-table made once per backward. Nothing in its loop but the gathers and the dot: the router
-weight is folded into w * a by the act kernel, and the bias gradients are one-column weight
-gradients (right operand w or 1) rather than sums in every tile.
+Expert order is what the weight gradients want: each expert's rows are one run. Where
+torch._grouped_mm runs (bf16 on sm90 / sm100), dw2 and dw13 are one K-grouped GEMM each over
+dout and x gathered into the same order (two [S, H] buffers, one at a time, freed at once):
+CUTLASS's grouped GEMMs were 1.1x to 1.7x our kernel on an H100. Elsewhere (fp16, fp32, other
+GPUs) the Triton wgrad kernel runs: one program per (expert, 128 x 128 tile of dW), reducing
+over the expert's run of the aligned layout 64 rows a step, its run's bounds read from a
+table made once per backward, the other operand gathered by token. The router weight is folded
+into w * a by the act kernel, and the bias gradients are one-column weight gradients (right
+operand w or 1) rather than sums in every tile. The GEMMs and kernels find a slot's row from a
+per-position map of the aligned layout (a cumulative count of its slots); the layout's padding
+never reaches the buffers.
 
 What the forward saves, and why: h [S, N_w], the one value the backward could only get back by
 redoing GEMM1, and the slot alignment (a few int32 per slot; recomputing it cost launches on
@@ -38,10 +45,11 @@ the host). a is recomputed from h (one elementwise pass, which act' makes anyway
 never needed: dw_s only asks for <y[s] / w_s, dout>, which the identity above takes from a and
 g. So a recorded call keeps S * N_w elements alive (plus its inputs), where a torch pipeline
 keeps the gathered x, h, a and y. The backward frees each of its buffers (g / w * a, the
-per-slot dx) as soon as it is consumed, and in eager mode writes dh over h, whose last reader
-is the act kernel that makes dh (a torch pipeline's activation node frees what it saved at that
-point; one node cannot, so it reuses the memory). The price: no second backward through the
-same graph (retain_graph=True), which autograd's saved-tensor check refuses.
+per-slot dx, the gathered operands) as soon as it is consumed, and in eager mode writes dh over
+h, whose last reader is the act kernel that makes dh (a torch pipeline's activation node frees
+what it saved at that point; one node cannot, so it reuses the memory). The price: no second
+backward through the same graph (retain_graph=True), which autograd's saved-tensor check
+refuses.
 
 Slots not routed to this rank (expert_map -1, ids out of range) are skipped everywhere: their
 rows of h, g and dh are never written nor read, and their dw_s is 0. With
