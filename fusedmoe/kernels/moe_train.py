@@ -517,6 +517,8 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
         return False
     if not first.is_cuda:
         return True
+    if torch.version.hip is not None:  # measured on NVIDIA GPUs only
+        return False
     major = torch.cuda.get_device_capability(first.device)[0]
     return first.dtype == torch.bfloat16 and major in (9, 10)
 
