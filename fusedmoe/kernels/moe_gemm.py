@@ -402,8 +402,8 @@ def _moe_gemm_kernel(
     row_mask = slots < num_slots
     # A_IN_ORDER / OUT_IN_ORDER (training): buffers of S rows in expert order, no padding. A
     # block's first row is always a slot (padding ends a run), and its slots are consecutive
-    # rows from row_map's entry; its padding rows compute from the rows after (or TMA's zeros
-    # past the end) and are never stored.
+    # rows from row_map's entry; its padding rows read zeros (masked loads) or, through TMA,
+    # the rows after (zeros past the end), and are never stored.
     if A_IN_ORDER or OUT_IN_ORDER:
         first_row = tl.load(row_map_ptr + pid_m * BLOCK_M)
     else:

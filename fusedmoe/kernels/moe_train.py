@@ -28,7 +28,7 @@ Backward, from dout [M, H]:
     db13[e]  = sum_{s of e} dh[r(s)]                            wgrad kernel, one column
 
 Expert order is what the weight gradients want: each expert's rows are one run. Where
-torch._grouped_mm runs (bf16 on sm90 / sm100), dw2 and dw13 are one K-grouped GEMM each over
+torch._grouped_mm runs (bf16 on an sm90 GPU), dw2 and dw13 are one K-grouped GEMM each over
 dout and x gathered into the same order (two [S, H] buffers, one at a time, freed at once):
 CUTLASS's grouped GEMMs were 1.1x to 1.7x our kernel on an H100. Elsewhere (fp16, fp32, other
 GPUs) the Triton wgrad kernel runs: one program per (expert, 128 x 128 tile of dW), reducing
@@ -51,8 +51,9 @@ what it saved at that point; one node cannot, so it reuses the memory). The pric
 backward through the same graph (retain_graph=True), which autograd's saved-tensor check
 refuses.
 
-Slots not routed to this rank (expert_map -1, ids out of range) are skipped everywhere: their
-rows of h, g and dh are never written nor read, and their dw_s is 0. With
+Slots not routed to this rank (expert_map -1, ids out of range) are skipped everywhere: they
+are not in the aligned layout, so they have no row in expert order (the buffers' last rows,
+as many as such slots, are never written nor read), and their dw_s is 0. With
 apply_router_weight_on_input (mul_routed_weight False) the weight was applied to x before this
 op (prepare), so autograd differentiates that multiply and this op returns no dw.
 """
@@ -60,6 +61,7 @@ op (prepare), so autograd differentiates that multiply and this op returns no dw
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +119,7 @@ _WGRAD_STEP = 64  # rows reduced per step of the weight gradient (64 beat 128 on
 #: torch._grouped_mm takes the weight gradients where it runs (_grouped_mm_ok); False: always
 #: the Triton kernel (tests switch it)
 _GROUPED_MM_WGRAD = True
+_TORCH_VERSION = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,6 +386,7 @@ def _act_rows(h, ga, act: _Act, routing: AlignedRouting, row_map, *, backward=Fa
     over it, and dh and dw filled when given (dh may be h itself)."""
     num_slots, width = ga.shape
     mul = backward and weights is not None
+    assert routing.block_m % _ROWS_BLOCK_R == 0  # a program's positions lie in one block
     grid = (cdiv(routing.sorted_token_ids.shape[0], _ROWS_BLOCK_R),)
     args = (
         h, h.stride(0), h.stride(1),
@@ -489,6 +493,7 @@ def _gather_rows(src, row_div, routing: AlignedRouting, row_map, num_slots,
     cols = src.shape[1]
     out = src.new_empty(num_slots, cols) if out is None else out
     block_c = min(_ROWS_BLOCK_C * 2, next_power_of_2(cols))
+    assert routing.block_m % _ROWS_BLOCK_R == 0  # a program's positions lie in one block
     grid = (cdiv(routing.sorted_token_ids.shape[0], _ROWS_BLOCK_R), cdiv(cols, block_c))
     args = (
         src, src.stride(0), src.stride(1), out, out.stride(0), out.stride(1),
@@ -506,21 +511,22 @@ def _in_order(routing: AlignedRouting, num_slots) -> torch.Tensor:
 
 
 def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes the weight gradients: bf16 on an sm90 / sm100 GPU
-    (CUTLASS grouped GEMMs, 1.1x to 1.7x our Triton kernel's speed on an H100 for the five
-    presets at 4096 and 16384 tokens), rows 16-byte aligned. The CPU (the interpreter's tests)
-    runs its reference implementation, in every training dtype."""
+    """Whether torch._grouped_mm takes the weight gradients: bf16 on an NVIDIA sm90 GPU (CUTLASS
+    grouped GEMMs, 1.1x to 1.7x our Triton kernel's speed on an H100 for the five presets at
+    4096 and 16384 tokens; other GPUs were not measured), rows 16-byte aligned. The CPU (the
+    interpreter's tests) runs torch's own implementation, in every training dtype, from torch
+    2.9 (2.8 has none)."""
     first = tensors[0]
     if getattr(torch, "_grouped_mm", None) is None or not _GROUPED_MM_WGRAD:
         return False
     if any(t.shape[1] * t.element_size() % 16 for t in tensors):
         return False
     if not first.is_cuda:
-        return True
-    if torch.version.hip is not None:  # measured on NVIDIA GPUs only
+        return _TORCH_VERSION >= (2, 9)
+    if torch.version.hip is not None:
         return False
     major = torch.cuda.get_device_capability(first.device)[0]
-    return first.dtype == torch.bfloat16 and major in (9, 10)
+    return first.dtype == torch.bfloat16 and major == 9
 
 
 def _grouped_wgrad(left, right, row_map, bounds, block_m) -> torch.Tensor:
@@ -626,8 +632,8 @@ def _grad_buffers(x, w13, w2, topk_ids, w13_bias, w2_bias, need_x, need_w13, nee
     db13, db2); a gradient not asked for (or without an input: no bias) is a distinct empty
     tensor (a custom op's outputs may not alias)."""
 
-    def like(t, needed):
-        return torch.empty_like(t) if needed and t is not None else x.new_empty(0)
+    def like(t, needed):  # contiguous, whatever t's strides (torch._grouped_mm's output is)
+        return t.new_empty(t.shape) if needed and t is not None else x.new_empty(0)
 
     return (
         x.new_empty(x.shape) if need_x else x.new_empty(0),  # contiguous, whatever x's strides
@@ -736,7 +742,7 @@ def _train_bwd(
                 dw2 = _grouped_wgrad(dout_in_order, ga, row_map, bounds, routing.block_m)
                 del dout_in_order
             else:
-                dw2 = torch.empty_like(w2)
+                dw2 = w2.new_empty(w2.shape)  # contiguous, as the fake says
                 _wgrad(dout, top_k, ga, 0, rows, num_slots, dw2, bounds, row_map=row_map)
         del ga
         if db2.numel():  # the sums of w * dout over each expert's slots
@@ -763,7 +769,7 @@ def _train_bwd(
                 dw13 = _grouped_wgrad(dh, x_in_order, row_map, bounds, routing.block_m)
                 del x_in_order
             else:
-                dw13 = torch.empty_like(w13)
+                dw13 = w13.new_empty(w13.shape)
                 _wgrad(dh, 0, x, top_k, rows, num_slots, dw13, bounds, row_map=row_map)
         if db13.numel():  # the column sums of dh over each expert's slots
             ones = x.new_ones(1, 1, dtype=torch.float32).expand(num_slots, 1)

@@ -140,24 +140,31 @@ def _fits(config, gated: bool) -> bool:
     return max(acc1, config.block_m * config.gemm2.block_n) <= _MAX_ACC
 
 
+def _fused_width(g) -> int:
+    """The width a fused fp8_block GEMM1 tile runs at (fusedmoe.kernels.fused_moe widens it)."""
+    return g.block_n if g.block_n % 128 == 0 else 128
+
+
 def candidates_around(config, dtype_key: str, gated: bool = True) -> list:
     """Configs one step from `config`, most promising first (rows per block, then tiles)."""
     fp8_block = dtype_key == "fp8_block"
     out = [dataclasses.replace(config, block_m=bm) for bm in _pow2_steps(config.block_m, 16, 128)]
-    # fused, an fp8_block GEMM1 runs 128 wide whatever its block_n (the launcher widens it to
-    # whole quantization groups): other widths would time the same kernel again
-    pinned = fp8_block and config.fuse_activation
+    # fused, an fp8_block GEMM1 below 128 wide runs 128 wide (the launcher widens it to whole
+    # quantization groups): a step that leaves the width it runs at would time the same kernel
+    widened = fp8_block and config.fuse_activation
     for which in ("gemm1", "gemm2"):
         current = getattr(config, which)
         for g in _gemm_steps(current, fp8_block=fp8_block):
-            if not (which == "gemm1" and pinned and g.block_n != current.block_n):
+            same_kernel = g.block_n != current.block_n and _fused_width(g) == _fused_width(current)
+            if not (which == "gemm1" and widened and same_kernel):
                 out.append(dataclasses.replace(config, **{which: g}))
     if fp8_block:
         out.append(dataclasses.replace(config, fuse_activation=not config.fuse_activation))
         if config.fuse_activation:
             # unfused, GEMM1's tile is free to narrow (fused, the launcher widens it to a whole
-            # 128 group): at M = 1 on an H100, 32- or 64-wide tiles (4x the programs) plus the
-            # act + quant launch were 4-18% faster for every preset
+            # 128 group): at M = 1 on an H100 a sweep found unfused 32- and 64-wide tiles (4x
+            # and 2x the programs) plus the act + quant launch fastest for qwen3-30b-a3b and
+            # deepseek-v3
             for bn in (32, 64):
                 gemm1 = dataclasses.replace(config.gemm1, block_n=bn)
                 out.append(dataclasses.replace(config, gemm1=gemm1, fuse_activation=False))
