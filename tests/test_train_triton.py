@@ -346,6 +346,38 @@ def test_expert_order_buffers():
     _in_order_case(DEVICE, torch.float32)
 
 
+def _expert_parallel_case(device, dtype, m, hidden, inter):
+    """A rank that holds 8 of 16 experts (one of them gets no slot), then a rank that holds
+    none of the experts the tokens chose: the local experts' gradients against the
+    reference, an empty expert's and the second rank's are zeros."""
+    torch.manual_seed(6)
+    num_global, top_k = 16, 4
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(num_global, generator=g)[:top_k] for _ in range(m)])
+    ids[ids == 3] = 4  # global expert 3 (local 2): no slot
+    local = torch.tensor([0, 2, 3, 5, 8, 11, 13, 15])
+    leaves = {
+        "x": torch.randn(m, hidden),
+        "w13": torch.randn(8, 2 * inter, hidden) / hidden**0.5,
+        "w2": torch.randn(8, hidden, inter) / inter**0.5,
+        "w13_bias": torch.randn(8, 2 * inter) * 0.3,
+        "w2_bias": torch.randn(8, hidden) * 0.3,
+    }
+    leaves = {k: v.to(device, dtype) for k, v in leaves.items()}
+    leaves["weights"] = (torch.rand(m, top_k) + 0.1).to(device)
+    for held, chosen in ((local, ids), (torch.arange(8, 16), ids % 8)):
+        expert_map = torch.full((num_global,), -1, dtype=torch.int32)
+        expert_map[held] = torch.arange(8, dtype=torch.int32)
+        _check_grads(
+            leaves, chosen.to(device, torch.int32), "silu", dtype=dtype,
+            expert_map=expert_map.to(device),
+        )  # fmt: skip
+
+
+def test_expert_parallel_rank_with_empty_and_absent_experts(wgrad):
+    _expert_parallel_case(DEVICE, torch.float32, 23, H, I)
+
+
 def test_layer_trains_on_triton_with_router_gradient():
     """FusedMoE(backend="triton") under autograd: gradients reach x, the experts and the
     router logits, equal to the torch backend's."""
@@ -446,6 +478,13 @@ def test_gpu_expert_order_buffers():
     """The same on the GPU in bf16, where torch._grouped_mm runs CUTLASS (an empty group gets
     zeros)."""
     _in_order_case("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_expert_parallel_gradients():
+    """The same in bf16 on the GPU (torch._grouped_mm's groups: one empty, then all empty; the
+    rows of the slots of other ranks are never written)."""
+    _expert_parallel_case("cuda", torch.bfloat16, 700, 512, 384)
 
 
 @pytest.mark.gpu
