@@ -105,7 +105,7 @@ def _ids(num_tokens, top_k, num_experts=E, *, generator_seed=1):
 @pytest.fixture(params=["grouped_mm", "triton"])
 def wgrad(request, monkeypatch):
     """The weight gradients' engine: torch._grouped_mm (the default where it runs: bf16 on
-    sm90 / sm100, every dtype on the CPU) or the Triton kernel. Checks afterwards that the
+    sm90, every dtype on the CPU from torch 2.9) or the Triton kernel. Checks afterwards that the
     test ran it."""
     from fusedmoe.kernels import moe_train
 
