@@ -295,7 +295,7 @@ def test_all_tokens_to_one_expert_and_zero_tokens(wgrad):
 def _in_order_case(device, dtype):
     """The backward's buffers in expert order (S rows, no padding) before the grouped weight
     gradients: every row is written, by the gather and by the act kernel, from the slot the
-    layout puts there (the written buffers start as NaN); the grouped GEMM's groups end where
+    layout puts there (the act kernel's buffers start as NaN); the grouped GEMM's groups end where
     each expert's slots end. One expert has no slot, one most."""
     from fusedmoe.activation import MoEActivation
     from fusedmoe.kernels import moe_train as mt
@@ -313,8 +313,7 @@ def _in_order_case(device, dtype):
     order = slots[valid]  # the slot of each row in expert order
     assert torch.equal(row_map[:used][valid].long(), torch.arange(num_slots, device=device))
     x = torch.randn(m, h, device=device, dtype=dtype)
-    nan_rows = torch.full((num_slots, h), torch.nan, device=device, dtype=dtype)
-    x_in_order = mt._gather_rows(x, top_k, routing, row_map, num_slots, out=nan_rows)
+    x_in_order = mt._gather_rows(x, top_k, routing, row_map, num_slots)
     assert torch.equal(x_in_order, x[order // top_k])
 
     act = mt._Act(MoEActivation.SILU, 1.0, 0.0, 0.0, False)

@@ -486,12 +486,10 @@ def _gather_rows_kernel(
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oc, vals, mask=mask)
 
 
-def _gather_rows(src, row_div, routing: AlignedRouting, row_map, num_slots,
-                 out=None) -> torch.Tensor:  # fmt: skip
-    """[S, C]: the rows src[s // row_div] of the slots in expert order (out: a buffer to fill,
-    else a new one)."""
+def _gather_rows(src, row_div, routing: AlignedRouting, row_map, num_slots) -> torch.Tensor:
+    """[S, C]: the rows src[s // row_div] of the slots in expert order."""
     cols = src.shape[1]
-    out = src.new_empty(num_slots, cols) if out is None else out
+    out = src.new_empty(num_slots, cols)
     block_c = min(_ROWS_BLOCK_C * 2, next_power_of_2(cols))
     assert routing.block_m % _ROWS_BLOCK_R == 0  # a program's positions lie in one block
     grid = (cdiv(routing.sorted_token_ids.shape[0], _ROWS_BLOCK_R), cdiv(cols, block_c))
