@@ -90,6 +90,7 @@ def test_tune_refuses_on_the_cpu(capsys, tmp_path):
     [
         (["--experts", "8"], "needs --experts --top-k --hidden --intermediate"),
         (["--ship", "--out", "x"], "not both"),
+        (["--rule", "keep-uniform", "--uniform-slack", "-0.5"], "--uniform-slack must be >= 0"),
     ],
 )
 def test_tune_refuses_bad_arguments(argv, message, capsys):

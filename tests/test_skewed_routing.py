@@ -20,7 +20,7 @@ from fusedmoe.tools.bench.inputs import (
     skew_bias,
     skew_strength,
 )
-from fusedmoe.tools.tune import least_worst_ratio
+from fusedmoe.tools.tune import least_worst_ratio, tune_shape, uniform_kept_score
 
 CPU = torch.device("cpu")
 TUNED = Path(__file__).resolve().parents[1] / "fusedmoe" / "kernels" / "tuned"
@@ -104,6 +104,33 @@ def test_least_worst_ratio_prefers_the_config_good_under_both():
     score = least_worst_ratio(timed)
     assert min(timed, key=lambda c: sum(timed[c])) == "A"
     assert min(score, key=score.get) == "B"
+
+
+def test_keep_uniform_takes_the_best_skewed_time_that_keeps_uniform_time():
+    timed = {  # (uniform ms, skewed ms)
+        "today": (1.00, 2.00),
+        "much_faster_skewed": (1.20, 1.00),  # 20% slower uniform: out of the running
+        "within_slack": (1.009, 1.50),
+        "faster_both": (0.90, 1.80),
+        "just_over": (1.011, 1.10),
+    }
+    score = uniform_kept_score(timed, "today", 0.01)
+    assert set(score) == {"today", "within_slack", "faster_both"}
+    assert score["today"] == 1.0
+    assert math.isclose(score["within_slack"], 0.75)
+    assert min(score, key=score.get) == "within_slack"
+    # with no slack only what is at least as fast under uniform routing competes
+    assert set(uniform_kept_score(timed, "today", 0.0)) == {"today", "faster_both"}
+    # the least worst ratio takes a config that is slower than today under uniform routing
+    lw = least_worst_ratio(timed)
+    assert min(lw, key=lw.get) == "just_over"
+
+
+def test_tune_shape_refuses_an_unknown_rule_before_touching_a_device():
+    with pytest.raises(ValueError, match="rule must be one of"):
+        tune_shape(None, "bf16", [8], rule="fastest")
+    with pytest.raises(ValueError, match="uniform_slack must be >= 0"):
+        tune_shape(None, "bf16", [8], rule="keep-uniform", uniform_slack=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------

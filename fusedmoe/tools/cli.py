@@ -8,7 +8,7 @@ fusedmoe bench     [--preset a,b | --experts E --top-k k --hidden H --intermedia
                    [--backward]: forward + backward vs grouped_mm under autograd: time,
                    peak memory, roofline, gradients checked
 fusedmoe tune      [--preset a,b | custom shape] [--dtype bf16,fp8_block] [--tokens ...]
-                   [--out DIR | --ship] [--budget-s S]                             (tools.tune)
+                   [--out DIR | --ship] [--budget-s S] [--rule keep-uniform]       (tools.tune)
 fusedmoe backends  [--json]                                              (tools.capabilities)
 """
 
@@ -390,7 +390,7 @@ def _add_bench(sub) -> None:
 
 def _add_tune(sub) -> None:
     from fusedmoe.tools.bench.command import GPU_TOKENS
-    from fusedmoe.tools.tune import TUNE_DTYPES
+    from fusedmoe.tools.tune import RULES, TUNE_DTYPES
 
     p = sub.add_parser(
         "tune",
@@ -425,7 +425,22 @@ def _add_tune(sub) -> None:
         "--min-gain",
         type=float,
         default=0.03,
-        help="a config replaces the heuristic's only when this much faster",
+        help="a config replaces the heuristic's (keep-uniform: today's) only when this much faster",
+    )
+    p.add_argument(
+        "--rule",
+        choices=RULES,
+        default="least-worst",
+        help="least-worst: the best worst ratio to the fastest time under uniform and skewed "
+        "routing (default); keep-uniform: the fastest under skewed routing among the configs no "
+        "slower under uniform routing than the tables' entry today (within --uniform-slack)",
+    )
+    p.add_argument(
+        "--uniform-slack",
+        type=float,
+        default=0.01,
+        help="keep-uniform: the uniform-routing time a candidate may lose, a fraction of "
+        "today's (default 0.01: timing noise)",
     )
     p.set_defaults(func=run_tune)
 

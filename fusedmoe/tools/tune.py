@@ -21,11 +21,16 @@ For each token bucket M (the shape's real sizes):
                 seeded): a config that wins on uniform routing alone can lose 30-50% when a
                 popular expert's rows make many thin tiles; a candidate that does not compile
                 or launch (shared memory, registers) is dropped
-    score       the least worst ratio: max over the two routings of time / the fastest time
-                any candidate had under that routing (1.0: best under both)
-    winner      the best score, kept only if it beats the heuristic's score by more than
-                --min-gain (else the heuristic's config is written: noise must not change the
-                table)
+    score       --rule least-worst (the default): the least worst ratio, max over the two
+                routings of time / the fastest time any candidate had under that routing (1.0:
+                best under both); the winner must beat the heuristic's score by more than
+                --min-gain, else the heuristic's config is written (noise must not change the
+                table). It may trade some uniform time for much skewed time.
+                --rule keep-uniform: only candidates whose uniform time is within
+                --uniform-slack of the config the tables give the bucket today compete, on
+                their skewed time; the winner must beat today's skewed time by more than
+                --min-gain, else today's config is written again (a re-tune that never makes
+                uniform routing slower)
     verified    under both routings, against fused_experts(..., backend="torch") (float64
                 inside) on the first min(M, 256) tokens, within the test suite's tolerance of
                 the dtype (quantized: normalised max 0.08, RMS 1.5e-2), and against the
@@ -61,12 +66,14 @@ from fusedmoe.tools.bench.inputs import (
 from fusedmoe.tools.bench.timing import rel_err
 
 __all__ = [
+    "RULES",
     "TUNE_DTYPES",
     "TuneResult",
     "TuneShape",
     "candidates_around",
     "least_worst_ratio",
     "tune_shape",
+    "uniform_kept_score",
 ]
 
 #: --dtype names -> (activation dtype, the tables' dtype key, weight scheme or None)
@@ -86,6 +93,8 @@ QUANT_RMS_TOLERANCE = 1.5e-2  # ... and normalised RMS error
 VERIFY_MAX_TOKENS = 256
 #: accumulator elements per program above which a tile spills heavily (never faster)
 _MAX_ACC = 128 * 256
+#: how a bucket's winner is chosen (the module docstring's "score")
+RULES = ("least-worst", "keep-uniform")
 
 
 @dataclass(frozen=True)
@@ -198,6 +207,8 @@ class _Search:
     rep_ms: float
     min_gain: float
     log: Callable[[str], None]
+    rule: str = "least-worst"
+    uniform_slack: float = 0.01
 
 
 def tune_shape(
@@ -210,9 +221,15 @@ def tune_shape(
     rep_ms: float = 20.0,
     min_gain: float = 0.03,
     log: Callable[[str], None] = print,
+    rule: str = "least-worst",
+    uniform_slack: float = 0.01,
 ) -> list[TuneResult]:
     """Tune every bucket of `tokens` for one shape and dtype on the current CUDA device;
-    budget_s is shared evenly by the buckets."""
+    budget_s is shared evenly by the buckets; rule and uniform_slack as the module says."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if not uniform_slack >= 0:
+        raise ValueError(f"uniform_slack must be >= 0, got {uniform_slack!r}")
     act_dtype, _, scheme = TUNE_DTYPES[dtype]
     device = torch.device("cuda", torch.cuda.current_device())
     w13, w2 = make_expert_weights(
@@ -222,7 +239,7 @@ def tune_shape(
     experts = quantize_expert_set(w13, w2, scheme, with_plain=False)
     del w13, w2
     share = None if budget_s is None else budget_s / max(len(tokens), 1)
-    search = _Search(share, max_configs, rep_ms, min_gain, log)
+    search = _Search(share, max_configs, rep_ms, min_gain, log, rule, uniform_slack)
     results = [_tune_bucket(shape, dtype, experts, m, search) for m in tokens]
     del experts
     torch.cuda.empty_cache()
@@ -290,29 +307,39 @@ def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search)
         search.log(f"    the tables' entry today: {_short(current)}")
     seeds.insert(0, current)
     queue = _unique([*seeds, *candidates_around(base, dtype_key, gated)])
-    best = base
+    if search.rule == "keep-uniform" and current not in timed:  # the bar: timed first
+        measure(current)
+    # keep-uniform measures against today's config (the heuristic's where it does not run)
+    reference = current if search.rule == "keep-uniform" and current in timed else base
+
+    def scores() -> dict:
+        if search.rule == "least-worst":
+            return least_worst_ratio(timed)
+        return uniform_kept_score(timed, reference, search.uniform_slack)
+
+    best = reference
     while queue and not spent():
         config = queue.pop(0)
         if config in timed or config in failed:
             continue
         measure(config)
         # a new fastest time under one routing rescales every score: the best is recomputed
-        score = least_worst_ratio(timed)
+        score = scores()
         leader = min(score, key=score.get)
         if leader != best:
             best = leader
             fresh = [c for c in candidates_around(best, dtype_key, gated) if c not in timed]
             queue = _unique([*fresh, *queue])  # search around the new best first
-    score = least_worst_ratio(timed)
-    faster = [
-        c for c in sorted(timed, key=score.get) if score[c] < score[base] * (1 - search.min_gain)
-    ]
+    score = scores()
+    bar = score[reference] * (1 - search.min_gain)
+    faster = [c for c in sorted(score, key=score.get) if score[c] < bar]
     chosen, rejected, err = _verify(
-        [*faster, base], run, routings, experts, shape, dtype_key, use_moe_kernel_config
+        [*faster, reference], run, routings, experts, shape, dtype_key, use_moe_kernel_config
     )
+    today = "" if reference == base else f"today {_ms(timed[reference])} ms, "
     search.log(
-        f"  M={m}: heuristic {_ms(timed[base])} ms, tuned {_ms(timed[chosen])} ms "
-        f"({'/'.join(ROUTINGS)}; score {score[base]:.2f} -> {score[chosen]:.2f}) after "
+        f"  M={m}: heuristic {_ms(timed[base])} ms, {today}tuned {_ms(timed[chosen])} ms "
+        f"({'/'.join(ROUTINGS)}; score {score[reference]:.2f} -> {score[chosen]:.2f}) after "
         f"{len(timed)} configs ({len(failed)} failed, {rejected} rejected), rel_err {err:.1e}: "
         f"{_short(chosen)}"
     )
@@ -330,6 +357,20 @@ def least_worst_ratio(timed: dict) -> dict:
     ]
     return {
         c: max(t / f for t, f in zip(times, fastest, strict=True)) for c, times in timed.items()
+    }
+
+
+def uniform_kept_score(timed: dict, keep, slack: float) -> dict:
+    """{config: its worst time under a non-uniform routing / keep's time there}, for the
+    configs whose uniform time is at most keep's times (1 + slack); keep scores 1.0. The
+    timings are ordered as ROUTINGS."""
+    u = ROUTINGS.index("uniform")
+    others = [j for j in range(len(ROUTINGS)) if j != u]
+    limit = timed[keep][u] * (1.0 + slack)
+    return {
+        c: max(times[j] / timed[keep][j] for j in others)
+        for c, times in timed.items()
+        if c == keep or times[u] <= limit
     }
 
 
@@ -366,7 +407,8 @@ def _verify(ranked, run, routings, experts, shape, dtype_key, override) -> tuple
             if ok:
                 return config, n, worst
     raise RuntimeError(
-        f"the heuristic config fails verification for {shape.name} {dtype_key} "
+        f"the fallback config {_short(ranked[-1])} (the heuristic's, or the tables' entry "
+        f"under keep-uniform) fails verification for {shape.name} {dtype_key} "
         f"M={routings[0].x.shape[0]}: rel_err {worst:.2e} (a kernel bug: report it)"
     )
 
@@ -446,6 +488,8 @@ def run_tune_command(args) -> int:
         return _fail(str(exc))
     if args.ship and args.out is not None:
         return _fail("give --out DIR or --ship, not both")
+    if not args.uniform_slack >= 0:
+        return _fail(f"--uniform-slack must be >= 0, got {args.uniform_slack}")
     if not torch.cuda.is_available():
         return _fail(
             "needs a CUDA GPU: it times the Triton kernels on the GPU whose tables it writes, "
@@ -473,7 +517,8 @@ def run_tune_command(args) -> int:
             results = tune_shape(
                 shape, dtype, tokens, budget_s=budget, max_configs=args.max_configs,
                 rep_ms=args.rep_ms, min_gain=args.min_gain,
-                log=lambda text: print(text, flush=True),
+                log=lambda text: print(text, flush=True), rule=args.rule,
+                uniform_slack=args.uniform_slack,
             )  # fmt: skip
             path = write_table(root, device_name, shape, dtype, results)
             print(f"  wrote {path}", flush=True)
