@@ -122,6 +122,15 @@ def test_tune_candidates_are_valid_configs():
                 fused = [c.gemm1.block_n for c in around if c.fuse_activation]
                 assert not [bn for bn in fused if bn % 128 and bn != base.gemm1.block_n], fused
                 assert 2 * base.gemm1.block_n in fused  # a wider tile is a real candidate
+                if base.fuse_activation and base.block_m < 128:  # the tall unfused step
+                    tall = [c for c in around if c.block_m == 2 * base.block_m]
+                    assert any(
+                        not c.fuse_activation
+                        and c.gemm1.block_n <= 128
+                        and c.gemm2.block_n <= 128
+                        and c.gemm1.num_warps == base.gemm1.num_warps
+                        for c in tall
+                    ), tall
 
 
 def test_tune_table_is_what_the_backend_loads(tmp_path):
