@@ -37,7 +37,8 @@ from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quant
 from fusedmoe.tools.presets import PRESETS
 from fusedmoe.tools.roofline import ceilings_for, moe_floor
 
-KEYS = {"bf16": (None, "bfloat16"), "fp8_block": ("fp8_block", "fp8_block")}
+SCHEMES = {"bf16": None, "fp8_block": "fp8_block"}  # the weights' quantization
+CONFIG_KEYS = {"bf16": "bfloat16", "fp8_block": "fp8_block"}  # the tuned tables' dtype
 
 
 def _call(r, ex, act, config, expert_map=None):
@@ -63,7 +64,7 @@ def _both(call, tall, heavy_map, bucket, light_map):
 def probe(preset: str, dtype: str, tokens: list[int]) -> list[dict]:
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name()
-    scheme, key = KEYS[dtype]
+    scheme, key = SCHEMES[dtype], CONFIG_KEYS[dtype]
     p = PRESETS[preset]
     e, k, h, i, act = p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, p.activation
     activation = MoEActivation.parse(act)
@@ -85,7 +86,10 @@ def probe(preset: str, dtype: str, tokens: list[int]) -> list[dict]:
         call = functools.partial(_call, r, ex, act)
         base = _time_us(functools.partial(call, bucket))
         top = sorted(counts.tolist(), reverse=True)[:6]
-        print(f"{dtype} {preset} M={m} D={distinct} floor {floor:.1f} base {base:.1f} top {top}")
+        print(
+            f"{dtype} {preset} M={m} D={distinct} floor {floor:.1f} us, base {base:.1f} us "
+            f"({100 * floor / base:.0f}% of the floor), slots of the top experts {top}"
+        )
         ids = torch.arange(e, device=dev, dtype=torch.int32)
         for threshold in (32, 64, 128):
             heavy = counts >= threshold
@@ -108,7 +112,8 @@ def probe(preset: str, dtype: str, tokens: list[int]) -> list[dict]:
                 print(
                     f"  T={threshold} heavy experts {row['heavy_experts']} (tiles of M={prefill}):"
                     f" heavy {row['heavy_us']:.1f} light {row['light_us']:.1f}"
-                    f" both {row['both_us']:.1f} vs base {base:.1f}",
+                    f" both {row['both_us']:.1f} ({100 * floor / row['both_us']:.0f}% of the floor)"
+                    f" vs base {base:.1f}",
                     flush=True,
                 )
     return rows

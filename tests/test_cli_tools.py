@@ -1,6 +1,7 @@
 """fusedmoe backends and tune on the CPU; the floor arithmetic against hand-computed values;
 the ceilings' cache."""
 
+import dataclasses
 import json
 import math
 
@@ -90,12 +91,33 @@ def test_tune_refuses_on_the_cpu(capsys, tmp_path):
     [
         (["--experts", "8"], "needs --experts --top-k --hidden --intermediate"),
         (["--ship", "--out", "x"], "not both"),
-        (["--rule", "keep-uniform", "--uniform-slack", "-0.5"], "--uniform-slack must be >= 0"),
+        (
+            ["--rule", "keep-uniform", "--uniform-slack", "-0.5"],
+            "(--uniform-slack) must be a number >= 0",
+        ),
     ],
 )
 def test_tune_refuses_bad_arguments(argv, message, capsys):
     assert main(["tune", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tune_passes_the_rule_to_each_shape(monkeypatch, tmp_path, capsys):
+    import fusedmoe._triton as triton_module
+    from fusedmoe.tools import tune
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(triton_module, "has_triton", lambda: True)
+    monkeypatch.setattr(tune, "tune_shape", lambda *a, **kw: seen.append(kw) or [])
+    monkeypatch.setattr(tune, "write_table", lambda *a: tmp_path / "table.json")
+    argv = ["tune", "--preset", "qwen3-30b-a3b", "--out", str(tmp_path), "--rule", "keep-uniform"]
+    assert main([*argv, "--uniform-slack", "0.02"]) == 0
+    assert [(kw["rule"], kw["uniform_slack"]) for kw in seen] == [("keep-uniform", 0.02)]
+    assert main(["tune", "--preset", "qwen3-30b-a3b", "--out", str(tmp_path)]) == 0
+    assert (seen[-1]["rule"], seen[-1]["uniform_slack"]) == ("least-worst", 0.01)
+    capsys.readouterr()
 
 
 def test_tune_candidates_are_valid_configs():
@@ -123,14 +145,14 @@ def test_tune_candidates_are_valid_configs():
                 assert not [bn for bn in fused if bn % 128 and bn != base.gemm1.block_n], fused
                 assert 2 * base.gemm1.block_n in fused  # a wider tile is a real candidate
                 if base.fuse_activation and base.block_m < 128:  # the tall unfused step
-                    tall = [c for c in around if c.block_m == 2 * base.block_m]
-                    assert any(
-                        not c.fuse_activation
-                        and c.gemm1.block_n <= 128
-                        and c.gemm2.block_n <= 128
-                        and c.gemm1.num_warps == base.gemm1.num_warps
-                        for c in tall
-                    ), tall
+                    narrow = {
+                        name: dataclasses.replace(g, block_n=min(g.block_n, 128))
+                        for name, g in (("gemm1", base.gemm1), ("gemm2", base.gemm2))
+                    }
+                    tall = dataclasses.replace(
+                        base, block_m=2 * base.block_m, fuse_activation=False, **narrow
+                    )
+                    assert tall in around
 
 
 def test_tune_table_is_what_the_backend_loads(tmp_path):

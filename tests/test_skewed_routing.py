@@ -20,7 +20,13 @@ from fusedmoe.tools.bench.inputs import (
     skew_bias,
     skew_strength,
 )
-from fusedmoe.tools.tune import least_worst_ratio, tune_shape, uniform_kept_score
+from fusedmoe.tools.tune import (
+    least_worst_ratio,
+    ranked_choices,
+    rule_scores,
+    tune_shape,
+    uniform_kept_score,
+)
 
 CPU = torch.device("cpu")
 TUNED = Path(__file__).resolve().parents[1] / "fusedmoe" / "kernels" / "tuned"
@@ -126,10 +132,38 @@ def test_keep_uniform_takes_the_best_skewed_time_that_keeps_uniform_time():
     assert min(lw, key=lw.get) == "just_over"
 
 
+def test_the_rules_rank_what_is_verified():
+    timed = {  # (uniform ms, skewed ms)
+        "heuristic": (1.10, 1.60),
+        "today": (1.00, 2.00),
+        "skewed_only": (1.30, 1.00),
+        "both_better": (0.99, 1.50),
+        "noise": (1.00, 1.99),  # 0.5% better skewed: under --min-gain
+    }
+    # least-worst: scored against the fastest under each routing, measured against the
+    # heuristic, which is the last resort (as before keep-uniform existed)
+    score = rule_scores(timed, "least-worst", "heuristic", 0.01)
+    assert score == least_worst_ratio(timed)
+    ranked = ranked_choices(score, "heuristic", "heuristic", 0.03)
+    old_rule = [c for c in sorted(score, key=score.get) if score[c] < score["heuristic"] * 0.97]
+    assert ranked == [*old_rule, "heuristic"]
+    assert ranked[0] == "skewed_only"  # 1.18 worst ratio, vs 1.30 and 1.51 for the others
+    # keep-uniform: today's config is the bar and the first fallback, the heuristic the last
+    score = rule_scores(timed, "keep-uniform", "today", 0.01)
+    assert set(score) == {"today", "both_better", "noise"}
+    assert ranked_choices(score, "today", "heuristic", 0.03) == [
+        "both_better",
+        "today",
+        "heuristic",
+    ]
+    # nothing beats today by min_gain: today, then the heuristic
+    assert ranked_choices(score, "today", "heuristic", 0.3) == ["today", "heuristic"]
+
+
 def test_tune_shape_refuses_an_unknown_rule_before_touching_a_device():
-    with pytest.raises(ValueError, match="rule must be one of"):
+    with pytest.raises(ValueError, match=r"rule \(--rule\) must be one of"):
         tune_shape(None, "bf16", [8], rule="fastest")
-    with pytest.raises(ValueError, match="uniform_slack must be >= 0"):
+    with pytest.raises(ValueError, match=r"uniform_slack .* must be a number >= 0"):
         tune_shape(None, "bf16", [8], rule="keep-uniform", uniform_slack=float("nan"))
 
 

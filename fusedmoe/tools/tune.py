@@ -11,8 +11,9 @@ For each token bucket M (the shape's real sizes):
                 heuristic's configs of the neighbouring buckets, and every config one step
                 from it: block_m x/÷ 2; per GEMM block_n and block_k x/÷ 2,
                 num_warps 2 <-> 4 <-> 8, num_stages +-1 (2 to 6), group_m in {1, 8, 16};
-                fuse_activation toggled for fp8_block, and unfused with 32- and 64-wide GEMM1
-                tiles.
+                fuse_activation toggled for fp8_block, unfused with 32- and 64-wide GEMM1
+                tiles, and (from a fused config) twice the rows unfused with each GEMM's tile
+                at most 128 wide.
                 Then the same steps around the best so far, until nothing improves, the
                 bucket's share of --budget-s is spent, or --max-configs were timed
     timing      the whole fused_experts call under use_moe_kernel_config(candidate), median of
@@ -30,12 +31,12 @@ For each token bucket M (the shape's real sizes):
                 --uniform-slack of the config the tables give the bucket today compete, on
                 their skewed time; the winner must beat today's skewed time by more than
                 --min-gain, else today's config is written again (a re-tune that never makes
-                uniform routing slower)
+                uniform routing slower). The search starts around today's config
     verified    under both routings, against fused_experts(..., backend="torch") (float64
                 inside) on the first min(M, 256) tokens, within the test suite's tolerance of
                 the dtype (quantized: normalised max 0.08, RMS 1.5e-2), and against the
                 heuristic's config at the full M; a winner that fails is dropped for the next
-                best
+                best (then today's config under keep-uniform, then the heuristic's)
 
 The table, {"<M>": config}, goes to table_path(root, device name, E_l, N, H, dtype) where root
 is --out (default: $FUSEDMOE_TUNED_CONFIGS, else <cache dir>/tuned, both read automatically),
@@ -225,6 +226,16 @@ class _Search:
     uniform_slack: float = 0.01
 
 
+def check_rule(rule: str, uniform_slack: float) -> None:
+    """A ValueError unless rule is one of RULES and uniform_slack a number >= 0."""
+    if rule not in RULES:
+        raise ValueError(f"rule (--rule) must be one of {RULES}, got {rule!r}")
+    if not uniform_slack >= 0:
+        raise ValueError(
+            f"uniform_slack (--uniform-slack) must be a number >= 0, got {uniform_slack!r}"
+        )
+
+
 def tune_shape(
     shape: TuneShape,
     dtype: str,
@@ -240,10 +251,7 @@ def tune_shape(
 ) -> list[TuneResult]:
     """Tune every bucket of `tokens` for one shape and dtype on the current CUDA device;
     budget_s is shared evenly by the buckets; rule and uniform_slack as the module says."""
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if not uniform_slack >= 0:
-        raise ValueError(f"uniform_slack must be >= 0, got {uniform_slack!r}")
+    check_rule(rule, uniform_slack)
     act_dtype, _, scheme = TUNE_DTYPES[dtype]
     device = torch.device("cuda", torch.cuda.current_device())
     w13, w2 = make_expert_weights(
@@ -325,12 +333,8 @@ def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search)
         measure(current)
     # keep-uniform measures against today's config (the heuristic's where it does not run)
     reference = current if search.rule == "keep-uniform" and current in timed else base
-
-    def scores() -> dict:
-        if search.rule == "least-worst":
-            return least_worst_ratio(timed)
-        return uniform_kept_score(timed, reference, search.uniform_slack)
-
+    if reference != base:  # the search starts from today's config: its neighbours first
+        queue = _unique([*candidates_around(reference, dtype_key, gated), *queue])
     best = reference
     while queue and not spent():
         config = queue.pop(0)
@@ -338,22 +342,22 @@ def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search)
             continue
         measure(config)
         # a new fastest time under one routing rescales every score: the best is recomputed
-        score = scores()
+        score = rule_scores(timed, search.rule, reference, search.uniform_slack)
         leader = min(score, key=score.get)
         if leader != best:
             best = leader
             fresh = [c for c in candidates_around(best, dtype_key, gated) if c not in timed]
             queue = _unique([*fresh, *queue])  # search around the new best first
-    score = scores()
-    bar = score[reference] * (1 - search.min_gain)
-    faster = [c for c in sorted(score, key=score.get) if score[c] < bar]
+    score = rule_scores(timed, search.rule, reference, search.uniform_slack)
+    ranked = ranked_choices(score, reference, base, search.min_gain)
     chosen, rejected, err = _verify(
-        [*faster, reference], run, routings, experts, shape, dtype_key, use_moe_kernel_config
+        ranked, run, routings, experts, shape, dtype_key, use_moe_kernel_config
     )
     today = "" if reference == base else f"today {_ms(timed[reference])} ms, "
+    chosen_score = f"{score[chosen]:.2f}" if chosen in score else "-"
     search.log(
         f"  M={m}: heuristic {_ms(timed[base])} ms, {today}tuned {_ms(timed[chosen])} ms "
-        f"({'/'.join(ROUTINGS)}; score {score[reference]:.2f} -> {score[chosen]:.2f}) after "
+        f"({'/'.join(ROUTINGS)}; score {score[reference]:.2f} -> {chosen_score}) after "
         f"{len(timed)} configs ({len(failed)} failed, {rejected} rejected), rel_err {err:.1e}: "
         f"{_short(chosen)}"
     )
@@ -372,6 +376,23 @@ def least_worst_ratio(timed: dict) -> dict:
     return {
         c: max(t / f for t, f in zip(times, fastest, strict=True)) for c, times in timed.items()
     }
+
+
+def rule_scores(timed: dict, rule: str, reference, uniform_slack: float) -> dict:
+    """The scores of `rule` (lower is better; configs a rule rules out are absent):
+    least-worst: least_worst_ratio; keep-uniform: uniform_kept_score against `reference`."""
+    if rule == "least-worst":
+        return least_worst_ratio(timed)
+    return uniform_kept_score(timed, reference, uniform_slack)
+
+
+def ranked_choices(score: dict, reference, base, min_gain: float) -> list:
+    """The configs to verify, in order: those scoring more than min_gain better than
+    `reference` (best first), then the reference, then the heuristic's `base` (the last resort,
+    and the output every other is checked against at the full M)."""
+    bar = score[reference] * (1 - min_gain)
+    faster = [c for c in sorted(score, key=score.get) if score[c] < bar]
+    return _unique([*faster, reference, base])
 
 
 def uniform_kept_score(timed: dict, keep, slack: float) -> dict:
@@ -393,9 +414,9 @@ def _ms(times) -> str:
 
 
 def _verify(ranked, run, routings, experts, shape, dtype_key, override) -> tuple:
-    """The first config of `ranked` that matches the reference and the heuristic's output
-    under every routing; the last (the heuristic) must. -> (config, how many were rejected, its
-    largest error against the reference)."""
+    """The first config of `ranked` that matches the reference and the last config's output
+    (the heuristic's) under every routing; the last must. -> (config, how many were rejected,
+    its largest error against the reference)."""
     m_v = min(routings[0].x.shape[0], VERIFY_MAX_TOKENS)
     subs, refs, full_bases = [], [], []
     with torch.inference_mode():
@@ -421,8 +442,8 @@ def _verify(ranked, run, routings, experts, shape, dtype_key, override) -> tuple
             if ok:
                 return config, n, worst
     raise RuntimeError(
-        f"the fallback config {_short(ranked[-1])} (the heuristic's, or the tables' entry "
-        f"under keep-uniform) fails verification for {shape.name} {dtype_key} "
+        f"the heuristic config {_short(ranked[-1])} fails verification for {shape.name} "
+        f"{dtype_key} "
         f"M={routings[0].x.shape[0]}: rel_err {worst:.2e} (a kernel bug: report it)"
     )
 
@@ -502,8 +523,10 @@ def run_tune_command(args) -> int:
         return _fail(str(exc))
     if args.ship and args.out is not None:
         return _fail("give --out DIR or --ship, not both")
-    if not args.uniform_slack >= 0:
-        return _fail(f"--uniform-slack must be >= 0, got {args.uniform_slack}")
+    try:
+        check_rule(args.rule, args.uniform_slack)
+    except ValueError as exc:
+        return _fail(str(exc))
     if not torch.cuda.is_available():
         return _fail(
             "needs a CUDA GPU: it times the Triton kernels on the GPU whose tables it writes, "
