@@ -31,7 +31,7 @@ For each token bucket M (the shape's real sizes):
                 --uniform-slack of the config the tables give the bucket today compete, on
                 their skewed time; the winner must beat today's skewed time by more than
                 --min-gain, else today's config is written again (a re-tune that never makes
-                uniform routing slower). The search starts around today's config
+                uniform routing slower). The search starts around today's config.
     verified    under both routings, against fused_experts(..., backend="torch") (float64
                 inside) on the first min(M, 256) tokens, within the test suite's tolerance of
                 the dtype (quantized: normalised max 0.08, RMS 1.5e-2), and against the
@@ -72,7 +72,10 @@ __all__ = [
     "TuneResult",
     "TuneShape",
     "candidates_around",
+    "check_rule",
     "least_worst_ratio",
+    "ranked_choices",
+    "rule_scores",
     "tune_shape",
     "uniform_kept_score",
 ]
@@ -443,8 +446,7 @@ def _verify(ranked, run, routings, experts, shape, dtype_key, override) -> tuple
                 return config, n, worst
     raise RuntimeError(
         f"the heuristic config {_short(ranked[-1])} fails verification for {shape.name} "
-        f"{dtype_key} "
-        f"M={routings[0].x.shape[0]}: rel_err {worst:.2e} (a kernel bug: report it)"
+        f"{dtype_key} M={routings[0].x.shape[0]}: rel_err {worst:.2e} (a kernel bug: report it)"
     )
 
 
