@@ -390,7 +390,7 @@ def _add_bench(sub) -> None:
 
 def _add_tune(sub) -> None:
     from fusedmoe.tools.bench.command import GPU_TOKENS
-    from fusedmoe.tools.tune import RULES, TUNE_DTYPES
+    from fusedmoe.tools.tune import RULES, TUNE_DTYPES, UNIFORM_SLACK
 
     p = sub.add_parser(
         "tune",
@@ -430,7 +430,7 @@ def _add_tune(sub) -> None:
     p.add_argument(
         "--rule",
         choices=RULES,
-        default="least-worst",
+        default=RULES[0],
         help="least-worst: the best worst ratio to the fastest time under uniform and skewed "
         "routing (default); keep-uniform: the fastest under skewed routing among the configs no "
         "slower under uniform routing than the tables' entry today (within --uniform-slack)",
@@ -438,9 +438,9 @@ def _add_tune(sub) -> None:
     p.add_argument(
         "--uniform-slack",
         type=float,
-        default=0.01,
+        default=UNIFORM_SLACK,
         help="keep-uniform: the uniform-routing time a candidate may lose, a fraction of "
-        "today's (default 0.01: timing noise)",
+        f"today's (default {UNIFORM_SLACK}: about the timings' run-to-run noise)",
     )
     p.set_defaults(func=run_tune)
 

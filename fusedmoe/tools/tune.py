@@ -69,6 +69,7 @@ from fusedmoe.tools.bench.timing import rel_err
 __all__ = [
     "RULES",
     "TUNE_DTYPES",
+    "UNIFORM_SLACK",
     "TuneResult",
     "TuneShape",
     "candidates_around",
@@ -99,6 +100,8 @@ VERIFY_MAX_TOKENS = 256
 _MAX_ACC = 128 * 256
 #: how a bucket's winner is chosen (the module docstring's "score")
 RULES = ("least-worst", "keep-uniform")
+#: keep-uniform: the uniform-routing time a candidate may lose, a fraction of today's
+UNIFORM_SLACK = 0.01
 
 
 @dataclass(frozen=True)
@@ -225,8 +228,8 @@ class _Search:
     rep_ms: float
     min_gain: float
     log: Callable[[str], None]
-    rule: str = "least-worst"
-    uniform_slack: float = 0.01
+    rule: str
+    uniform_slack: float
 
 
 def check_rule(rule: str, uniform_slack: float) -> None:
@@ -249,8 +252,8 @@ def tune_shape(
     rep_ms: float = 20.0,
     min_gain: float = 0.03,
     log: Callable[[str], None] = print,
-    rule: str = "least-worst",
-    uniform_slack: float = 0.01,
+    rule: str = RULES[0],
+    uniform_slack: float = UNIFORM_SLACK,
 ) -> list[TuneResult]:
     """Tune every bucket of `tokens` for one shape and dtype on the current CUDA device;
     budget_s is shared evenly by the buckets; rule and uniform_slack as the module says."""
