@@ -135,8 +135,6 @@ class GemmRows:
     ids: torch.Tensor  # int [S] topk_ids, read when direct
     expert_map: torch.Tensor | None
     num_local: int  # E_l
-    #: aligned layout only: rows of a hot tile (MoEKernelConfig.hot_m; 0: none)
-    hot_m: int = 0
 
     def kernel_args(self) -> tuple:
         """(sorted ids, expert ids, num post padded, ids, map, num_ids, num_local)."""
@@ -206,8 +204,6 @@ def launch_gemm(
     use_tma_a = positional_a and rows.block_m >= 64 and variant.a_quant == g.AQ_NONE and _tma_ok(a)
     a_desc = _tma_descriptor(a, rows.block_m, config.block_k) if use_tma_a else a
     zero = variant.zero
-    if rows.hot_m and (rows.routing is None or positional_a or variant.out_in_order):
-        raise ValueError("hot tiles run on the gather GEMM's aligned layout only")
     args = (
         a, a.stride(0), a.stride(1),
         a_desc,
@@ -263,7 +259,6 @@ def launch_gemm(
         ),
         ZERO_OUT=zero is not None,
         MX_DTYPE=tl.float32 if not a.is_cuda else tl.bfloat16,
-        HOT_M=rows.hot_m,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -275,15 +270,12 @@ def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
     return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in ACTIVATION_CODE
 
 
-def gemm_rows(topk_ids, expert_map, block_m, num_local, hot_m: int = 0) -> GemmRows:
-    """The rows of both GEMMs; hot_m: hot tiles on the aligned layout (none for M = 1, where
-    the k slots are k distinct experts' single rows)."""
+def gemm_rows(topk_ids, expert_map, block_m, num_local) -> GemmRows:
     ids = topk_ids.reshape(-1)
     if topk_ids.shape[0] == 1:
         return GemmRows(block_m, ids.numel(), None, ids, expert_map, num_local)
     routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
-    num_blocks = routing.expert_ids.shape[0]
-    return GemmRows(block_m, num_blocks, routing, ids, expert_map, num_local, hot_m)
+    return GemmRows(block_m, routing.expert_ids.shape[0], routing, ids, expert_map, num_local)
 
 
 def _fused_experts_triton_impl(
@@ -324,7 +316,7 @@ def _fused_experts_triton_impl(
         num_tokens, top_k, num_local, gemm1_rows, hidden, width, dtype_key, device_name(x)
     )
     with device_guard(x):
-        rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local, config.hot_m)
+        rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)
         if out_mode == g.OUT_FP8_STATIC:

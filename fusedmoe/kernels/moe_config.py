@@ -38,7 +38,6 @@ __all__ = [
 
 TUNED_CONFIGS_ENV = "FUSEDMOE_TUNED_CONFIGS"
 SHIPPED_DIR = Path(__file__).parent / "tuned"
-MAX_HOT_M = 256  # the tallest hot tile (MoEKernelConfig.hot_m)
 
 
 @dataclass(frozen=True)
@@ -59,22 +58,14 @@ class MoEKernelConfig:
     #: up); False: GEMM1 stores h and a separate fused act + quant kernel reads it (one
     #: accumulator: taller tiles fit in registers). Only 1 x 128 group FP8 a2 uses False.
     fuse_activation: bool = True
-    #: rows of a hot tile (0: none). Both GEMMs run the blocks of one expert that lie in one
-    #: aligned group of hot_m / block_m blocks as one hot_m-row tile: under skewed routing a
-    #: popular expert's weights are read once per hot_m rows, while the experts with one block
-    #: in a group keep block_m-row tiles. A power of two above block_m, at most 256.
-    hot_m: int = 0
 
     def to_json(self) -> dict:
-        entry = {
+        return {
             "block_m": self.block_m,
             "gemm1": asdict(self.gemm1),
             "gemm2": asdict(self.gemm2),
             "fuse_activation": self.fuse_activation,
         }
-        if self.hot_m:  # absent: none (the tables written before hot tiles)
-            entry["hot_m"] = self.hot_m
-        return entry
 
     @classmethod
     def from_json(cls, entry: object, where: str) -> MoEKernelConfig:
@@ -86,12 +77,7 @@ class MoEKernelConfig:
             fuse = entry.get("fuse_activation", True)
             if not isinstance(fuse, bool):
                 raise TypeError(f"fuse_activation must be a bool, got {fuse!r}")
-            hot_m = entry.get("hot_m", 0)
-            if isinstance(hot_m, bool) or not isinstance(hot_m, int):
-                raise TypeError(f"hot_m must be an int, got {hot_m!r}")
-            config = cls(
-                block_m=int(entry["block_m"]), **gemms, fuse_activation=fuse, hot_m=hot_m
-            )
+            config = cls(block_m=int(entry["block_m"]), **gemms, fuse_activation=fuse)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a fusedmoe kernel config ({exc!r})") from None
         config.check(where)
@@ -103,12 +89,6 @@ class MoEKernelConfig:
         ]
         if any(v <= 0 or v & (v - 1) for v in sizes) or self.block_m < 16:
             raise ValueError(f"{where}: block sizes and warps must be powers of two, block_m >= 16")
-        hot = self.hot_m
-        if hot and (hot & (hot - 1) or not self.block_m < hot <= MAX_HOT_M):
-            raise ValueError(
-                f"{where}: hot_m must be 0 or a power of two in ({self.block_m}, {MAX_HOT_M}], "
-                f"got {hot}"
-            )
 
 
 _override: contextvars.ContextVar[MoEKernelConfig | None] = contextvars.ContextVar(

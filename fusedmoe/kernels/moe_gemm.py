@@ -366,7 +366,6 @@ def _moe_gemm_kernel(
     W_BLOCK_UNIFORM: tl.constexpr,  # 128-block w: each tile's rows lie in one block of 128
     ZERO_OUT: tl.constexpr,
     MX_DTYPE: tl.constexpr,  # what MX operands are dequantized to: bf16 (fp32 on the interpreter)
-    HOT_M: tl.constexpr,  # > BLOCK_M (aligned layout only): hot tiles, see the launch's rows
 ):  # fmt: skip
     if ZERO_OUT:  # before any early return: every program zeroes its share
         _zero_slice(zero_ptr, zero_numel, 1024)
@@ -400,78 +399,16 @@ def _moe_gemm_kernel(
             return
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    # Hot tiles (HOT_M > BLOCK_M; skewed routing): the blocks of one expert that lie in one
-    # aligned group of HOT_M / BLOCK_M blocks run as one HOT_M-row tile, by the group's first
-    # such block, so a popular expert's weight tiles are read once per HOT_M rows, not once per
-    # BLOCK_M. An expert with one block in the group keeps its BLOCK_M tile (no rows of zeros).
-    # The group's owners come from expert_ids: no host sync, no other layout.
-    run = 1  # blocks in this program's tile (a constant without hot tiles)
-    if HOT_M > BLOCK_M:
-        HOT_BLOCKS: tl.constexpr = HOT_M // BLOCK_M
-        group = pid_m - pid_m % HOT_BLOCKS + tl.arange(0, HOT_BLOCKS)
-        owners = tl.load(expert_ids_ptr + group, mask=group < max_blocks, other=-1)
-        mine = owners.to(tl.int64) == e
-        run = tl.sum(mine.to(tl.int32), axis=0)
-        if (run > 1) & (pid_m != tl.min(tl.where(mine, group, max_blocks), axis=0)):
-            return  # the run's first block computes its rows
-    if run > 1:
-        HOT_TILE: tl.constexpr = max(HOT_M, BLOCK_M)
-        hot = tl.arange(0, HOT_TILE)
-        hot_slots = tl.load(
-            sorted_ids_ptr + pid_m * BLOCK_M + hot, mask=hot < run * BLOCK_M, other=num_slots
-        )
-        _gemm_tile(
-            a_ptr, stride_am, stride_ak, a_desc, a_scale_ptr, stride_asm, stride_ask,
-            w_ptr, stride_we, stride_wn, stride_wk, w_desc, w_scale_ptr, stride_wse, stride_wsn,
-            stride_wsk, bias_ptr, stride_be, stride_bn, out_ptr, stride_om, stride_on,
-            out_scale_ptr, stride_osm, stride_osn, topk_weights_ptr, row_map_ptr,
-            hot_slots, e, pid_m * BLOCK_M, pid_n, N, K, num_slots, alpha, beta, limit,
-            A_ROW_DIV, A_SCALE, A_QUANT, W_SCALE, W_FP4, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT,
-            OUT_MODE, OUT_ROW_DIV, MUL_ROUTED_WEIGHT, H_DTYPE, DOT_PRECISION, ROUND_IN_FP32,
-            UPCAST, EVEN_K, HOT_TILE, BLOCK_N, BLOCK_K, A_IN_ORDER, OUT_IN_ORDER, USE_TMA,
-            USE_TMA_A, W_BLOCK_UNIFORM, MX_DTYPE,
-        )  # fmt: skip
-    else:
-        _gemm_tile(
-            a_ptr, stride_am, stride_ak, a_desc, a_scale_ptr, stride_asm, stride_ask,
-            w_ptr, stride_we, stride_wn, stride_wk, w_desc, w_scale_ptr, stride_wse, stride_wsn,
-            stride_wsk, bias_ptr, stride_be, stride_bn, out_ptr, stride_om, stride_on,
-            out_scale_ptr, stride_osm, stride_osn, topk_weights_ptr, row_map_ptr,
-            slots, e, pid_m * BLOCK_M, pid_n, N, K, num_slots, alpha, beta, limit,
-            A_ROW_DIV, A_SCALE, A_QUANT, W_SCALE, W_FP4, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT,
-            OUT_MODE, OUT_ROW_DIV, MUL_ROUTED_WEIGHT, H_DTYPE, DOT_PRECISION, ROUND_IN_FP32,
-            UPCAST, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, A_IN_ORDER, OUT_IN_ORDER, USE_TMA,
-            USE_TMA_A, W_BLOCK_UNIFORM, MX_DTYPE,
-        )  # fmt: skip
-
-
-@triton.jit
-def _gemm_tile(
-    a_ptr, stride_am, stride_ak, a_desc, a_scale_ptr, stride_asm, stride_ask,
-    w_ptr, stride_we, stride_wn, stride_wk, w_desc, w_scale_ptr, stride_wse, stride_wsn,
-    stride_wsk, bias_ptr, stride_be, stride_bn, out_ptr, stride_om, stride_on,
-    out_scale_ptr, stride_osm, stride_osn, topk_weights_ptr, row_map_ptr,
-    slots, e, position, pid_n, N, K, num_slots, alpha, beta, limit,
-    A_ROW_DIV: tl.constexpr, A_SCALE: tl.constexpr, A_QUANT: tl.constexpr,
-    W_SCALE: tl.constexpr, W_FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    OUT_MODE: tl.constexpr, OUT_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    H_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-    UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, A_IN_ORDER: tl.constexpr, OUT_IN_ORDER: tl.constexpr,
-    USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr, W_BLOCK_UNIFORM: tl.constexpr,
-    MX_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """One TILE_M x BLOCK_N output tile of expert e: `slots` [TILE_M] are its rows (num_slots:
-    none), `position` the layout row of its first (row_map's index for A_IN_ORDER /
-    OUT_IN_ORDER). The kernel's arguments keep their meaning."""
     row_mask = slots < num_slots
     # A_IN_ORDER / OUT_IN_ORDER (training): buffers of S rows in expert order, no padding. A
     # block's first row is always a slot (padding ends a run), and its slots are consecutive
     # rows from row_map's entry; its padding rows read zeros (masked loads) or, through TMA,
     # the rows after (zeros past the end), and are never stored.
-    first_row = tl.load(row_map_ptr + position) if A_IN_ORDER or OUT_IN_ORDER else position
-    in_order = (first_row + tl.arange(0, TILE_M)).to(tl.int64)
+    if A_IN_ORDER or OUT_IN_ORDER:
+        first_row = tl.load(row_map_ptr + pid_m * BLOCK_M)
+    else:
+        first_row = pid_m * BLOCK_M
+    in_order = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
     a_rows = in_order if A_IN_ORDER else (slots // A_ROW_DIV).to(tl.int64)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -499,10 +436,10 @@ def _gemm_tile(
     PER_K_BLOCK: tl.constexpr = (W_SCALE == _W_BLOCK) | ((W_SCALE == _W_MX) & (A_SCALE == _A_GROUP))
 
     acc_dtype = tl.int32 if (a_ptr.dtype.element_ty == tl.int8 and not UPCAST) else tl.float32
-    acc_g = tl.zeros((TILE_M, BLOCK_N), dtype=acc_dtype)
-    acc_u = tl.zeros((TILE_M, BLOCK_N), dtype=acc_dtype)
-    scaled_g = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
-    scaled_u = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    scaled_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    scaled_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_remaining = K - k0
         if USE_TMA_A:
@@ -514,7 +451,7 @@ def _gemm_tile(
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         k_block = k0 // _GROUP
         if A_QUANT != 0:  # HPC: the FP8 quantization prepare would do, on this tile
-            a, a_s = _quantize_a_tile(a, a_scale_ptr, A_QUANT, TILE_M, BLOCK_K, ROUND_IN_FP32)
+            a, a_s = _quantize_a_tile(a, a_scale_ptr, A_QUANT, BLOCK_M, BLOCK_K, ROUND_IN_FP32)
             if not UPCAST:
                 a = a.to(tl.float8e4nv)
         elif PER_K_BLOCK:
@@ -523,7 +460,7 @@ def _gemm_tile(
             )
         if A_SCALE == _A_MX:
             a = _mx_a_tile(
-                a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, K, MX_DTYPE, TILE_M,
+                a, a_scale_ptr, stride_asm, stride_ask, a_rows, row_mask, k0, K, MX_DTYPE, BLOCK_M,
                 BLOCK_K,
             )  # fmt: skip
         elif W_SCALE == _W_MX:  # FP8 (or bf16) activations against dequantized MX weights
@@ -616,51 +553,25 @@ def _gemm_tile(
     out_mask = row_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     if ACTIVATION == _ACT_NONE:
-        _store_gemm2(
-            h_g, out_ptr, stride_om, stride_on, out_ptrs, out_mask, topk_weights_ptr, slot_rows,
-            row_mask, offs_n, OUT_MODE, OUT_ROW_DIV, MUL_ROUTED_WEIGHT, H_DTYPE, ROUND_IN_FP32,
-        )  # fmt: skip
-    else:
-        _store_gemm1(
-            h_g, h_u, alpha, beta, limit, out_ptr, out_ptrs, out_mask, out_scale_ptr, stride_osm,
-            stride_osn, out_rows, row_mask, pid_n, N, ACTIVATION, HAS_LIMIT, OUT_MODE, H_DTYPE,
-            ROUND_IN_FP32, TILE_M, BLOCK_N,
-        )  # fmt: skip
-
-
-@triton.jit
-def _store_gemm2(
-    y, out_ptr, stride_om, stride_on, out_ptrs, out_mask, topk_weights_ptr, slot_rows, row_mask,
-    offs_n, OUT_MODE: tl.constexpr, OUT_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    H_DTYPE: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-):  # fmt: skip
-    """GEMM2's epilogue: y (times the router weight) stored at its slot's row, or added
-    atomically into its token's row (OUT_ATOMIC)."""
-    if OUT_MODE == _OUT_ATOMIC:  # the top-k sum: each slot adds into its token's row
-        # rounded where the reference stores a slot's output, weighted as finalize does
-        y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
-        y = y * w[:, None]
-    if OUT_MODE == _OUT_ATOMIC:
-        token_ptrs = (
-            out_ptr + (slot_rows // OUT_ROW_DIV)[:, None] * stride_om + offs_n[None, :] * stride_on
-        )
-        tl.atomic_add(token_ptrs, y, mask=out_mask, sem="relaxed")
-    else:
+        y = h_g
+        if OUT_MODE == _OUT_ATOMIC:  # the top-k sum: each slot adds into its token's row
+            # rounded where the reference stores a slot's output, weighted as finalize does
+            y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
+        if MUL_ROUTED_WEIGHT:
+            w = tl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
+            y = y * w[:, None]
+        if OUT_MODE == _OUT_ATOMIC:
+            token_ptrs = (
+                out_ptr + (slot_rows // OUT_ROW_DIV)[:, None] * stride_om
+                + offs_n[None, :] * stride_on
+            )  # fmt: skip
+            tl.atomic_add(token_ptrs, y, mask=out_mask, sem="relaxed")
+            return
         y = _round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+        return
 
-
-@triton.jit
-def _store_gemm1(
-    h_g, h_u, alpha, beta, limit, out_ptr, out_ptrs, out_mask, out_scale_ptr, stride_osm,
-    stride_osn, out_rows, row_mask, pid_n, N, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    OUT_MODE: tl.constexpr, H_DTYPE: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """GEMM1's epilogue: the activation of h, stored as a2 (quantized as OUT_MODE says)."""
-    # the reference stores h in the activation dtype before the activation reads it
+    # GEMM1: the reference stores h in the activation dtype before the activation reads it
     h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
     h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
     act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
@@ -675,12 +586,12 @@ def _store_gemm1(
     elif OUT_MODE == _OUT_FP8_GROUP:
         _store_group_quant(
             act, out_ptrs, out_mask, out_scale_ptr, stride_osm, stride_osn, out_rows, row_mask,
-            pid_n, N, TILE_M, BLOCK_N, _SCALE_FLOAT32, ROUND_IN_FP32,
+            pid_n, N, BLOCK_M, BLOCK_N, _SCALE_FLOAT32, ROUND_IN_FP32,
         )  # fmt: skip
     elif OUT_MODE == _OUT_FP8_GROUP_UE8M0:
         _store_group_quant(
             act, out_ptrs, out_mask, out_scale_ptr, stride_osm, stride_osn, out_rows, row_mask,
-            pid_n, N, TILE_M, BLOCK_N, _SCALE_UE8M0, ROUND_IN_FP32,
+            pid_n, N, BLOCK_M, BLOCK_N, _SCALE_UE8M0, ROUND_IN_FP32,
         )  # fmt: skip
     else:  # OUT_PLAIN (activation dtype) or OUT_FP32 (quantized after the kernel)
         act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
