@@ -482,6 +482,82 @@ def test_quantized(case):
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
 
 
+# One token under 1 x 128 group FP8: prepare leaves x unquantized and GEMM1 quantizes its tiles
+# (TritonExperts.quantizes_input), bit for bit as prepare would have.
+ONE_TOKEN_CASES = ["fp8_block", "fp8_block_ue8m0", "fp8_block_partial_groups",
+                   "fp8_block_swigluoai", "fp8_block_non_gated"]  # fmt: skip
+
+
+def _spy_prepare_quantization(monkeypatch) -> list:
+    """The quant config prepare's quantize_input gets on each call (None: x left unquantized)."""
+    from fusedmoe.modular import prepare_finalize
+
+    seen, real = [], prepare_finalize.quantize_input
+
+    def spy(a, quant_config):
+        seen.append(quant_config)
+        return real(a, quant_config)
+
+    monkeypatch.setattr(prepare_finalize, "quantize_input", spy)
+    return seen
+
+
+@pytest.mark.parametrize("case", ONE_TOKEN_CASES)
+def test_one_token_is_quantized_inside_gemm1(case, monkeypatch):
+    from fusedmoe.experts import triton as triton_experts
+
+    x, experts, qc, activation = _quantized(case, num_tokens=1)
+    x = x * 7  # a wide range: group scales far from 1
+    weights, ids = _routing(1, 4, 2)
+    seen = _spy_prepare_quantization(monkeypatch)
+    inside = _run(x, experts, weights, ids, "triton", quant_config=qc, activation=activation)
+    assert seen == [None], "prepare must leave one token's x to GEMM1"
+    monkeypatch.setattr(triton_experts, "QUANTIZE_INSIDE_MAX_TOKENS", 0)
+    prepared = _run(x, experts, weights, ids, "triton", quant_config=qc, activation=activation)
+    assert seen == [None, qc]
+    assert_equal(inside, prepared, what="x quantized by GEMM1 vs by prepare")
+    ref = _run(x, experts, weights, ids, "torch", quant_config=qc, activation=activation)
+    assert_close(inside, ref, torch.bfloat16, **QUANT_TOL)
+
+
+def test_quantizes_input_only_one_token_of_group_fp8():
+    experts = TritonExperts()
+    block = _quantized("fp8_block", num_tokens=1)[2]
+    assert experts.quantizes_input(1, block)
+    assert not experts.quantizes_input(2, block)
+    for case in ("fp8_tensor", "fp8_tensor_per_token", "int8"):
+        assert not experts.quantizes_input(1, _quantized(case, num_tokens=1)[2]), case
+    assert not experts.quantizes_input(1, None)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "hidden", "gemm1_block_k"),
+    [(3, 256, 128), (1, 320, 128), (1, 256, 64)],
+    ids=["aligned_rows", "partial_group_of_x", "narrow_k_tiles"],
+)
+def test_unquantized_group_input_is_quantized_by_one_launch(
+    num_tokens, hidden, gemm1_block_k, monkeypatch
+):
+    """Where GEMM1 cannot quantize its own tiles (aligned rows, a partial 1 x 128 group of x,
+    K tiles narrower than a group), the op quantizes x by one launch: the same result."""
+    experts = _experts(4, hidden, 128, dtype=torch.bfloat16)
+    w13, w2, qc = quantize_experts(experts["w13"].float(), experts["w2"].float(), "fp8_block")
+    experts = dict(experts, w13=w13, w2=w2)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=torch.bfloat16) * 7
+    weights, ids = _routing(num_tokens, 4, 2)
+    config = MoEKernelConfig(
+        16, GemmConfig(128, gemm1_block_k, 1, 4, 2), GemmConfig(64, 128, 1, 4, 2)
+    )
+    seen = _spy_prepare_quantization(monkeypatch)
+    with use_moe_kernel_config(config):
+        monkeypatch.setattr(TritonExperts, "quantizes_input", lambda self, m, c: False)
+        prepared = _run(x, experts, weights, ids, "triton", quant_config=qc)
+        monkeypatch.setattr(TritonExperts, "quantizes_input", lambda self, m, c: True)
+        deferred = _run(x, experts, weights, ids, "triton", quant_config=qc)
+    assert seen == [qc, None]
+    assert_equal(deferred, prepared, what="x quantized by the op vs by prepare")
+
+
 def test_ue8m0_scales_are_used():
     """UE8M0 a2 scales (powers of two) against float32 ones: within the tolerance of each other,
     so the output must be clearly closer to the reference of its own scale format."""
