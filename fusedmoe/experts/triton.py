@@ -48,12 +48,6 @@ _ACT_MODES = {
     keys.INT8_DYNAMIC_TOKEN: ("row", "int8_dynamic_token"),
 }
 _DTYPE_KEY = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-# Tokens up to which prepare leaves x unquantized under 1 x 128 group FP8 (fp8_block) and GEMM1
-# quantizes its own tiles, exactly as prepare would: prepare's quantization launch is saved. One
-# token only: GEMM1's rows are then its k slots, without alignment, and the one row of x is
-# quantized once per column tile (above, each row would be quantized k * N / BN times over).
-QUANTIZE_INSIDE_MAX_TOKENS = 1
-_GROUP_KEYS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 
 
 def _modes(quant_config: FusedMoEQuantConfig | None) -> tuple[str, str, str, str] | None:
@@ -106,14 +100,6 @@ class TritonExperts(Experts):
     @classmethod
     def supports_autograd(cls, quant_config=None):
         return quant_config is None
-
-    def quantizes_input(self, num_tokens, quant_config):
-        return (
-            num_tokens <= QUANTIZE_INSIDE_MAX_TOKENS
-            and quant_config is not None
-            and quant_config.a1.key in _GROUP_KEYS
-            and _modes(quant_config) is not None
-        )
 
     def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
         # workspace13: GEMM2's per-slot output; workspace2: a2 (GEMM1's activation output,

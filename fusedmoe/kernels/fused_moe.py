@@ -29,7 +29,7 @@ from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
 from fusedmoe.quant import keys
-from fusedmoe.quant.activation import per_token_group_quant_fp8, quantize_activation
+from fusedmoe.quant.activation import quantize_activation
 from fusedmoe.quant.config import OperandQuant
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.kernels import (
@@ -270,19 +270,6 @@ def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
     return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in ACTIVATION_CODE
 
 
-def _gemm1_input(x, a1_scale, a_mode, a2_mode, rows, block_k):
-    """(x, its scale, GEMM1's variant). x arrives unquantized with 1 x 128 group FP8 when
-    prepare left it to the op (TritonExperts.quantizes_input): at M = 1 (direct rows) GEMM1
-    quantizes its tiles itself, exactly as prepare would (no launch); else one launch does."""
-    if a_mode != "group" or a1_scale is not None:
-        return x, a1_scale, _GATHER
-    ue8m0 = a2_mode == "fp8_group_ue8m0"
-    if rows.routing is None and block_k == g.QUANT_GROUP and x.shape[1] % g.QUANT_GROUP == 0:
-        return x, None, GemmVariant(a_quant=g.AQ_GROUP_UE8M0 if ue8m0 else g.AQ_GROUP)
-    q, scale = per_token_group_quant_fp8(x, g.QUANT_GROUP, False, ue8m0)
-    return q, scale, _GATHER
-
-
 def gemm_rows(topk_ids, expert_map, block_m, num_local) -> GemmRows:
     ids = topk_ids.reshape(-1)
     if topk_ids.shape[0] == 1:
@@ -330,9 +317,6 @@ def _fused_experts_triton_impl(
     )
     with device_guard(x):
         rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
-        x, a1_scale, gemm1_variant = _gemm1_input(
-            x, a1_scale, a_mode, a2_mode, rows, config.gemm1.block_k
-        )
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)
         if out_mode == g.OUT_FP8_STATIC:
@@ -348,7 +332,7 @@ def _fused_experts_triton_impl(
                 x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
                 a2, a2_scale, topk_weights, rows, num_slots, gemm1,
                 activation=act, params=params, out_mode=out_mode, mul_routed_weight=False,
-                h_dtype=h_dtype, variant=gemm1_variant,
+                h_dtype=h_dtype,
             )  # fmt: skip
         else:  # GEMM1 stores h; the fused act + group quant kernel makes a2 from it
             h = torch.empty((num_slots, gemm1_rows), dtype=output.dtype, device=x.device)
@@ -356,7 +340,7 @@ def _fused_experts_triton_impl(
                 x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
                 h, None, topk_weights, rows, num_slots, config.gemm1,
                 activation=None, params=params, out_mode=g.OUT_PLAIN, mul_routed_weight=False,
-                h_dtype=h_dtype, variant=gemm1_variant,
+                h_dtype=h_dtype,
             )  # fmt: skip
             a2, a2_scale = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
                 h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, False,
