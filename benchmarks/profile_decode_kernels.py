@@ -4,11 +4,11 @@
 
 For qwen3-30b-a3b, gpt-oss-120b and qwen3-235b-a22b at M = 1 and 8, uniform routing: the
 triton backend in fp8_block and bf16, and the hpc backend in fp8_block where it runs the
-activation. graph_us is the median of CUDA-graph replays of one `fused_experts` call; kernels
-the mean device time of one launch of each kernel name over 20 eager calls (torch.profiler).
-_moe_gemm_kernel launches twice per call (GEMM1 and GEMM2), so its figure is the mean of the
-two; kernels_per_call_us counts it twice. The gap between the two totals is what the launches
-themselves cost inside the graph.
+activation. graph_us is the median of CUDA-graph replays of one `fused_experts` call, as
+`fusedmoe bench` times it (tools.bench.timing); kernels the mean device time of one launch of
+each kernel name over 20 eager calls (torch.profiler). _moe_gemm_kernel launches twice per call
+(GEMM1 and GEMM2), so its figure is the mean of the two; kernels_per_call_us counts it twice.
+The gap between the two totals is what the launches themselves cost inside the graph.
 """
 
 from __future__ import annotations
@@ -25,18 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fusedmoe.functional import fused_experts
 from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.tools.bench.timing import time_ms
 from fusedmoe.tools.presets import PRESETS
 
 PRESET_NAMES = ("qwen3-30b-a3b", "gpt-oss-120b", "qwen3-235b-a22b")
 GEMM = "_moe_gemm_kernel"  # launched twice per call
-
-
-def _graph_us(fn) -> float:
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1000
 
 
 def _kernel_us(fn, calls: int = 20) -> dict[str, float]:
@@ -78,7 +71,7 @@ def main() -> None:
                     activation=act, quant_config=ex.quant_config, backend=backend,
                 )  # fmt: skip
                 try:
-                    graph = _graph_us(fn)
+                    graph = time_ms(fn, dev, rep_ms=50.0)[0] * 1000
                 except ValueError as exc:  # a backend that cannot run the call
                     print(f"{preset} M={m} {quant} {backend}: {exc}")
                     continue
