@@ -19,12 +19,18 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
               padded to 128), or at small M with many experts the masked one ([E_l, max_m]:
               m_grouped_fp8_gemm_nt_masked) where the contiguous one would be mostly padding.
               Any token count runs.
+    wgmma     our own Hopper GEMMs (fusedmoe.kernels.wgmma_gemm: Gluon, warp-specialized, the
+              block-scale promotion of one warpgroup overlapping the other's wgmma) over the
+              contiguous layout: fp8_block without the library, on sm90 where Triton has
+              Gluon's Hopper API, bf16 / fp16 activations, K and the intermediate size multiples
+              of 16.
     triton    our Triton grouped GEMMs over the contiguous layout (fusedmoe.kernels.
               deep_gemm_moe): everywhere else, and for the MX schemes, which the library's
               Hopper kernels do not take.
 
-`engine="auto"` (the default) takes the library where it runs the call; "library" raises where
-it cannot; "triton" never uses it. FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
+`engine="auto"` (the default) takes the library where it runs the call, else wgmma where it
+runs, else triton; "library" and "wgmma" raise where that engine cannot run the call; "triton"
+uses neither. FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
 none, so the Triton kernels dequantize MX operands to bf16 in their load path (exact, see
@@ -59,9 +65,9 @@ logger = logging.getLogger("fusedmoe")
 
 _ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUSTEP, MoEActivation.SWIGLUOAI_UNINTERLEAVE)
 _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
-#: engine="auto": the library where it runs the call; "library": it or a ValueError; "triton":
-#: our grouped GEMMs only
-ENGINES = ("auto", "library", "triton")
+#: engine="auto": the library where it runs the call, else wgmma where it runs, else triton;
+#: "library" / "wgmma": that engine or a ValueError; "triton": our Triton grouped GEMMs only
+ENGINES = ("auto", "library", "wgmma", "triton")
 #: chosen by the oracle (not by name), a call with fewer slots per expert (M * k / E) than this
 #: runs on the triton backend: on an H200 (benchmarks/bench_fp8_backends.py, the four fp8_block
 #: presets) triton is faster up to 64 slots per expert (1.0x to 1.4x), the library from 128
@@ -140,9 +146,13 @@ class DeepGemmExperts(Experts):
     @classmethod
     def engine_description(cls) -> str:
         """Which GEMMs run (fusedmoe backends, the oracle's explanation)."""
-        from fusedmoe.kernels.deep_gemm_lib import library_status
+        from fusedmoe.kernels.deep_gemm_lib import find_library, library_status
+        from fusedmoe.kernels.wgmma_gemm import wgmma_status
 
-        return library_status()
+        status = library_status()
+        if find_library() is None:
+            status += f"; fp8_block: {wgmma_status()}"
+        return status
 
     @classmethod
     def library_runs(cls, problem) -> bool:
@@ -188,6 +198,30 @@ class DeepGemmExperts(Experts):
         if not (hidden_states.is_contiguous() and weights.w13.is_contiguous()
                 and weights.w2.is_contiguous()):  # fmt: skip
             return "non-contiguous tensors"
+        return None
+
+    def wgmma_reason(self, weights, call_quant, hidden_states, a1q_scale, call_output_dtype):
+        """None when our Gluon (wgmma) GEMMs run this call, else why not."""
+        from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
+
+        if self.engine not in ("auto", "wgmma"):
+            return f"engine={self.engine!r}"
+        if call_quant.scheme != "fp8_block":
+            return f"the wgmma engine runs fp8_block, not {call_quant.scheme}"
+        if call_output_dtype not in (torch.bfloat16, torch.float16):
+            return f"the wgmma engine writes bf16 / fp16, the layer runs in {call_output_dtype}"
+        why = gluon_unusable_reason(hidden_states.device)
+        if why is not None:
+            return why
+        k, inter = weights.hidden_size, weights.w2.shape[2]
+        if k % 16 or inter % 16:  # TMA: 16-byte row strides of the FP8 operands
+            return f"K = {k} and the intermediate size {inter} must be multiples of 16"
+        if weights.w13.dtype != FP8_DTYPE or a1q_scale.dtype != torch.float32:
+            return f"weights are {weights.w13.dtype}, activation scales {a1q_scale.dtype}"
+        if call_quant.w1.scale.dtype != torch.float32:
+            return "weight scales are not float32"
+        if not (weights.w13.is_contiguous() and weights.w2.is_contiguous()):
+            return "non-contiguous weights"
         return None
 
     def valid_call_reason(self, num_tokens: int, weights, hidden_states) -> str | None:
@@ -258,6 +292,14 @@ class DeepGemmExperts(Experts):
                 check_ids_distinct("topk_ids", call.topk_ids)
         elif self.engine == "library":
             raise ValueError(f"engine='library' cannot run this call: {not_library}")
+        else:
+            not_wgmma = self.wgmma_reason(
+                weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
+            )
+            if not_wgmma is None:
+                engine = "wgmma"
+            elif self.engine == "wgmma":
+                raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
         if engine == "triton":
             why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
             if why is not None:

@@ -39,6 +39,7 @@ from fusedmoe.kernels.deep_gemm_lib import MASKED_ROWS, find_library
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
 from fusedmoe.kernels.moe_align import aligned_sizes, local_ids, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
+from fusedmoe.kernels.wgmma_gemm import wgmma_grouped_gemm
 from fusedmoe.quant.activation import quantize_mxfp8
 from fusedmoe.quant.formats import FP8_DTYPE
 
@@ -545,9 +546,10 @@ _A_MODE = {"fp8_block": g.A_GROUP, "mxfp8": g.A_MX, "mxfp4_w4a8": g.A_GROUP}
 _W_MODE = {"fp8_block": g.W_BLOCK, "mxfp8": g.W_MX, "mxfp4_w4a8": g.W_MX}
 
 
-#: engines of the op: our Triton GEMMs over the contiguous layout, or the DeepGEMM library's
-#: GEMMs over the contiguous or the masked layout
-ENGINES = ("triton", "contiguous", "masked")
+#: engines of the op: our Triton GEMMs over the contiguous layout, our Gluon (wgmma) GEMMs over
+#: it (fp8_block on Hopper), or the DeepGEMM library's GEMMs over the contiguous or the masked
+#: layout
+ENGINES = ("triton", "wgmma", "contiguous", "masked")
 
 
 def library_layout(
@@ -578,20 +580,26 @@ def carve_permuted(workspace13: torch.Tensor, rows: int, hidden: int, groups: in
     return a_out, scales
 
 
-def _run_library(
+def _library():
+    lib = find_library()
+    if lib is None:
+        raise RuntimeError("the DeepGEMM library was chosen but cannot be imported")
+    return lib
+
+
+def _run_fp8_block(
     engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
     expert_map, workspace13, workspace2, act, params, alignment, m_sum, use_ue8m0,
     mul_routed_weight,
 ):  # fmt: skip
-    """The library's FP8 grouped GEMMs between our permute, act + quant and unpermute."""
-    lib = find_library()
-    if lib is None:
-        raise RuntimeError("the DeepGEMM library was chosen but cannot be imported")
+    """fp8_block on the DeepGEMM library's grouped GEMMs ("contiguous" / "masked") or on our
+    Gluon ones ("wgmma", contiguous layout), between our permute, act + quant and unpermute.
+    Activation scales are column-major (the layout both read coalesced)."""
     num_local, n, hidden = w13.shape
     num_tokens, top_k = topk_ids.shape
     alpha, beta, limit, has_limit = resolve_params(act, params)
     act_quant = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)
-    if engine == "contiguous":
+    if engine in ("contiguous", "wgmma"):
         a_out, scale_out = carve_permuted(
             workspace13, m_sum, hidden, a1q_scale.shape[1], torch.float32
         )
@@ -599,15 +607,28 @@ def _run_library(
             a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
             a_out=a_out, scale_out=scale_out,
         )  # fmt: skip
+        if engine == "wgmma":
+
+            def gemm(a, a_scale, w, w_scale, out):
+                wgmma_grouped_gemm(
+                    a, a_scale, w, w_scale, out, layout.expert_ids, layout.num_rows, alignment
+                )
+        else:
+            lib = _library()
+
+            def gemm(a, a_scale, w, w_scale, out):
+                lib.contiguous(a, a_scale, w, w_scale, out, layout.m_indices)
+
         h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
-        lib.contiguous(layout.a, layout.a_scale, w13, w13_scale, h, layout.m_indices)
+        gemm(layout.a, layout.a_scale, w13, w13_scale, h)
         a2q, a2_scale = act_quant(
             h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True, use_ue8m0
         )
         y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
-        lib.contiguous(a2q, a2_scale, w2, w2_scale, y, layout.m_indices)
+        gemm(a2q, a2_scale, w2, w2_scale, y)
         inv_perm = layout.inv_perm
     else:
+        lib = _library()
         max_m = masked_max_m(num_tokens)
         rows = num_local * max_m
         a_out, scale_out = carve_permuted(
@@ -667,7 +688,7 @@ def _fused_experts_deep_gemm_impl(
     act = MoEActivation(activation)
     params = ActivationParams(act_alpha, act_beta, act_limit)
     if engine != "triton":
-        _run_library(
+        _run_fp8_block(
             engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights,
             topk_ids, expert_map, workspace13, workspace2, act, params, alignment, m_sum,
             use_ue8m0, mul_routed_weight,
@@ -749,9 +770,10 @@ def fused_experts_deep_gemm(
     engine: str = "triton",
 ) -> None:
     """output [M, H] = the experts' weighted top-k sum (one custom op: it traces under
-    torch.compile and never reads the device from the host). engine: "triton" (our grouped
-    GEMMs over the contiguous layout), or the DeepGEMM library's over the "contiguous" or the
-    "masked" layout (library_layout says which).
+    torch.compile and never reads the device from the host). engine: "triton" (our Triton
+    grouped GEMMs over the contiguous layout), "wgmma" (our Gluon ones, fp8_block on Hopper),
+    or the DeepGEMM library's over the "contiguous" or the "masked" layout (library_layout says
+    which).
 
     a1q [M, K] quantized by prepare (FP8, scales [M, K/128] float32, or MXFP8 with uint8 E8M0
     scales [M, K/32]); w13 / w2 FP8 with 128 x 128 block scales, MXFP8, or MXFP4 (uint8 packed,

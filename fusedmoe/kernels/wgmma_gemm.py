@@ -1,0 +1,386 @@
+"""Hopper grouped GEMM over the contiguous expert-aligned layout, written in Gluon (Triton's
+lower-level dialect) so that the block-scaled FP8 promotion overlaps the tensor cores.
+
+    out[r, :] = sum over K blocks kb of  (a[r, kb] @ w[e(r), :, kb].T) * a_scale[r, kb]
+                                                                      * w_scale[e(r), n // 128, kb]
+
+a [M_sum, K] FP8 in runs of 128 rows of one expert (deep_gemm_moe's contiguous layout),
+w [E_l, N, K] FP8 with 128 x 128 block scales, a_scale [M_sum, K / 128] float32 (any strides;
+column-major is the coalesced one), out [M_sum, N] bf16 / fp16. Rows past num_rows (and runs
+whose expert_ids is -1) are skipped, padding rows inside a run are computed from whatever a
+holds and never read back.
+
+Why Gluon: the per-128-K scales forbid one accumulator over K, so each K block's product
+is formed apart (a wgmma with a zero accumulator) and then scaled into the sum. Plain Triton
+waits for that wgmma before scaling, and the tensor cores idle through the scaling (the
+shipped Triton GEMM stops at 40-55% of the FP8 peak). Here the K loop keeps one wgmma in
+flight while the previous block is promoted:
+
+    issue  wgmma(k)                 -> part_k (async, registers set aside)
+    wait   until wgmma(k-1) is done -> part_{k-1}
+    acc   += part_{k-1} * (a_scale[:, k-1] * w_scale[k-1])
+    refill the shared-memory stage wgmma(k-1) read with the TMA loads of block k-1+STAGES
+
+8 warps: two warpgroups of 64 rows each (a 128-row block). Tiles are BLOCK_N wide with
+BLOCK_N dividing 128, so a tile has one weight scale per K block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+try:  # Gluon's Hopper API (triton >= 3.5); without it the Triton GEMMs run
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_IMPORT_ERROR = ""
+except Exception as e:  # an older or newer Triton with another Gluon API
+    gluon = None
+    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+__all__ = ["gluon_unusable_reason", "wgmma_grouped_gemm", "wgmma_status"]
+
+QUANT_GROUP = 128
+
+
+def gluon_unusable_reason(device: torch.device) -> str | None:
+    """None where the Gluon GEMM runs on `device`, else why not."""
+    if gluon is None:
+        return f"Triton's Gluon Hopper API is not importable ({GLUON_IMPORT_ERROR})"
+    if device.type != "cuda":
+        return f"the Gluon GEMM runs on CUDA GPUs, not {device.type}"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    major, minor = _capability(index)
+    if major != 9:
+        return f"the Gluon GEMM uses Hopper's wgmma (sm90), this GPU is sm{major}{minor}"
+    return None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+if gluon is not None:
+    _GROUP_M = gl.constexpr(8)  # row blocks that sweep the n blocks together (L2 reuse)
+
+    @gluon.jit
+    def _tile_of(tile, num_m_blocks, num_n_blocks, GROUP_M: gl.constexpr):
+        """Tile index -> (m block, n block): GROUP_M row blocks sweep all n blocks together,
+        so the weight tiles they share stay in L2."""
+        per_group = GROUP_M * num_n_blocks
+        group = tile // per_group
+        first_m = group * GROUP_M
+        rows_in_group = gl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % rows_in_group
+        pid_n = (tile % per_group) // rows_in_group
+        return pid_m, pid_n
+
+    @gluon.jit
+    def _tile_expert(tile, num_m_blocks, num_n_blocks, num_rows, expert_ids_ptr,
+                     BLOCK_M: gl.constexpr):  # fmt: skip
+        """(off_m, n block, expert) of a tile; expert -1: nothing to compute (past the rows
+        in use, or a block no expert owns). A block is one run block (BLOCK_M == ALIGN)."""
+        pid_m, pid_n = _tile_of(tile, num_m_blocks, num_n_blocks, _GROUP_M)
+        off_m = pid_m * BLOCK_M
+        expert = gl.load(expert_ids_ptr + pid_m, mask=off_m < num_rows, other=-1)
+        return off_m, pid_n, expert
+
+    @gluon.jit
+    def _producer(a_desc, w_desc, a_smem, w_smem, full, empty, expert_ids_ptr, num_rows_ptr,
+                  N, K, num_m_blocks):  # fmt: skip
+        """One warp: TMA loads of every (tile, K block) of this program into the stage ring."""
+        STAGES: gl.constexpr = a_smem.shape[0]
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        num_n_blocks = gl.cdiv(N, BLOCK_N)
+        num_k = gl.cdiv(K, BLOCK_K)
+        num_rows = gl.load(num_rows_ptr)
+        it = 0
+        for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+            off_m, pid_n, expert = _tile_expert(
+                tile, num_m_blocks, num_n_blocks, num_rows, expert_ids_ptr, BLOCK_M
+            )
+            if expert >= 0:
+                w_row = expert * N + pid_n * BLOCK_N
+                for kb in range(num_k):
+                    stage = it % STAGES
+                    # wait until both consumers released the stage (its previous use)
+                    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                    bar = full.index(stage)
+                    mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(
+                        a_desc, [off_m, kb * BLOCK_K], bar, a_smem.index(stage)
+                    )
+                    tma.async_copy_global_to_shared(
+                        w_desc, [w_row, kb * BLOCK_K], bar, w_smem.index(stage)
+                    )
+                    it += 1
+
+    @gluon.jit
+    def _scaled_half(a_tile, w_tile, acc, part_init, scale):
+        """acc + (a_tile @ w_tile.T) * scale[:, None]: one 128-wide K block of one 128-wide
+        column half, its wgmma waited for (the other warpgroup's wgmma fills the gap)."""
+        part = warpgroup_mma(a_tile, w_tile.permute((1, 0)), part_init, use_acc=False,
+                             is_async=True)  # fmt: skip
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        return acc + part * scale[:, None]
+
+    @gluon.jit
+    def _store_tile(out_desc, out_smem, slot, tile, off_m, off_n):
+        tma.store_wait(pendings=0)  # the previous tile's store has left this buffer
+        buf = out_smem.index(slot)
+        buf.store(tile.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], buf)
+
+    @gluon.jit
+    def _consumer(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
+                  a_scale_ptr, stride_asm, stride_asg,
+                  w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                  expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
+                  HALF: gl.constexpr):  # fmt: skip
+        """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile of this program.
+
+        SCALED (FP8, 128-block scales): the tile is one or two 128-wide column halves, each
+        with its own accumulator and weight scale; a K block's product per half is scaled
+        into its accumulator. Unscaled: one accumulator over K, the wgmma of block kb still
+        running while block kb - 1's stage is released."""
+        STAGES: gl.constexpr = a_smem.shape[0]
+        SCALED: gl.constexpr = a_desc.dtype.primitive_bitwidth == 8
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        OUT_N: gl.constexpr = out_desc.block_type.shape[1]
+        ROWS: gl.constexpr = BLOCK_M // 2
+        INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, OUT_N, INSTR_K]
+        )
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        TWO: gl.constexpr = BLOCK_N // OUT_N == 2  # SCALED with a 256-wide tile
+        num_n_blocks = gl.cdiv(N, BLOCK_N)
+        num_k = gl.cdiv(K, BLOCK_K)
+        num_rows = gl.load(num_rows_ptr)
+        slot0: gl.constexpr = HALF * (BLOCK_N // OUT_N)
+        it = 0
+        for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+            off_m, pid_n, expert = _tile_expert(
+                tile, num_m_blocks, num_n_blocks, num_rows, expert_ids_ptr, BLOCK_M
+            )
+            if expert >= 0:
+                off_n = pid_n * BLOCK_N
+                row0 = off_m + HALF * ROWS
+                acc = gl.zeros([ROWS, OUT_N], gl.float32, mma_layout)
+                if SCALED:
+                    rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+                    a_scale_rows = a_scale_ptr + rows * stride_asm
+                    w_scale_0 = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
+                    if TWO:
+                        acc1 = gl.zeros([ROWS, OUT_N], gl.float32, mma_layout)
+                        has_1 = off_n + OUT_N < N  # the last tile may end mid-way
+                    for kb in range(num_k):
+                        stage = it % STAGES
+                        # the scales first: their latency hides behind the wait and the wgmma
+                        a_s = gl.load(a_scale_rows + kb * stride_asg)
+                        w_s0 = gl.load(w_scale_0 + kb * stride_wsk)
+                        if TWO:
+                            w_s1 = gl.load(w_scale_0 + stride_wsn + kb * stride_wsk, mask=has_1,
+                                           other=0.0)  # fmt: skip
+                        mbarrier.wait(full.index(stage), (it // STAGES) & 1)
+                        a_tile = a_smem.index(stage).slice(HALF * ROWS, ROWS)
+                        w_tile = w_smem.index(stage)
+                        if TWO:
+                            acc = _scaled_half(a_tile, w_tile.slice(0, OUT_N), acc, acc, a_s * w_s0)
+                            acc1 = _scaled_half(
+                                a_tile, w_tile.slice(OUT_N, OUT_N), acc1, acc, a_s * w_s1
+                            )
+                        else:
+                            acc = _scaled_half(a_tile, w_tile, acc, acc, a_s * w_s0)
+                        mbarrier.arrive(empty.index(stage), count=1)
+                        it += 1
+                    _store_tile(out_desc, out_smem, slot0, acc, row0, off_n)
+                    if TWO:
+                        _store_tile(out_desc, out_smem, slot0 + 1, acc1, row0, off_n + OUT_N)
+                else:
+                    for kb in range(num_k):
+                        stage = it % STAGES
+                        mbarrier.wait(full.index(stage), (it // STAGES) & 1)
+                        acc = warpgroup_mma(
+                            a_smem.index(stage).slice(HALF * ROWS, ROWS),
+                            w_smem.index(stage).permute((1, 0)), acc, is_async=True,
+                        )  # fmt: skip
+                        # the previous K block's wgmma is done: release its stage
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                        prev = (it + STAGES - 1) % STAGES
+                        mbarrier.arrive(empty.index(prev), count=1, pred=kb > 0)
+                        it += 1
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+                    _store_tile(out_desc, out_smem, slot0, acc, row0, off_n)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _grouped_gemm_kernel(
+        a_desc,  # [M_sum, K], blocks [BLOCK_M, BLOCK_K]
+        w_desc,  # [E_l * N, K], blocks [BLOCK_N, BLOCK_K]
+        out_desc,  # [M_sum, N], blocks [BLOCK_M / 2, BLOCK_N]
+        a_scale_ptr, stride_asm, stride_asg,  # [M_sum, K / 128] float32 (SCALED)
+        w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l, N / 128, K / 128] (SCALED)
+        expert_ids_ptr,  # int32 [M_sum / 128]: expert of each run block, -1 past the end
+        num_rows_ptr,  # int32 [1]: rows in use
+        N, K, num_m_blocks,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        # partitions take no constexpr arguments (they arrive as run-time values): each reads
+        # what it needs off the descriptors' types
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        OUT_N: gl.constexpr = out_desc.block_type.shape[1]
+        out_smem = gl.allocate_shared_memory(  # per warpgroup, per 128-wide column half
+            out_desc.dtype, [2 * (BLOCK_N // OUT_N), BLOCK_M // 2, OUT_N], out_desc.layout
+        )
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        first = (
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
+            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
+        )  # fmt: skip
+        second = (  # the same again: one tuple given to two partitions breaks the lowering
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
+            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
+        )  # fmt: skip
+        producer = (
+            a_desc, w_desc, a_smem, w_smem, full, empty, expert_ids_ptr, num_rows_ptr,
+            N, K, num_m_blocks,
+        )  # fmt: skip
+        gl.warp_specialize(
+            [(_first_half, first), (_second_half, second), (_producer, producer)],
+            [4, 1],  # the second consumer warpgroup, the producer warp
+            [232, 40],  # their registers (the first consumer's: the rest)
+        )
+
+    @gluon.jit
+    def _first_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
+                    a_scale_ptr, stride_asm, stride_asg,
+                    w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                    expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
+        _consumer(
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
+            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks, 0,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _second_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
+                     a_scale_ptr, stride_asm, stride_asg,
+                     w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                     expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
+        _consumer(
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
+            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks, 1,
+        )  # fmt: skip
+
+
+_GL_DTYPES = {}
+
+
+def _gl_dtype(dtype: torch.dtype):
+    if not _GL_DTYPES:
+        _GL_DTYPES.update(
+            {
+                torch.float8_e4m3fn: gl.float8e4nv,
+                torch.bfloat16: gl.bfloat16,
+                torch.float16: gl.float16,
+            }
+        )
+    return _GL_DTYPES[dtype]
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def wgmma_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_rows: torch.Tensor,
+    alignment: int,
+    *,
+    block_n: int = 256,
+    stages: int = 3,
+) -> None:
+    """out [M_sum, N] = a @ w[e].T over the contiguous layout's runs (see the module
+    docstring): FP8 with 128-block scales, or bf16 / fp16 with a_scale = w_scale = None.
+    Inputs are assumed checked by the caller."""
+    m_sum, k = a.shape
+    num_experts, n, _ = w.shape
+    scaled = a_scale is not None
+    block_m = 128
+    block_k = 128 if scaled else 64  # 128-byte rows: the widest swizzle
+    if alignment != block_m or block_n not in (128, 256):
+        raise ValueError(
+            f"alignment {alignment} / block_n {block_n}: the runs must be of {block_m} rows, "
+            "the tiles 128 or 256 wide"
+        )
+    a_desc = _descriptor(a, [block_m, block_k])
+    w_desc = _descriptor(w.view(num_experts * n, k), [block_n, block_k])
+    out_desc = _descriptor(out, [block_m // 2, 128 if scaled else block_n])
+    num_m_blocks = triton.cdiv(m_sum, block_m)
+    tiles = num_m_blocks * triton.cdiv(n, block_n)
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    grid = (max(1, min(tiles, _num_sms(index))),)
+    scale_args = (
+        (a_scale, *a_scale.stride(), w_scale, *w_scale.stride())
+        if scaled
+        else (expert_ids, 0, 0, expert_ids, 0, 0, 0)
+    )
+    _grouped_gemm_kernel[grid](
+        a_desc, w_desc, out_desc, *scale_args, expert_ids, num_rows,
+        n, k, num_m_blocks,
+        STAGES=stages,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def wgmma_status() -> str:
+    """One line: whether the Gluon GEMMs run on this machine's GPU, and why not."""
+    if gluon is None:
+        return f"fusedmoe Triton GEMMs (no Gluon Hopper API: {GLUON_IMPORT_ERROR})"
+    if not torch.cuda.is_available():
+        return "fusedmoe Gluon wgmma GEMMs on sm90 GPUs, Triton GEMMs elsewhere"
+    why = gluon_unusable_reason(torch.device("cuda"))
+    if why is not None:
+        return f"fusedmoe Triton GEMMs ({why})"
+    return "fusedmoe Gluon wgmma GEMMs"
