@@ -171,6 +171,23 @@ class DeepGemmExperts(Experts):
             and library_unusable_reason(problem.device) is None
         )
 
+    @classmethod
+    def wgmma_runs(cls, problem) -> bool:
+        """Whether our Gluon (wgmma) GEMMs run `problem` here (fp8_block on Hopper): the
+        oracle then prefers this backend to triton, as for the library."""
+        from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
+
+        qc = problem.quant_config
+        return (
+            qc is not None
+            and qc.scheme == "fp8_block"
+            and problem.dtype in (torch.bfloat16, torch.float16)
+            and cls.refusal_reason(problem) is None
+            and problem.hidden_size % 16 == 0
+            and problem.intermediate_size % 16 == 0
+            and gluon_unusable_reason(problem.device) is None
+        )
+
     # ---- the contract of one call ----
     def library_reason(
         self, num_tokens: int, weights, call_quant, hidden_states, call_output_dtype
@@ -178,8 +195,8 @@ class DeepGemmExperts(Experts):
         """None when the DeepGEMM library runs this call, else why not."""
         from fusedmoe.kernels.deep_gemm_lib import library_unusable_reason
 
-        if self.engine == "triton":
-            return "engine='triton'"
+        if self.engine not in ("auto", "library"):
+            return f"engine={self.engine!r}"
         if call_quant.scheme != "fp8_block":
             return f"the library's sm90 kernels take fp8_block, not {call_quant.scheme}"
         if call_output_dtype != torch.bfloat16:
@@ -273,12 +290,17 @@ class DeepGemmExperts(Experts):
         not_library = self.library_reason(
             num_tokens, weights, qc, call.hidden_states, call.output.dtype
         )
+        not_wgmma = "the library runs"
+        if not_library is not None:
+            not_wgmma = self.wgmma_reason(
+                weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
+            )
         slots_per_expert = num_tokens * top_k / call.global_num_experts
         meta = call.expert_tokens_meta
         if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
             slots_per_expert = int(meta.expert_num_tokens_cpu.sum()) / weights.num_local_experts
         if (
-            not_library is None
+            (not_library is None or not_wgmma is None)
             and self.engine == "auto"
             and not self.strict
             and slots_per_expert < LIBRARY_MIN_SLOTS_PER_EXPERT
@@ -292,14 +314,10 @@ class DeepGemmExperts(Experts):
                 check_ids_distinct("topk_ids", call.topk_ids)
         elif self.engine == "library":
             raise ValueError(f"engine='library' cannot run this call: {not_library}")
-        else:
-            not_wgmma = self.wgmma_reason(
-                weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
-            )
-            if not_wgmma is None:
-                engine = "wgmma"
-            elif self.engine == "wgmma":
-                raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
+        elif not_wgmma is None:
+            engine = "wgmma"
+        elif self.engine == "wgmma":
+            raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
         if engine == "triton":
             why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
             if why is not None:
