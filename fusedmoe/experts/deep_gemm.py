@@ -171,23 +171,6 @@ class DeepGemmExperts(Experts):
             and library_unusable_reason(problem.device) is None
         )
 
-    @classmethod
-    def wgmma_runs(cls, problem) -> bool:
-        """Whether our Gluon (wgmma) GEMMs run `problem` here (fp8_block on Hopper): the
-        oracle then prefers this backend to triton, as for the library."""
-        from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
-
-        qc = problem.quant_config
-        return (
-            qc is not None
-            and qc.scheme == "fp8_block"
-            and problem.dtype in (torch.bfloat16, torch.float16)
-            and cls.refusal_reason(problem) is None
-            and problem.hidden_size % 16 == 0
-            and problem.intermediate_size % 16 == 0
-            and gluon_unusable_reason(problem.device) is None
-        )
-
     # ---- the contract of one call ----
     def library_reason(
         self, num_tokens: int, weights, call_quant, hidden_states, call_output_dtype
