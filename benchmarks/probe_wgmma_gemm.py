@@ -5,7 +5,7 @@ rows. On a GPU:
 
     PYTHONPATH=.:.vendor python3 benchmarks/probe_wgmma_gemm.py [--presets deepseek-v3,...]
         [--tokens 4096,16384] [--dtypes fp8_block,bf16] [--configs 128x4,256x3]
-        [--no-others] [--json out.json]
+        [--no-others] [--graph] [--json out.json]
 
 --configs: block_n x stages of the wgmma GEMM, one contender each.
 
@@ -75,7 +75,7 @@ def _contenders(layout, w, w_s, out, configs, others, lib):
     return contenders
 
 
-def run_case(preset, tokens, dtype, configs, lib, device, others):
+def run_case(preset, tokens, dtype, configs, lib, device, others, graph):
     p = PRESETS[preset]
     e, k = p.num_experts, p.top_k
     results = []
@@ -114,7 +114,10 @@ def run_case(preset, tokens, dtype, configs, lib, device, others):
                 fn()
                 torch.cuda.synchronize()
                 err = ((out[sample].float() - ref).norm() / ref.norm()).item()
-                ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                if graph:  # back to back, as the bench replays a layer
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median")
+                else:
+                    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
             except Exception as exc:  # report and go on: a probe
                 print(f"{preset} {tokens} {gemm} {name}: {type(exc).__name__}: {exc}"[:400])
                 continue
@@ -138,6 +141,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp8_block,bf16")
     ap.add_argument("--configs", default="128x4,256x3")
     ap.add_argument("--no-others", action="store_true", help="only the wgmma configs")
+    ap.add_argument("--graph", action="store_true", help="CUDA-graph replays, no L2 flush")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -149,7 +153,9 @@ def main() -> None:
         for preset in args.presets.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
                 torch.manual_seed(0)
-                rows += run_case(preset, tokens, dtype, configs, lib, device, not args.no_others)
+                rows += run_case(
+                    preset, tokens, dtype, configs, lib, device, not args.no_others, args.graph
+                )
                 torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
