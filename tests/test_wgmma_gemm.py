@@ -150,7 +150,7 @@ def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_engine_is_wgmma_without_the_library(monkeypatch):
+def test_gpu_wgmma_runs_by_name_only(monkeypatch):
     _hopper()
     monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
     from fusedmoe.kernels import deep_gemm_lib, deep_gemm_moe
@@ -164,9 +164,12 @@ def test_gpu_auto_engine_is_wgmma_without_the_library(monkeypatch):
     try:
         _, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 2048, "fp8_block")
         args = (x, experts["w13"], experts["w2"], weights, ids)
-        out = _run(DeepGemmExperts(strict=True), *args, qc)
-        assert len(seen) == 2  # both GEMMs
         ref = fused_experts(*args, quant_config=qc, backend="torch")
+        out = _run(DeepGemmExperts(strict=True), *args, qc)  # auto: the Triton GEMMs
+        assert seen == []
+        assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
+        out = _run(DeepGemmExperts(strict=True, engine="wgmma"), *args, qc)
+        assert len(seen) == 2  # both GEMMs
         assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
     finally:
         monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")

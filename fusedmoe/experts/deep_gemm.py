@@ -21,16 +21,18 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
               Any token count runs.
     wgmma     our own Hopper GEMMs (fusedmoe.kernels.wgmma_gemm: Gluon, warp-specialized, the
               block-scale promotion of one warpgroup overlapping the other's wgmma) over the
-              contiguous layout: fp8_block without the library, on sm90 where Triton has
-              Gluon's Hopper API, bf16 / fp16 activations, K and the intermediate size multiples
-              of 16.
+              contiguous layout: fp8_block on sm90 where Triton has Gluon's Hopper API, bf16 /
+              fp16 activations, K and the intermediate size multiples of 16. By name only
+              (engine="wgmma"): alone its GEMMs are faster than the Triton ones in 9 of 10
+              prefill cells on an H200, but inside the whole layer they are slower in 6 of 8
+              (README, "The wgmma engine"), so "auto" does not take them yet.
     triton    our Triton grouped GEMMs over the contiguous layout (fusedmoe.kernels.
               deep_gemm_moe): everywhere else, and for the MX schemes, which the library's
               Hopper kernels do not take.
 
-`engine="auto"` (the default) takes the library where it runs the call, else wgmma where it
-runs, else triton; "library" and "wgmma" raise where that engine cannot run the call; "triton"
-uses neither. FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
+`engine="auto"` (the default) takes the library where it runs the call, else triton; "library"
+and "wgmma" raise where that engine cannot run the call; "triton" uses neither.
+FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
 none, so the Triton kernels dequantize MX operands to bf16 in their load path (exact, see
@@ -65,8 +67,8 @@ logger = logging.getLogger("fusedmoe")
 
 _ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUSTEP, MoEActivation.SWIGLUOAI_UNINTERLEAVE)
 _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
-#: engine="auto": the library where it runs the call, else wgmma where it runs, else triton;
-#: "library" / "wgmma": that engine or a ValueError; "triton": our Triton grouped GEMMs only
+#: engine="auto": the library where it runs the call, else triton; "library" / "wgmma": that
+#: engine or a ValueError; "triton": our Triton grouped GEMMs only
 ENGINES = ("auto", "library", "wgmma", "triton")
 #: chosen by the oracle (not by name), a call with fewer slots per expert (M * k / E) than this
 #: runs on the triton backend: on an H200 (benchmarks/bench_fp8_backends.py, the four fp8_block
@@ -146,13 +148,10 @@ class DeepGemmExperts(Experts):
     @classmethod
     def engine_description(cls) -> str:
         """Which GEMMs run (fusedmoe backends, the oracle's explanation)."""
-        from fusedmoe.kernels.deep_gemm_lib import find_library, library_status
+        from fusedmoe.kernels.deep_gemm_lib import library_status
         from fusedmoe.kernels.wgmma_gemm import wgmma_status
 
-        status = library_status()
-        if find_library() is None:
-            status += f"; fp8_block: {wgmma_status()}"
-        return status
+        return f"{library_status()}; engine='wgmma': {wgmma_status()}"
 
     @classmethod
     def library_runs(cls, problem) -> bool:
@@ -204,7 +203,7 @@ class DeepGemmExperts(Experts):
         """None when our Gluon (wgmma) GEMMs run this call, else why not."""
         from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
 
-        if self.engine not in ("auto", "wgmma"):
+        if self.engine != "wgmma":  # by name only (the module docstring says why)
             return f"engine={self.engine!r}"
         if call_quant.scheme != "fp8_block":
             return f"the wgmma engine runs fp8_block, not {call_quant.scheme}"
