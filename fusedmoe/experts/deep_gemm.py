@@ -23,8 +23,8 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
               block-scale promotion of one warpgroup overlapping the other's wgmma) over the
               contiguous layout: fp8_block on sm90 where Triton has Gluon's Hopper API, bf16 /
               fp16 activations, K and the intermediate size multiples of 16. By name only
-              (engine="wgmma"): alone its GEMMs are faster than the Triton ones in 9 of 10
-              prefill cells on an H200, but inside the whole layer they are slower in 6 of 8
+              (engine="wgmma"): alone its GEMMs are faster than the Triton ones in 14 of 16
+              prefill GEMMs on an H200, but inside the whole layer they are slower in 6 of 8
               (README, "The wgmma engine"), so "auto" does not take them yet.
     triton    our Triton grouped GEMMs over the contiguous layout (fusedmoe.kernels.
               deep_gemm_moe): everywhere else, and for the MX schemes, which the library's
