@@ -203,8 +203,6 @@ class DeepGemmExperts(Experts):
         """None when our Gluon (wgmma) GEMMs run this call, else why not."""
         from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
 
-        if self.engine != "wgmma":  # by name only (the module docstring says why)
-            return f"engine={self.engine!r}"
         if call_quant.scheme != "fp8_block":
             return f"the wgmma engine runs fp8_block, not {call_quant.scheme}"
         if call_output_dtype not in (torch.bfloat16, torch.float16):
@@ -272,17 +270,12 @@ class DeepGemmExperts(Experts):
         not_library = self.library_reason(
             num_tokens, weights, qc, call.hidden_states, call.output.dtype
         )
-        not_wgmma = "the library runs"
-        if not_library is not None:
-            not_wgmma = self.wgmma_reason(
-                weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
-            )
         slots_per_expert = num_tokens * top_k / call.global_num_experts
         meta = call.expert_tokens_meta
         if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
             slots_per_expert = int(meta.expert_num_tokens_cpu.sum()) / weights.num_local_experts
         if (
-            (not_library is None or not_wgmma is None)
+            not_library is None
             and self.engine == "auto"
             and not self.strict
             and slots_per_expert < LIBRARY_MIN_SLOTS_PER_EXPERT
@@ -296,10 +289,13 @@ class DeepGemmExperts(Experts):
                 check_ids_distinct("topk_ids", call.topk_ids)
         elif self.engine == "library":
             raise ValueError(f"engine='library' cannot run this call: {not_library}")
-        elif not_wgmma is None:
+        elif self.engine == "wgmma":  # by name only (the module docstring says why)
+            not_wgmma = self.wgmma_reason(
+                weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
+            )
+            if not_wgmma is not None:
+                raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
             engine = "wgmma"
-        elif self.engine == "wgmma":
-            raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
         if engine == "triton":
             why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
             if why is not None:
