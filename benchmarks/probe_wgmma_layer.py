@@ -62,12 +62,54 @@ def _record_gemms(engine, run):
     return [functools.partial(real, *a, **k) for a, k in calls]
 
 
+def _swap_probe(gemms, device):
+    """GEMM1 of the wgmma layer on its own tensors, then with A, then w, replaced by random FP8
+    (the probe's data), each timed on both engines' GEMMs: {variant: {engine: us}}."""
+    from fusedmoe.kernels.fused_moe import TL_DTYPE
+    from fusedmoe.quant.formats import FP8_DTYPE
+
+    call = gemms[0]
+    a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment = call.args
+    m_sum = a.shape[0]
+    m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=device)
+    blocks = expert_ids.repeat_interleave(alignment)[:m_sum]
+    m_indices.copy_(torch.where(torch.arange(m_sum, device=device) < num_rows, blocks, -1))
+    layout = deep_gemm_moe.ContiguousLayout(
+        a, a_scale, m_indices, None, expert_ids, num_rows, alignment
+    )
+
+    def timed(a_, w_):
+        def triton_gemm():
+            deep_gemm_moe._grouped_gemm(
+                a_, a_scale, deep_gemm_moe._A_MODE["fp8_block"], w_, w_scale,
+                deep_gemm_moe._W_MODE["fp8_block"], out, layout, w_fp4=False,
+                h_dtype=TL_DTYPE[out.dtype],
+            )  # fmt: skip
+
+        engines = {
+            "wgmma": lambda: deep_gemm_moe.wgmma_grouped_gemm(
+                a_, a_scale, w_, w_scale, out, expert_ids, num_rows, alignment
+            ),
+            "triton": triton_gemm,
+        }
+        return {name: time_ms(fn, device, rep_ms=200)[0] * 1e3 for name, fn in engines.items()}
+
+    def rand_like(t):
+        return (torch.randn(t.shape, device=device, dtype=torch.bfloat16) * 2).to(FP8_DTYPE)
+
+    result = {"layer data": timed(a, w)}
+    result["random A"] = timed(rand_like(a), w)
+    result["random w"] = timed(a, rand_like(w))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="deepseek-v3,mixtral-8x7b")
     ap.add_argument("--tokens", default="16384")
     ap.add_argument("--engines", default="triton,wgmma")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--swap", action="store_true", help="GEMM1 with random A / w (wgmma only)")
     args = ap.parse_args()
     device = torch.device("cuda")
     rows = []
@@ -91,6 +133,9 @@ def main() -> None:
                 gemm_us = [time_ms(g, device, rep_ms=200)[0] * 1e3 for g in gemms]
                 row = dict(preset=preset_name, tokens=m, engine=engine, layer_us=layer_us,
                            gemm_us=gemm_us, rest_us=layer_us - sum(gemm_us))  # fmt: skip
+                if args.swap and engine == "wgmma":
+                    row["swap"] = _swap_probe(gemms, device)
+                    print(row["swap"], flush=True)
                 rows.append(row)
                 print(
                     f"{preset_name:16s} {m:6d} {engine:7s} layer {layer_us:9.1f} us  gemms "
