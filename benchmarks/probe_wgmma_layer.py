@@ -78,17 +78,17 @@ def _swap_probe(gemms, device):
         a, a_scale, m_indices, None, expert_ids, num_rows, alignment
     )
 
-    def timed(a_, w_):
+    def timed(a_, w_, a_s=a_scale, w_s=w_scale):
         def triton_gemm():
             deep_gemm_moe._grouped_gemm(
-                a_, a_scale, deep_gemm_moe._A_MODE["fp8_block"], w_, w_scale,
+                a_, a_s, deep_gemm_moe._A_MODE["fp8_block"], w_, w_s,
                 deep_gemm_moe._W_MODE["fp8_block"], out, layout, w_fp4=False,
                 h_dtype=TL_DTYPE[out.dtype],
             )  # fmt: skip
 
         engines = {
             "wgmma": lambda: deep_gemm_moe.wgmma_grouped_gemm(
-                a_, a_scale, w_, w_scale, out, expert_ids, num_rows, alignment
+                a_, a_s, w_, w_s, out, expert_ids, num_rows, alignment
             ),
             "triton": triton_gemm,
         }
@@ -100,6 +100,13 @@ def _swap_probe(gemms, device):
     result = {"layer data": timed(a, w)}
     result["random A"] = timed(rand_like(a), w)
     result["random w"] = timed(a, rand_like(w))
+    fresh_a_s = torch.rand(a_scale.shape[1], m_sum, device=device).t() * 0.02 + 0.001
+    fresh_w_s = torch.rand(w_scale.shape, device=device) * 0.02 + 0.001
+    result["random scales"] = timed(a, w, fresh_a_s, fresh_w_s)
+    result["scale layouts"] = {
+        "a_scale": (tuple(a_scale.shape), a_scale.stride(), a_scale.data_ptr() % 128),
+        "w_scale": (tuple(w_scale.shape), w_scale.stride(), str(w_scale.dtype)),
+    }
     return result
 
 
