@@ -338,15 +338,22 @@ def wgmma_grouped_gemm(
     num_rows: torch.Tensor,
     alignment: int,
     *,
-    block_n: int = 256,
-    stages: int = 3,
+    block_n: int | None = None,
+    stages: int | None = None,
 ) -> None:
     """out [M_sum, N] = a @ w[e].T over the contiguous layout's runs (see the module
     docstring): FP8 with 128-block scales, or bf16 / fp16 with a_scale = w_scale = None.
-    Inputs are assumed checked by the caller."""
+    Inputs are assumed checked by the caller. The tile (block_n x 128 rows, `stages` deep)
+    defaults to what measured best on an H200 (benchmarks/probe_wgmma_gemm.py): FP8 128 wide,
+    4 stages (256 wide spills and is 10-30% slower); bf16 256 wide, 3 stages (5-10% faster
+    than 128)."""
     m_sum, k = a.shape
     num_experts, n, _ = w.shape
     scaled = a_scale is not None
+    if block_n is None:
+        block_n = 128 if scaled else 256
+    if stages is None:
+        stages = 4 if block_n == 128 else 3
     block_m = 128
     block_k = 128 if scaled else 64  # 128-byte rows: the widest swizzle
     if alignment != block_m or block_n not in (128, 256):
