@@ -13,10 +13,12 @@ autograd); elsewhere torch runs.
 
 triton precedes deep_gemm and hpc wherever it runs the scheme, with one exception: where the
 DeepGEMM library is importable and runs fp8_block on the GPU (DeepGemmExperts.library_runs),
+or else where our wgmma GEMMs run it (DeepGemmExperts.wgmma_runs: Hopper, Triton with Gluon),
 deep_gemm goes first. Its library GEMMs are 1.1x to 1.6x faster than triton from 128 slots per
-expert (M * k / E) on an H200, and an auto-chosen deep_gemm hands smaller calls to triton
-(LIBRARY_MIN_SLOTS_PER_EXPERT), so the layer gets the faster of the two at every size. On our
-own Triton GEMMs deep_gemm is faster only from M ~ 16384 (1.03x to 1.08x) and 1.1x to 1.6x
+expert (M * k / E) on an H200, its wgmma GEMMs 1.0x to 1.2x from 256, and an auto-chosen
+deep_gemm hands smaller calls to triton (LIBRARY_MIN_SLOTS_PER_EXPERT,
+WGMMA_MIN_SLOTS_PER_EXPERT), so the layer gets the faster path at every size. On our own
+Triton GEMMs deep_gemm is faster only from M ~ 16384 (1.03x to 1.08x) and 1.1x to 1.6x
 slower from 256 to 4096 tokens; hpc is faster only with static per-tensor FP8 scales at M <= 64
 and trails triton with 128-block scales. The oracle picks per layer, not per call size, so
 those stay choices by name (backend="hpc" for a decode-only layer); deep_gemm and deep_gemm_fp4
@@ -32,6 +34,7 @@ import torch
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.experts.deep_gemm import (
     LIBRARY_MIN_SLOTS_PER_EXPERT,
+    WGMMA_MIN_SLOTS_PER_EXPERT,
     DeepGemmExperts,
     DeepGemmFP4Experts,
 )
@@ -181,8 +184,10 @@ def select_backend(
             )
             if order is not BACKENDS and cls is DeepGemmExperts:
                 reason += (
-                    "; ahead of triton where the DeepGEMM library runs fp8_block (calls of "
-                    f"fewer than {LIBRARY_MIN_SLOTS_PER_EXPERT} slots per expert run on triton)"
+                    "; ahead of triton where the DeepGEMM library (or, without it, the wgmma "
+                    "GEMMs on Hopper) runs fp8_block; calls of fewer than "
+                    f"{LIBRARY_MIN_SLOTS_PER_EXPERT} (wgmma: {WGMMA_MIN_SLOTS_PER_EXPERT}) "
+                    "slots per expert run on triton"
                 )
             others = {
                 n: r if r is not None else f"supported, but {cls.name} is preferred"
@@ -195,11 +200,10 @@ def select_backend(
 
 
 def _preference(problem: MoEProblem) -> tuple[type[Experts], ...]:
-    """BACKENDS, with deep_gemm moved ahead of triton where the DeepGEMM library runs the
-    problem (its prefill GEMMs are the fastest we have; it hands small calls to triton). Our
-    wgmma GEMMs do not move it: on an H200 the whole deep_gemm layer on them is 1.0x to 1.1x
-    of triton's time for three presets but 1.2x to 1.35x for deepseek-v3 at M >= 4096."""
-    if not DeepGemmExperts.library_runs(problem):
+    """BACKENDS, with deep_gemm moved ahead of triton where the DeepGEMM library or our wgmma
+    GEMMs run the problem (the fastest prefill GEMMs we have; deep_gemm hands small calls to
+    triton)."""
+    if not (DeepGemmExperts.library_runs(problem) or DeepGemmExperts.wgmma_runs(problem)):
         return BACKENDS
     rest = tuple(cls for cls in BACKENDS if cls is not DeepGemmExperts)
     return (DeepGemmExperts, *rest)

@@ -20,6 +20,8 @@ from fusedmoe.modular.types import ActivationSpec, ExpertWeights
 from fusedmoe.quant.formats import FP8_DTYPE
 from tests.helpers import assert_close, poison_, preset_problem, quant_tol, random_routing
 
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on padding
+
 
 def test_the_engine_is_refused_off_hopper():
     why = wgmma_gemm.gluon_unusable_reason(torch.device("cpu"))
@@ -41,6 +43,108 @@ def test_the_launcher_refuses_other_alignments():
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 64)
     with pytest.raises(ValueError, match="128 or 256 wide"):
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 128, block_n=64)
+
+
+def _run(experts, x, w13, w2, weights, ids, qc, **kwargs):
+    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
+    return kernel.forward(
+        x, ExpertWeights(w13, w2), weights, ids, activation=ActivationSpec(),
+        global_num_experts=kwargs.pop("global_num_experts", w13.shape[0]), quant_config=qc,
+        **kwargs,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the engine's plumbing (permute, column-major scales, act + quant, unpermute) with a torch
+# stand-in for the Gluon GEMM, and where auto and the oracle take it
+# ---------------------------------------------------------------------------------------------
+H, I, E = 256, 128, 4
+
+
+def _stand_in(calls):
+    """The GEMM's contract in torch: rows of each 128-row run block times its expert's
+    dequantized weights; blocks past num_rows or of expert -1 untouched."""
+
+    def gemm(a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment):
+        calls.append(tuple(a.shape))
+        assert a_scale.stride(0) == 1  # column-major: the layout the kernel reads coalesced
+        for b in range(int(num_rows) // alignment):
+            e = int(expert_ids[b])
+            if e < 0:
+                continue
+            r = slice(b * alignment, (b + 1) * alignment)
+            x = a[r].float() * a_scale[r].repeat_interleave(128, 1)[:, : a.shape[1]]
+            blocks = w_scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            we = w[e].float() * blocks[: w.shape[1], : w.shape[2]]
+            out[r] = (x @ we.T).to(out.dtype)
+
+    return gemm
+
+
+@pytest.fixture
+def pretend_hopper(monkeypatch):
+    """No library, Gluon usable, the kernel replaced by its torch stand-in: the calls seen."""
+    from fusedmoe.experts.triton import TritonExperts
+    from fusedmoe.kernels import deep_gemm_lib, deep_gemm_moe
+
+    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
+    deep_gemm_lib.find_library(refresh=True)
+    monkeypatch.setattr(wgmma_gemm, "gluon_unusable_reason", lambda device: None)
+    calls = []
+    monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", _stand_in(calls))
+    for cls in (DeepGemmExperts, TritonExperts):  # as on a GPU (the CPU runs them by name)
+        monkeypatch.setattr(cls, "preferred_on", classmethod(lambda cls, device: True))
+    yield calls
+    monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
+    deep_gemm_lib.find_library(refresh=True)
+
+
+def _problem(num_tokens):
+    from fusedmoe.quant import quantize_experts
+    from tests.reference import random_experts
+
+    experts = random_experts(E, H, I, "silu", dtype=torch.bfloat16)
+    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
+    weights, ids = random_routing(num_tokens, E, 2)
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16)
+    return x, w13, w2, weights, ids, qc
+
+
+@pytest.mark.parametrize("num_tokens", [1, 77, 512])
+def test_wgmma_engine_plumbing_matches_torch_backend(pretend_hopper, num_tokens):
+    x, w13, w2, weights, ids, qc = _problem(num_tokens)
+    out = _run(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: any M
+    assert len(pretend_hopper) == 2
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+
+def test_auto_hands_small_calls_to_triton(pretend_hopper):
+    from fusedmoe.experts.deep_gemm import WGMMA_MIN_SLOTS_PER_EXPERT
+
+    tokens = WGMMA_MIN_SLOTS_PER_EXPERT * E // 2  # exactly the threshold: wgmma
+    x, w13, w2, weights, ids, qc = _problem(tokens)
+    _run(DeepGemmExperts(), x[:-1], w13, w2, weights[:-1], ids[:-1], qc)  # one slot fewer
+    assert pretend_hopper == []
+    _run(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert len(pretend_hopper) == 2
+    _run(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)
+    assert len(pretend_hopper) == 2
+
+
+def test_the_oracle_puts_deep_gemm_first_where_wgmma_runs(pretend_hopper, monkeypatch):
+    from fusedmoe import select_backend
+
+    _, _, _, _, _, qc = _problem(1)
+    problem = dict(
+        device="cpu", hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, quant_config=qc
+    )
+    choice = select_backend(**problem)
+    assert choice.name == "deep_gemm", choice.explain()
+    assert "wgmma" in choice.reason
+    assert select_backend(**problem, dtype=torch.float32).name == "triton"
+    monkeypatch.setattr(wgmma_gemm, "gluon_unusable_reason", lambda device: "not Hopper")
+    assert select_backend(**problem).name == "triton"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,15 +222,6 @@ def test_gpu_gemm_matches_reference(case, block_n, scaled):
     assert_close(out[rows], ref[rows], torch.bfloat16, what=case)
 
 
-def _run(experts, x, w13, w2, weights, ids, qc, **kwargs):
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
-    return kernel.forward(
-        x, ExpertWeights(w13, w2), weights, ids, activation=ActivationSpec(),
-        global_num_experts=kwargs.pop("global_num_experts", w13.shape[0]), quant_config=qc,
-        **kwargs,
-    )  # fmt: skip
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
 def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
@@ -150,7 +245,7 @@ def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_wgmma_runs_by_name_only(monkeypatch):
+def test_gpu_auto_takes_wgmma_without_the_library(monkeypatch):
     _hopper()
     monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
     from fusedmoe.kernels import deep_gemm_lib, deep_gemm_moe
@@ -162,15 +257,22 @@ def test_gpu_wgmma_runs_by_name_only(monkeypatch):
         deep_gemm_moe, "wgmma_grouped_gemm", lambda *a, **k: seen.append(1) or real(*a, **k)
     )
     try:
-        _, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 2048, "fp8_block")
+        _, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 4096, "fp8_block")
         args = (x, experts["w13"], experts["w2"], weights, ids)
         ref = fused_experts(*args, quant_config=qc, backend="torch")
-        out = _run(DeepGemmExperts(strict=True), *args, qc)  # auto: the Triton GEMMs
+        _run(DeepGemmExperts(strict=True, engine="triton"), *args, qc)
         assert seen == []
-        assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
-        out = _run(DeepGemmExperts(strict=True, engine="wgmma"), *args, qc)
+        out = _run(DeepGemmExperts(strict=True), *args, qc)  # auto: wgmma
         assert len(seen) == 2  # both GEMMs
         assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
+        seen.clear()
+        out = fused_experts(*args, quant_config=qc)  # the oracle: deep_gemm on wgmma
+        assert len(seen) == 2
+        assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
+        seen.clear()
+        small = (x[:64], experts["w13"], experts["w2"], weights[:64], ids[:64])
+        fused_experts(*small, quant_config=qc)  # 4 slots per expert: the triton backend
+        assert seen == []
     finally:
         monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
         deep_gemm_lib.find_library(refresh=True)

@@ -22,16 +22,16 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
     wgmma     our own Hopper GEMMs (fusedmoe.kernels.wgmma_gemm: Gluon, warp-specialized, the
               block-scale promotion of one warpgroup overlapping the other's wgmma) over the
               contiguous layout: fp8_block on sm90 where Triton has Gluon's Hopper API, bf16 /
-              fp16 activations, K and the intermediate size multiples of 16. By name only
-              (engine="wgmma"): alone its GEMMs are faster than the Triton ones in 14 of 16
-              prefill GEMMs on an H200, but inside the whole layer they are slower in 6 of 8
-              (README, "The wgmma engine"), so "auto" does not take them yet.
+              fp16 activations, K and the intermediate size multiples of 16: where the
+              library does not run. On an H200 the layer on them is 0.83x to 1.0x of the
+              triton backend's time from 256 slots per expert (WGMMA_MIN_SLOTS_PER_EXPERT).
     triton    our Triton grouped GEMMs over the contiguous layout (fusedmoe.kernels.
               deep_gemm_moe): everywhere else, and for the MX schemes, which the library's
               Hopper kernels do not take.
 
-`engine="auto"` (the default) takes the library where it runs the call, else triton; "library"
-and "wgmma" raise where that engine cannot run the call; "triton" uses neither.
+`engine="auto"` (the default) takes the library where it runs the call, else wgmma where it
+runs, else triton; "library" and "wgmma" raise where that engine cannot run the call; "triton"
+uses neither.
 FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
@@ -67,14 +67,19 @@ logger = logging.getLogger("fusedmoe")
 
 _ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUSTEP, MoEActivation.SWIGLUOAI_UNINTERLEAVE)
 _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
-#: engine="auto": the library where it runs the call, else triton; "library" / "wgmma": that
-#: engine or a ValueError; "triton": our Triton grouped GEMMs only
+#: engine="auto": the library where it runs the call, else wgmma where it runs, else triton;
+#: "library" / "wgmma": that engine or a ValueError; "triton": our Triton grouped GEMMs only
 ENGINES = ("auto", "library", "wgmma", "triton")
 #: chosen by the oracle (not by name), a call with fewer slots per expert (M * k / E) than this
 #: runs on the triton backend: on an H200 (benchmarks/bench_fp8_backends.py, the four fp8_block
 #: presets) triton is faster up to 64 slots per expert (1.0x to 1.4x), the library from 128
 #: (1.1x to 1.6x at M = 4096 and 16384)
 LIBRARY_MIN_SLOTS_PER_EXPERT = 128
+#: the same for our wgmma GEMMs: on an H200 (bench_fp8_backends.py, the four fp8_block presets
+#: at M = 1024, 4096, 16384) the deep_gemm layer on them is 0.83x to 1.0x of triton's time from
+#: 256 slots per expert, and 1.07x at 128 (deepseek-v3, M = 4096: half the contiguous rows are
+#: padding there)
+WGMMA_MIN_SLOTS_PER_EXPERT = 256
 
 
 class DeepGemmExperts(Experts):
@@ -168,6 +173,24 @@ class DeepGemmExperts(Experts):
             and problem.hidden_size % 128 == 0
             and problem.intermediate_size % 128 == 0
             and library_unusable_reason(problem.device) is None
+        )
+
+    @classmethod
+    def wgmma_runs(cls, problem) -> bool:
+        """Whether our Gluon (wgmma) GEMMs run `problem` here (fp8_block on Hopper): the
+        oracle then prefers this backend to triton, as for the library
+        (WGMMA_MIN_SLOTS_PER_EXPERT)."""
+        from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
+
+        qc = problem.quant_config
+        return (
+            qc is not None
+            and qc.scheme == "fp8_block"
+            and problem.dtype in (torch.bfloat16, torch.float16)
+            and cls.refusal_reason(problem) is None
+            and problem.hidden_size % 16 == 0
+            and problem.intermediate_size % 16 == 0
+            and gluon_unusable_reason(problem.device) is None
         )
 
     # ---- the contract of one call ----
@@ -270,18 +293,25 @@ class DeepGemmExperts(Experts):
         not_library = self.library_reason(
             num_tokens, weights, qc, call.hidden_states, call.output.dtype
         )
+        not_wgmma = "the library runs the call"
+        if not_library is not None and self.engine in ("auto", "wgmma"):
+            not_wgmma = self.wgmma_reason(
+                weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
+            )
         slots_per_expert = num_tokens * top_k / call.global_num_experts
         meta = call.expert_tokens_meta
         if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
             slots_per_expert = int(meta.expert_num_tokens_cpu.sum()) / weights.num_local_experts
+        # chosen by the oracle, small calls run faster on the triton backend
+        fewest = LIBRARY_MIN_SLOTS_PER_EXPERT if not_library is None else WGMMA_MIN_SLOTS_PER_EXPERT
         if (
-            not_library is None
+            (not_library is None or not_wgmma is None)
             and self.engine == "auto"
             and not self.strict
-            and slots_per_expert < LIBRARY_MIN_SLOTS_PER_EXPERT
+            and slots_per_expert < fewest
             and TritonExperts.supports_quant_config(qc)
         ):
-            TritonExperts().apply(call)  # faster below a 128-row block per expert
+            TritonExperts().apply(call)
             return
         if not_library is None:
             engine, _ = library_layout(num_tokens, top_k, weights.num_local_experts, self.alignment)
@@ -289,13 +319,10 @@ class DeepGemmExperts(Experts):
                 check_ids_distinct("topk_ids", call.topk_ids)
         elif self.engine == "library":
             raise ValueError(f"engine='library' cannot run this call: {not_library}")
-        elif self.engine == "wgmma":  # by name only (the module docstring says why)
-            not_wgmma = self.wgmma_reason(
-                weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
-            )
-            if not_wgmma is not None:
-                raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
+        elif not_wgmma is None:
             engine = "wgmma"
+        elif self.engine == "wgmma":
+            raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
         if engine == "triton":
             why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
             if why is not None:
