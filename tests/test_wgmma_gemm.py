@@ -29,6 +29,14 @@ def test_the_engine_is_refused_off_hopper():
     assert "Gluon" in wgmma_gemm.wgmma_status() or "Triton" in wgmma_gemm.wgmma_status()
 
 
+def test_untested_triton_versions_are_refused(monkeypatch):
+    if wgmma_gemm.gluon is None:
+        pytest.skip("no Gluon here")
+    monkeypatch.setattr(wgmma_gemm.triton, "__version__", "9.9.0")
+    why = wgmma_gemm.gluon_unusable_reason(torch.device("cuda"))
+    assert why is not None and "tested with Triton 3.6" in why and "9.9.0" in why
+
+
 def test_engine_wgmma_is_a_known_engine():
     assert DeepGemmExperts(engine="wgmma").engine == "wgmma"
     with pytest.raises(ValueError, match="engine must be one of"):

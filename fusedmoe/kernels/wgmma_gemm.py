@@ -1,28 +1,32 @@
 """Hopper grouped GEMM over the contiguous expert-aligned layout, written in Gluon (Triton's
-lower-level dialect) so that the block-scaled FP8 promotion overlaps the tensor cores.
+lower-level dialect): the DeepGEMM-style FP8 128-block GEMM of the deep_gemm backend's "wgmma"
+engine, and a bf16 variant.
 
     out[r, :] = sum over K blocks kb of  (a[r, kb] @ w[e(r), :, kb].T) * a_scale[r, kb]
                                                                       * w_scale[e(r), n // 128, kb]
 
 a [M_sum, K] FP8 in runs of 128 rows of one expert (deep_gemm_moe's contiguous layout),
 w [E_l, N, K] FP8 with 128 x 128 block scales, a_scale [M_sum, K / 128] float32 (any strides;
-column-major is the coalesced one), out [M_sum, N] bf16 / fp16. Rows past num_rows (and runs
-whose expert_ids is -1) are skipped, padding rows inside a run are computed from whatever a
-holds and never read back.
+column-major is the coalesced one), out [M_sum, N] bf16 / fp16. Unscaled (bf16 / fp16 a and
+w): the same without the scales. Row blocks past num_rows or of expert -1 are skipped; padding
+rows inside a run are computed from whatever a holds and never read back.
 
-Why Gluon: the per-128-K scales forbid one accumulator over K, so each K block's product
-is formed apart (a wgmma with a zero accumulator) and then scaled into the sum. Plain Triton
-waits for that wgmma before scaling, and the tensor cores idle through the scaling (the
-shipped Triton GEMM stops at 40-55% of the FP8 peak). Here the K loop keeps one wgmma in
-flight while the previous block is promoted:
+Why Gluon: the per-128-K scales forbid one accumulator over K, so each K block's product is
+formed apart (a wgmma with a zero accumulator) and then scaled into the sum. Plain Triton waits
+for that wgmma before scaling, with all warps in lock step, and the tensor cores idle through
+the scaling (the Triton GEMM stops at 40-55% of the FP8 peak). Here, per program (persistent:
+one per SM, tiles in grouped order):
 
-    issue  wgmma(k)                 -> part_k (async, registers set aside)
-    wait   until wgmma(k-1) is done -> part_{k-1}
-    acc   += part_{k-1} * (a_scale[:, k-1] * w_scale[k-1])
-    refill the shared-memory stage wgmma(k-1) read with the TMA loads of block k-1+STAGES
+    producer warp        for each (tile, K block): wait until the stage is free, TMA-load the
+                         A and w tiles into it (a ring of STAGES stages, mbarrier-tracked)
+    consumer warpgroups  two, rows [0, 64) and [64, 128) of the tile; per K block: wait for
+    (4 warps each)       the stage, wgmma, release the stage, acc += part * a_s[:, None] * w_s;
+                         then the tile through shared memory and a TMA store
 
-8 warps: two warpgroups of 64 rows each (a 128-row block). Tiles are BLOCK_N wide with
-BLOCK_N dividing 128, so a tile has one weight scale per K block.
+The two consumers are not in lock step, so one's promotion overlaps the other's wgmma (a
+second accumulator in flight within one warpgroup makes ptxas serialize the wgmmas). Gluon
+partitions take no constexpr arguments (they arrive as run-time values): each reads its
+constants off the descriptors' and buffers' types.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import functools
 import torch
 import triton
 
-try:  # Gluon's Hopper API (triton >= 3.5); without it the Triton GEMMs run
+from fusedmoe.kernels.deep_gemm_lib import _capability
+
+try:  # Gluon's Hopper API; without it the Triton GEMMs run
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,13 +57,20 @@ except Exception as e:  # an older or newer Triton with another Gluon API
 
 __all__ = ["gluon_unusable_reason", "wgmma_grouped_gemm", "wgmma_status"]
 
-QUANT_GROUP = 128
+#: Triton versions (major.minor) whose Gluon API the kernel was built, checked and measured
+#: with: Gluon is experimental and moves between releases, so other versions run the Triton GEMMs
+TESTED_TRITON = ("3.6",)
 
 
 def gluon_unusable_reason(device: torch.device) -> str | None:
     """None where the Gluon GEMM runs on `device`, else why not."""
     if gluon is None:
         return f"Triton's Gluon Hopper API is not importable ({GLUON_IMPORT_ERROR})"
+    if ".".join(triton.__version__.split(".")[:2]) not in TESTED_TRITON:
+        return (
+            f"the Gluon GEMM is tested with Triton {', '.join(TESTED_TRITON)}, "
+            f"this is {triton.__version__}"
+        )
     if device.type != "cuda":
         return f"the Gluon GEMM runs on CUDA GPUs, not {device.type}"
     index = torch.cuda.current_device() if device.index is None else device.index
@@ -65,11 +78,6 @@ def gluon_unusable_reason(device: torch.device) -> str | None:
     if major != 9:
         return f"the Gluon GEMM uses Hopper's wgmma (sm90), this GPU is sm{major}{minor}"
     return None
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 if gluon is not None:
