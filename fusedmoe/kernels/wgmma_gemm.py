@@ -311,23 +311,12 @@ if gluon is not None:
         )  # fmt: skip
 
 
-_GL_DTYPES = {}
-
-
-def _gl_dtype(dtype: torch.dtype):
-    if not _GL_DTYPES:
-        _GL_DTYPES.update(
-            {
-                torch.float8_e4m3fn: gl.float8e4nv,
-                torch.bfloat16: gl.bfloat16,
-                torch.float16: gl.float16,
-            }
-        )
-    return _GL_DTYPES[dtype]
-
-
 def _descriptor(t: torch.Tensor, block: list[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    """A TMA descriptor of t in blocks of `block`, in the widest swizzle the block allows."""
+    gl_dtype = {
+        torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16
+    }[t.dtype]  # fmt: skip
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
