@@ -39,6 +39,7 @@ import torch
 __all__ = [
     "MASKED_ROWS",
     "DeepGemmLibrary",
+    "device_capability",
     "find_library",
     "library_status",
     "library_unusable_reason",
@@ -125,7 +126,7 @@ def find_library(*, refresh: bool = False) -> DeepGemmLibrary | None:
 
 
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
+def device_capability(index: int) -> tuple[int, int]:
     """A GPU's compute capability, asked once (the backend asks on every call)."""
     return torch.cuda.get_device_capability(index)
 
@@ -137,7 +138,7 @@ def library_unusable_reason(device: torch.device) -> str | None:
     lib = find_library()
     if lib is None:
         return f"no DeepGEMM library ({_why_not})"
-    major, minor = _capability(
+    major, minor = device_capability(
         torch.cuda.current_device() if device.index is None else device.index
     )
     if major not in _ARCHES:

@@ -36,7 +36,7 @@ import functools
 import torch
 import triton
 
-from fusedmoe.kernels.deep_gemm_lib import _capability
+from fusedmoe.kernels.deep_gemm_lib import device_capability
 
 try:  # Gluon's Hopper API; without it the Triton GEMMs run
     from triton.experimental import gluon
@@ -74,7 +74,7 @@ def gluon_unusable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"the Gluon GEMM runs on CUDA GPUs, not {device.type}"
     index = torch.cuda.current_device() if device.index is None else device.index
-    major, minor = _capability(index)
+    major, minor = device_capability(index)
     if major != 9:
         return f"the Gluon GEMM uses Hopper's wgmma (sm90), this GPU is sm{major}{minor}"
     return None
