@@ -34,9 +34,7 @@ from fusedmoe.kernels.deep_gemm_moe import (
     unpermute_reduce,
     unpermute_reduce_torch,
 )
-from fusedmoe.modular.kernel import FusedMoEModularKernel
-from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights
+from fusedmoe.modular.types import ActivationSpec
 from fusedmoe.quant import quantize_experts
 from fusedmoe.quant.activation import per_token_group_quant_fp8
 from tests.helpers import (
@@ -47,6 +45,7 @@ from tests.helpers import (
     quant_config_to,
     quant_tol,
     random_routing,
+    run_experts,
 )
 from tests.reference import random_experts
 
@@ -250,15 +249,6 @@ def _quantized(num_experts=E, ue8m0=False, activation="silu"):
     return w13.to(DEVICE), w2.to(DEVICE), quant_config_to(qc, DEVICE)
 
 
-def _run(experts, x, w13, w2, weights, ids, qc, *, activation=None, **kwargs):
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
-    return kernel.forward(
-        x, ExpertWeights(w13, w2), weights, ids, activation=activation or ActivationSpec(),
-        global_num_experts=kwargs.pop("global_num_experts", w13.shape[0]), quant_config=qc,
-        **kwargs,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("num_tokens", "layout"), [(1, "contiguous"), (5, "masked"), (130, "contiguous")]
 )
@@ -266,7 +256,7 @@ def test_library_engine_matches_torch_backend(fake_library, num_tokens, layout):
     w13, w2, qc = _quantized()
     weights, ids = _routing(num_tokens, E, 2, empty=0.05)
     x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device=DEVICE)
-    out = _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
+    out = run_experts(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
     assert fake_library.calls == [layout, layout]
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
@@ -281,7 +271,9 @@ def test_library_engine_ue8m0_scales_and_swigluoai(fake_library, num_tokens):
     weights, ids = _routing(num_tokens, E, 2)
     x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device=DEVICE)
     spec = ActivationSpec.make("swigluoai_uninterleave", params)
-    out = _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc, activation=spec)
+    out = run_experts(
+        DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc, activation=spec
+    )
     assert len(fake_library.calls) == 2
     ref = fused_experts(
         x, w13, w2, weights, ids, quant_config=qc, backend="torch",
@@ -305,7 +297,7 @@ def test_library_engine_odd_loads(fake_library, case):
         expert_map[E:] = torch.arange(E, dtype=torch.int32, device=DEVICE)
         kwargs = dict(expert_map=expert_map, global_num_experts=2 * E)
     x = torch.randn(ids.shape[0], H, dtype=torch.bfloat16, device=DEVICE)
-    out = _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc, **kwargs)
+    out = run_experts(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc, **kwargs)
     assert len(fake_library.calls) == 2
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch", **kwargs)
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
@@ -316,12 +308,12 @@ def test_fp16_layers_stay_on_triton_gemms(fake_library):
     w13, w2, qc = _quantized()
     weights, ids = _routing(390, E, 2)  # 130 slots per expert: bf16 would take the library
     x = torch.randn(390, H, dtype=torch.float16, device=DEVICE)
-    out = _run(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
     assert fake_library.calls == []
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.float16, **QUANT_TOL)
     with pytest.raises(ValueError, match=r"write bf16, the layer runs in torch\.float16"):
-        _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
+        run_experts(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
 
 
 def test_the_oracle_puts_deep_gemm_first_where_the_library_runs(fake_library, monkeypatch):
@@ -350,7 +342,7 @@ def test_masked_layout_refuses_repeated_ids(fake_library):
     ids[3, 1] = ids[3, 0]
     x = torch.randn(5, H, dtype=torch.bfloat16, device=DEVICE)
     with fusedmoe.debug_checks(), pytest.raises(ValueError, match="repeats an expert in row 3"):
-        _run(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
+        run_experts(DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc)
     assert fake_library.calls == []
 
 
@@ -358,20 +350,22 @@ def test_engines_choose_and_refuse(fake_library):
     w13, w2, qc = _quantized()
     weights, ids = _routing(3, E, 2)
     x = torch.randn(3, H, dtype=torch.bfloat16, device=DEVICE)
-    _run(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)  # falls back to triton
+    run_experts(
+        DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc
+    )  # falls back to triton
     assert fake_library.calls == []
-    _run(DeepGemmExperts(), x, w13, w2, weights, ids, qc)  # auto, chosen by the oracle:
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)  # auto, chosen by the oracle:
     assert fake_library.calls == []  # 1 slot per expert runs on triton
-    _run(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: the library
+    run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: the library
     assert fake_library.calls == ["masked", "masked"]
     big_w, big_ids = _routing(384, E, 2)  # 128 slots per expert: the library
     big_x = torch.randn(384, H, dtype=torch.bfloat16, device=DEVICE)
-    _run(DeepGemmExperts(), big_x, w13, w2, big_w, big_ids, qc)
+    run_experts(DeepGemmExperts(), big_x, w13, w2, big_w, big_ids, qc)
     assert fake_library.calls[2:] == ["contiguous", "contiguous"]
     experts = random_experts(E, H, 64, "silu", dtype=torch.bfloat16)  # I = 64: N = 128
     w13s, w2s, qcs = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
     with pytest.raises(ValueError, match="intermediate size 64 must be"):
-        _run(
+        run_experts(
             DeepGemmExperts(engine="library"), x, w13s.to(DEVICE), w2s.to(DEVICE), weights, ids,
             quant_config_to(qcs, DEVICE),
         )  # fmt: skip
@@ -399,7 +393,7 @@ def test_gpu_real_library_matches_torch_backend(preset):
     for num_tokens in (1, 7, 64, 130, 1024, 4099):  # deepseek-v3: 64 and 130 masked
         sl = slice(num_tokens)
         args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
-        out = _run(backend, *args, qc)
+        out = run_experts(backend, *args, qc)
         ref = fused_experts(*args, quant_config=qc, backend="torch")
         assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **QUANT_TOL)
 
@@ -425,7 +419,7 @@ def test_gpu_real_library_odd_loads(case):
         experts = {k: v[half:] for k, v in experts.items() if v is not None}
         qc = _shard(qc, half)
     args = (x, experts["w13"], experts["w2"], weights, ids)
-    out = _run(DeepGemmExperts(strict=True, engine="library"), *args, qc, **kwargs)
+    out = run_experts(DeepGemmExperts(strict=True, engine="library"), *args, qc, **kwargs)
     ref = fused_experts(*args, quant_config=qc, backend="torch", **kwargs)
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
 

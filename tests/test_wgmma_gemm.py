@@ -14,11 +14,15 @@ import torch
 from fusedmoe import fused_experts
 from fusedmoe.experts.deep_gemm import DeepGemmExperts
 from fusedmoe.kernels import wgmma_gemm
-from fusedmoe.modular.kernel import FusedMoEModularKernel
-from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights
 from fusedmoe.quant.formats import FP8_DTYPE
-from tests.helpers import assert_close, poison_, preset_problem, quant_tol, random_routing
+from tests.helpers import (
+    assert_close,
+    poison_,
+    preset_problem,
+    quant_tol,
+    random_routing,
+    run_experts,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on padding
 
@@ -51,15 +55,6 @@ def test_the_launcher_refuses_other_alignments():
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 64)
     with pytest.raises(ValueError, match="128 or 256 wide"):
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 128, block_n=64)
-
-
-def _run(experts, x, w13, w2, weights, ids, qc, **kwargs):
-    kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
-    return kernel.forward(
-        x, ExpertWeights(w13, w2), weights, ids, activation=ActivationSpec(),
-        global_num_experts=kwargs.pop("global_num_experts", w13.shape[0]), quant_config=qc,
-        **kwargs,
-    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +116,7 @@ def _problem(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 77, 512])
 def test_wgmma_engine_plumbing_matches_torch_backend(pretend_hopper, num_tokens):
     x, w13, w2, weights, ids, qc = _problem(num_tokens)
-    out = _run(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: any M
+    out = run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: any M
     assert len(pretend_hopper) == 2
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
@@ -132,11 +127,11 @@ def test_auto_hands_small_calls_to_triton(pretend_hopper):
 
     tokens = WGMMA_MIN_SLOTS_PER_EXPERT * E // 2  # exactly the threshold: wgmma
     x, w13, w2, weights, ids, qc = _problem(tokens)
-    _run(DeepGemmExperts(), x[:-1], w13, w2, weights[:-1], ids[:-1], qc)  # one slot fewer
+    run_experts(DeepGemmExperts(), x[:-1], w13, w2, weights[:-1], ids[:-1], qc)  # one slot fewer
     assert pretend_hopper == []
-    _run(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
     assert len(pretend_hopper) == 2
-    _run(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)
+    run_experts(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)
     assert len(pretend_hopper) == 2
 
 
@@ -244,7 +239,7 @@ def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
         for num_tokens in (1, 129, 1030):
             sl = slice(num_tokens)
             args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
-            out = _run(backend, *args, qc)
+            out = run_experts(backend, *args, qc)
             ref = fused_experts(*args, quant_config=qc, backend="torch")
             assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
     finally:
@@ -268,9 +263,9 @@ def test_gpu_auto_takes_wgmma_without_the_library(monkeypatch):
         _, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 4096, "fp8_block")
         args = (x, experts["w13"], experts["w2"], weights, ids)
         ref = fused_experts(*args, quant_config=qc, backend="torch")
-        _run(DeepGemmExperts(strict=True, engine="triton"), *args, qc)
+        run_experts(DeepGemmExperts(strict=True, engine="triton"), *args, qc)
         assert seen == []
-        out = _run(DeepGemmExperts(strict=True), *args, qc)  # auto: wgmma
+        out = run_experts(DeepGemmExperts(strict=True), *args, qc)  # auto: wgmma
         assert len(seen) == 2  # both GEMMs
         assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
         seen.clear()
