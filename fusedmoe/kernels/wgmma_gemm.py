@@ -6,8 +6,9 @@ engine, and a bf16 variant.
                                                                       * w_scale[e(r), n // 128, kb]
 
 a [M_sum, K] FP8 in runs of 128 rows of one expert (deep_gemm_moe's contiguous layout),
-w [E_l, N, K] FP8 with 128 x 128 block scales, a_scale [M_sum, K / 128] float32 (any strides;
-column-major is the coalesced one), out [M_sum, N] bf16 / fp16. Unscaled (bf16 / fp16 a and
+w [E_l, N, K] FP8 with 128 x 128 block scales, a_scale [M_sum, K / 128] float32 (column-major,
+as the layout writes it: TMA reads a row block's scales as one line; other strides are copied
+to it first), out [M_sum, N] bf16 / fp16. Unscaled (bf16 / fp16 a and
 w): the same without the scales. Row blocks past num_rows or of expert -1 are skipped; padding
 rows inside a run are computed from whatever a holds and never read back.
 
@@ -18,15 +19,18 @@ the scaling (the Triton GEMM stops at 40-55% of the FP8 peak). Here, per program
 one per SM, tiles in grouped order):
 
     producer warp        for each (tile, K block): wait until the stage is free, TMA-load the
-                         A and w tiles into it (a ring of STAGES stages, mbarrier-tracked)
+                         A and w tiles into it, and (FP8) the A tile's 128 row scales of the K
+                         block as one line (a ring of STAGES stages, mbarrier-tracked)
     consumer warpgroups  two, rows [0, 64) and [64, 128) of the tile; per K block: wait for
     (4 warps each)       the stage, wgmma, release the stage, acc += part * a_s[:, None] * w_s;
                          then the tile through shared memory and a TMA store
 
 The two consumers are not in lock step, so one's promotion overlaps the other's wgmma (a
-second accumulator in flight within one warpgroup makes ptxas serialize the wgmmas). Gluon
-partitions take no constexpr arguments (they arrive as run-time values): each reads its
-constants off the descriptors' and buffers' types.
+second accumulator in flight within one warpgroup makes ptxas serialize the wgmmas). The row
+scales come with the stage: a consumer's own global load of them stalled it (deepseek-v3's
+GEMM1 went from 651 to 877 TFLOP/s on an H200 when they moved). Gluon partitions take no
+constexpr arguments (they arrive as run-time values): each reads its constants off the
+descriptors' and buffers' types.
 """
 
 from __future__ import annotations
@@ -106,9 +110,15 @@ if gluon is not None:
         return off_m, pid_n, expert
 
     @gluon.jit
-    def _producer(a_desc, w_desc, a_smem, w_smem, full, empty, expert_ids_ptr, num_rows_ptr,
-                  N, K, num_m_blocks):  # fmt: skip
-        """One warp: TMA loads of every (tile, K block) of this program into the stage ring."""
+    def _producer(a_desc, w_desc, as_desc, a_smem, w_smem, as_smem, full, empty, expert_ids_ptr,
+                  num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
+        """One warp: TMA loads of every (tile, K block) of this program into the stage ring:
+        the A and w tiles and, FP8, the A tile's 128 row scales of the K block."""
+        SCALED: gl.constexpr = a_desc.dtype.primitive_bitwidth == 8
+        STAGE_BYTES: gl.constexpr = (
+            a_desc.block_type.nbytes + w_desc.block_type.nbytes
+            + SCALED * as_desc.block_type.nbytes
+        )  # fmt: skip
         STAGES: gl.constexpr = a_smem.shape[0]
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -128,13 +138,18 @@ if gluon is not None:
                     # wait until both consumers released the stage (its previous use)
                     mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
                     bar = full.index(stage)
-                    mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                    mbarrier.expect(bar, STAGE_BYTES)
                     tma.async_copy_global_to_shared(
                         a_desc, [off_m, kb * BLOCK_K], bar, a_smem.index(stage)
                     )
                     tma.async_copy_global_to_shared(
                         w_desc, [w_row, kb * BLOCK_K], bar, w_smem.index(stage)
                     )
+                    if SCALED:
+                        line = as_smem.index(stage)._reinterpret(
+                            as_desc.dtype, as_desc.block_type.shape, as_desc.layout
+                        )
+                        tma.async_copy_global_to_shared(as_desc, [kb, off_m], bar, line)
                     it += 1
 
     @gluon.jit
@@ -155,8 +170,7 @@ if gluon is not None:
         tma.async_copy_shared_to_global(out_desc, [off_m, off_n], buf)
 
     @gluon.jit
-    def _consumer(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
-                  a_scale_ptr, stride_asm, stride_asg,
+    def _consumer(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
                   w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                   expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
                   HALF: gl.constexpr):  # fmt: skip
@@ -193,21 +207,20 @@ if gluon is not None:
                 row0 = off_m + HALF * ROWS
                 acc = gl.zeros([ROWS, OUT_N], gl.float32, mma_layout)
                 if SCALED:
-                    rows = row0 + gl.arange(0, ROWS, layout=row_layout)
-                    a_scale_rows = a_scale_ptr + rows * stride_asm
                     w_scale_0 = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
                     if TWO:
                         acc1 = gl.zeros([ROWS, OUT_N], gl.float32, mma_layout)
                         has_1 = off_n + OUT_N < N  # the last tile may end mid-way
                     for kb in range(num_k):
                         stage = it % STAGES
-                        # the scales first: their latency hides behind the wait and the wgmma
-                        a_s = gl.load(a_scale_rows + kb * stride_asg)
+                        # the weight scales first: their latency hides behind the wait and the
+                        # wgmma (the row scales came with the stage)
                         w_s0 = gl.load(w_scale_0 + kb * stride_wsk)
                         if TWO:
                             w_s1 = gl.load(w_scale_0 + stride_wsn + kb * stride_wsk, mask=has_1,
                                            other=0.0)  # fmt: skip
                         mbarrier.wait(full.index(stage), (it // STAGES) & 1)
+                        a_s = as_smem.index(stage).slice(HALF * ROWS, ROWS).load(row_layout)
                         a_tile = a_smem.index(stage).slice(HALF * ROWS, ROWS)
                         w_tile = w_smem.index(stage)
                         if TWO:
@@ -245,7 +258,7 @@ if gluon is not None:
         a_desc,  # [M_sum, K], blocks [BLOCK_M, BLOCK_K]
         w_desc,  # [E_l * N, K], blocks [BLOCK_N, BLOCK_K]
         out_desc,  # [M_sum, N], blocks [BLOCK_M / 2, BLOCK_N]
-        a_scale_ptr, stride_asm, stride_asg,  # [M_sum, K / 128] float32 (SCALED)
+        as_desc,  # a_scale.T [K / 128, M_sum] float32, blocks [1, BLOCK_M] (SCALED)
         w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l, N / 128, K / 128] (SCALED)
         expert_ids_ptr,  # int32 [M_sum / 128]: expert of each run block, -1 past the end
         num_rows_ptr,  # int32 [1]: rows in use
@@ -263,24 +276,27 @@ if gluon is not None:
         out_smem = gl.allocate_shared_memory(  # per warpgroup, per 128-wide column half
             out_desc.dtype, [2 * (BLOCK_N // OUT_N), BLOCK_M // 2, OUT_N], out_desc.layout
         )
+        as_smem = gl.allocate_shared_memory(  # one line of BLOCK_M row scales per stage
+            as_desc.dtype, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
         first = (
-            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
-            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
+            w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
         )  # fmt: skip
         second = (  # the same again: one tuple given to two partitions breaks the lowering
-            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
-            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
+            w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
         )  # fmt: skip
         producer = (
-            a_desc, w_desc, a_smem, w_smem, full, empty, expert_ids_ptr, num_rows_ptr,
-            N, K, num_m_blocks,
+            a_desc, w_desc, as_desc, a_smem, w_smem, as_smem, full, empty, expert_ids_ptr,
+            num_rows_ptr, N, K, num_m_blocks,
         )  # fmt: skip
         gl.warp_specialize(
             [(_first_half, first), (_second_half, second), (_producer, producer)],
@@ -289,35 +305,44 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _first_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
-                    a_scale_ptr, stride_asm, stride_asg,
+    def _first_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
                     w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                     expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
         _consumer(
-            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
-            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
+            w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks, 0,
         )  # fmt: skip
 
     @gluon.jit
-    def _second_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
-                     a_scale_ptr, stride_asm, stride_asg,
+    def _second_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
                      w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                      expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
         _consumer(
-            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, full, empty,
-            a_scale_ptr, stride_asm, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
+            w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks, 1,
         )  # fmt: skip
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor of t in blocks of `block`, in the widest swizzle the block allows."""
+def _descriptor(t: torch.Tensor, block: list[int], swizzle: int | None = None):
+    """A TMA descriptor of t in blocks of `block`, in the widest swizzle the block allows (or
+    `swizzle` bytes: 0 lays a block out plainly, row after row)."""
     gl_dtype = {
-        torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16
+        torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16,
+        torch.float16: gl.float16, torch.float32: gl.float32,
     }[t.dtype]  # fmt: skip
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    if swizzle is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle, gl_dtype.primitive_bitwidth, rank=len(block))
     return TensorDescriptor.from_tensor(t, block, layout)
+
+
+@functools.cache
+def _dummy_scales(device: torch.device) -> torch.Tensor:
+    """The unscaled kernel's stand-in for the row scales' descriptor."""
+    return torch.zeros(1, 128, dtype=torch.float32, device=device)
 
 
 @functools.cache
@@ -365,13 +390,16 @@ def wgmma_grouped_gemm(
     tiles = num_m_blocks * triton.cdiv(n, block_n)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (max(1, min(tiles, _num_sms(index))),)
-    scale_args = (
-        (a_scale, *a_scale.stride(), w_scale, *w_scale.stride())
-        if scaled
-        else (expert_ids, 0, 0, expert_ids, 0, 0, 0)
-    )
+    if scaled:
+        if a_scale.stride(0) != 1:  # TMA reads the scales of 128 rows as one line
+            a_scale = a_scale.t().contiguous().t()
+        as_desc = _descriptor(a_scale.t(), [1, block_m], swizzle=0)
+        w_scale_args = (w_scale, *w_scale.stride())
+    else:  # never read
+        as_desc = _descriptor(_dummy_scales(a.device), [1, block_m], swizzle=0)
+        w_scale_args = (expert_ids, 0, 0, 0)
     _grouped_gemm_kernel[grid](
-        a_desc, w_desc, out_desc, *scale_args, expert_ids, num_rows,
+        a_desc, w_desc, out_desc, as_desc, *w_scale_args, expert_ids, num_rows,
         n, k, num_m_blocks,
         STAGES=stages,
         num_warps=4,
