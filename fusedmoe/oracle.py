@@ -15,7 +15,7 @@ triton precedes deep_gemm and hpc wherever it runs the scheme, with one exceptio
 DeepGEMM library is importable and runs fp8_block on the GPU (DeepGemmExperts.library_runs),
 or else where our wgmma GEMMs run it (DeepGemmExperts.wgmma_runs: Hopper, Triton with Gluon),
 deep_gemm goes first. Its library GEMMs are 1.1x to 1.6x faster than triton from 128 slots per
-expert (M * k / E) on an H200, its wgmma GEMMs 1.0x to 1.2x from 256, and an auto-chosen
+expert (M * k / E) on an H200, its wgmma GEMMs 1.06x to 1.4x from 128, and an auto-chosen
 deep_gemm hands smaller calls to triton (LIBRARY_MIN_SLOTS_PER_EXPERT,
 WGMMA_MIN_SLOTS_PER_EXPERT), so the layer gets the faster path at every size. On our own
 Triton GEMMs deep_gemm is faster only from M ~ 16384 (1.03x to 1.08x) and 1.1x to 1.6x

@@ -23,8 +23,8 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
               block-scale promotion of one warpgroup overlapping the other's wgmma) over the
               contiguous layout: fp8_block on sm90 where Triton has Gluon's Hopper API, bf16 /
               fp16 activations, K and the intermediate size multiples of 16: where the
-              library does not run. On an H200 the layer on them is 0.83x to 1.0x of the
-              triton backend's time from 256 slots per expert (WGMMA_MIN_SLOTS_PER_EXPERT).
+              library does not run. On an H200 the layer on them is 0.70x to 0.94x of the
+              triton backend's time from 128 slots per expert (WGMMA_MIN_SLOTS_PER_EXPERT).
     triton    our Triton grouped GEMMs over the contiguous layout (fusedmoe.kernels.
               deep_gemm_moe): everywhere else, and for the MX schemes, which the library's
               Hopper kernels do not take.
@@ -75,11 +75,10 @@ ENGINES = ("auto", "library", "wgmma", "triton")
 #: presets) triton is faster up to 64 slots per expert (1.0x to 1.4x), the library from 128
 #: (1.1x to 1.6x at M = 4096 and 16384)
 LIBRARY_MIN_SLOTS_PER_EXPERT = 128
-#: the same for our wgmma GEMMs: on an H200 (bench_fp8_backends.py, the four fp8_block presets
-#: at M = 1024, 4096, 16384) the deep_gemm layer on them is 0.83x to 1.0x of triton's time from
-#: 256 slots per expert, and 1.07x at 128 (deepseek-v3, M = 4096: half the contiguous rows are
-#: padding there)
-WGMMA_MIN_SLOTS_PER_EXPERT = 256
+#: the same for our wgmma GEMMs: on an H200 (bench_fp8_backends.py, the four fp8_block presets,
+#: uniform routing, M = 256 to 16384) the deep_gemm layer on them is 0.70x to 0.94x of triton's
+#: time from 128 slots per expert, and 0.99x to 1.13x at 64
+WGMMA_MIN_SLOTS_PER_EXPERT = 128
 
 
 class DeepGemmExperts(Experts):
