@@ -226,6 +226,34 @@ def test_gpu_gemm_matches_reference(case, block_n, scaled):
 
 
 @pytest.mark.gpu
+def test_gpu_gemm_row_major_scales():
+    """Row scales not in the layout's column-major order are copied to it (TMA reads a row
+    block's scales as one line): the same result as the reference."""
+    _hopper()
+    from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
+
+    m, e, k, n, kk, _ = CASES["odd_n_partial_k"]
+    torch.manual_seed(7)
+    _, ids = random_routing(m, e, k, device="cuda")
+    groups = -(-kk // 128)
+    x = (torch.randn(m, kk, device="cuda") * 2).to(FP8_DTYPE)
+    x_s = torch.rand(m, groups, device="cuda") * 0.1 + 0.01
+    w = (torch.randn(e, n, kk, device="cuda") * 2).to(FP8_DTYPE)
+    w_s = torch.rand(e, -(-n // 128), groups, device="cuda") * 0.1 + 0.01
+    m_sum, _ = compute_aligned_M_and_alignment(m, k, e, 128)
+    layout = permute_contiguous(x, x_s, ids, e, 128, m_sum)
+    a_scale = layout.a_scale.contiguous()  # row-major
+    assert a_scale.stride(1) == 1 and groups > 1
+    out = poison_(torch.empty(m_sum, n, device="cuda", dtype=torch.bfloat16))
+    wgmma_gemm.wgmma_grouped_gemm(
+        layout.a, a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, 128
+    )
+    ref = _reference(layout.a, a_scale, w, w_s, layout.m_indices)
+    rows = layout.m_indices >= 0
+    assert_close(out[rows], ref[rows], torch.bfloat16, what="row-major scales")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
 def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
     _hopper()
