@@ -8,8 +8,8 @@ engine, and a bf16 variant.
 a [M_sum, K] FP8 in runs of 128 rows of one expert (deep_gemm_moe's contiguous layout),
 w [E_l, N, K] FP8 with 128 x 128 block scales, a_scale [M_sum, K / 128] float32 (column-major,
 as the layout writes it: TMA reads a row block's scales as one line; other strides are copied
-to it first), out [M_sum, N] bf16 / fp16. Unscaled (bf16 / fp16 a and
-w): the same without the scales. Row blocks past num_rows or of expert -1 are skipped; padding
+to it first), out [M_sum, N] bf16 / fp16. Unscaled (bf16 / fp16 a and w): the same without
+the scales. Row blocks past num_rows or of expert -1 are skipped; padding
 rows inside a run are computed from whatever a holds and never read back.
 
 Why Gluon: the per-128-K scales forbid one accumulator over K, so each K block's product is
@@ -391,8 +391,9 @@ def wgmma_grouped_gemm(
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (max(1, min(tiles, _num_sms(index))),)
     if scaled:
-        if a_scale.stride(0) != 1:  # TMA reads the scales of 128 rows as one line
-            a_scale = a_scale.t().contiguous().t()
+        if a_scale.stride() != (1, m_sum):  # TMA reads a row block's scales as one line
+            lines = torch.empty(a_scale.shape[1], m_sum, dtype=a_scale.dtype, device=a.device)
+            a_scale = lines.copy_(a_scale.t()).t()
         as_desc = _descriptor(a_scale.t(), [1, block_m], swizzle=0)
         w_scale_args = (w_scale, *w_scale.stride())
     else:  # never read
