@@ -79,8 +79,6 @@ LIBRARY_MIN_SLOTS_PER_EXPERT = 128
 #: uniform routing, M = 256 to 16384) the deep_gemm layer on them is 0.70x to 0.94x of triton's
 #: time from 128 slots per expert, and 0.99x to 1.13x at 64
 WGMMA_MIN_SLOTS_PER_EXPERT = 128
-#: the same for unquantized (bf16 / fp16) calls on our wgmma GEMMs
-WGMMA_MIN_SLOTS_PER_EXPERT_UNQUANTIZED = 256
 
 
 class DeepGemmExperts(Experts):
@@ -96,8 +94,6 @@ class DeepGemmExperts(Experts):
         "mxfp8": (keys.MXFP8,),
     }
     weight_dtype: ClassVar[torch.dtype] = FP8_DTYPE
-    #: unquantized calls (quant_config None): weights in the activation dtype
-    runs_unquantized: ClassVar[bool] = True
 
     def __init__(self, strict: bool = False, engine: str = "auto") -> None:
         if engine not in ENGINES:
@@ -136,9 +132,7 @@ class DeepGemmExperts(Experts):
 
     @classmethod
     def supports_quant_config(cls, quant_config):
-        if quant_config is None:  # bf16 / fp16 weights: the same layout, unscaled GEMMs
-            return cls.runs_unquantized
-        if quant_config.scheme not in cls.schemes:
+        if quant_config is None or quant_config.scheme not in cls.schemes:
             return False
         accepted = cls.schemes[quant_config.scheme]
         return quant_config.a1.key in accepted and quant_config.a2.key == quant_config.a1.key
@@ -182,14 +176,15 @@ class DeepGemmExperts(Experts):
 
     @classmethod
     def wgmma_runs(cls, problem) -> bool:
-        """Whether our Gluon (wgmma) GEMMs run `problem` here (fp8_block, or unquantized bf16 /
-        fp16, on Hopper): the oracle then prefers this backend to triton, as for the library
-        (WGMMA_MIN_SLOTS_PER_EXPERT, WGMMA_MIN_SLOTS_PER_EXPERT_UNQUANTIZED)."""
+        """Whether our Gluon (wgmma) GEMMs run `problem` here (fp8_block on Hopper): the
+        oracle then prefers this backend to triton, as for the library
+        (WGMMA_MIN_SLOTS_PER_EXPERT)."""
         from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
 
         qc = problem.quant_config
         return (
-            (qc is None or qc.scheme == "fp8_block")
+            qc is not None
+            and qc.scheme == "fp8_block"
             and problem.dtype in (torch.bfloat16, torch.float16)
             and cls.refusal_reason(problem) is None
             and problem.hidden_size % 16 == 0
@@ -248,37 +243,16 @@ class DeepGemmExperts(Experts):
             return "non-contiguous weights"
         return None
 
-    def unquantized_wgmma_reason(self, weights, hidden_states, call_output_dtype):
-        """None when our Gluon (wgmma) GEMMs run this unquantized call, else why not."""
-        from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
-
-        why = gluon_unusable_reason(hidden_states.device)
-        if why is not None:
-            return why
-        dtype = hidden_states.dtype
-        if dtype not in (torch.bfloat16, torch.float16) or call_output_dtype != dtype:
-            return f"the wgmma engine runs bf16 / fp16, this call {dtype} -> {call_output_dtype}"
-        if weights.w13.dtype != dtype or weights.w2.dtype != dtype:
-            return f"weights are {weights.w13.dtype}, activations {dtype}"
-        k, inter = weights.hidden_size, weights.w2.shape[2]
-        if k % 8 or inter % 8:  # TMA: 16-byte row strides
-            return f"K = {k} and the intermediate size {inter} must be multiples of 8"
-        if not (weights.w13.is_contiguous() and weights.w2.is_contiguous()):
-            return "non-contiguous weights"
-        return None
-
     def valid_call_reason(self, num_tokens: int, weights, hidden_states) -> str | None:
         """None when the DeepGEMM contract covers this call, else why not."""
         a = self.alignment
         n, k = weights.gemm1_out_size, weights.hidden_size
         tensors = (hidden_states, weights.w13, weights.w2)
-        quantized = weights.w13.dtype != hidden_states.dtype
-        weight_dtype = self.weight_dtype if quantized else hidden_states.dtype
         checks = (
             (num_tokens >= a, f"M = {num_tokens} < the alignment {a}"),
             (n % a == 0 and k % a == 0, f"N = {n} and K = {k} must be multiples of {a}"),
             (n > 512, f"N = {n} <= 512"),
-            (weights.w13.dtype == weight_dtype, f"weights are {weights.w13.dtype}"),
+            (weights.w13.dtype == self.weight_dtype, f"weights are {weights.w13.dtype}"),
             (all(t.is_contiguous() for t in tensors), "non-contiguous tensors"),
         )
         return next((why for ok, why in checks if not ok), None)
@@ -311,9 +285,6 @@ class DeepGemmExperts(Experts):
         qc, weights = call.quant_config, call.weights
         if not self.supports_quant_config(qc):
             raise ValueError(f"the {self.name} backend does not support {qc!r}")
-        if qc is None:
-            self._apply_unquantized(call)
-            return
         if call.a1q_scale is None:
             raise ValueError(f"the {self.name} backend needs a1 quantized by prepare")
         num_tokens, top_k = call.topk_ids.shape
@@ -326,7 +297,10 @@ class DeepGemmExperts(Experts):
             not_wgmma = self.wgmma_reason(
                 weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
             )
-        slots_per_expert = self._slots_per_expert(call)
+        slots_per_expert = num_tokens * top_k / call.global_num_experts
+        meta = call.expert_tokens_meta
+        if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
+            slots_per_expert = int(meta.expert_num_tokens_cpu.sum()) / weights.num_local_experts
         # chosen by the oracle, small calls run faster on the triton backend
         fewest = LIBRARY_MIN_SLOTS_PER_EXPERT if not_library is None else WGMMA_MIN_SLOTS_PER_EXPERT
         if (
@@ -384,65 +358,6 @@ class DeepGemmExperts(Experts):
             engine=engine,
         )
 
-    def _slots_per_expert(self, call) -> float:
-        """M * k / E, or the slots EP dispatch counted on the host per local expert."""
-        num_tokens, top_k = call.topk_ids.shape
-        meta = call.expert_tokens_meta
-        if meta is not None and meta.expert_num_tokens_cpu is not None:
-            return int(meta.expert_num_tokens_cpu.sum()) / call.weights.num_local_experts
-        return num_tokens * top_k / call.global_num_experts
-
-    def _apply_unquantized(self, call) -> None:
-        """bf16 / fp16 weights and activations: the contiguous layout on our wgmma GEMMs (Hopper)
-        or our Triton ones; the library engine runs fp8_block only."""
-        from fusedmoe.kernels.deep_gemm_moe import (
-            UNQUANTIZED,
-            compute_aligned_M_and_alignment,
-            fused_experts_deep_gemm,
-        )
-
-        weights = call.weights
-        num_tokens, top_k = call.topk_ids.shape
-        if self.engine == "library":
-            raise ValueError(
-                "engine='library' cannot run this call: the library engine runs fp8_block, "
-                "unquantized calls run on the wgmma or triton engine"
-            )
-        not_wgmma = "engine='triton'"
-        if self.engine != "triton":
-            not_wgmma = self.unquantized_wgmma_reason(
-                weights, call.hidden_states, call.output.dtype
-            )
-        if not_wgmma is not None and self.engine == "wgmma":
-            raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
-        engine = "wgmma" if not_wgmma is None else "triton"
-        auto = self.engine == "auto" and not self.strict
-        if (
-            auto
-            and engine == "wgmma"
-            and self._slots_per_expert(call) < WGMMA_MIN_SLOTS_PER_EXPERT_UNQUANTIZED
-        ):  # chosen by the oracle: small calls run faster on the triton backend
-            TritonExperts().apply(call)
-            return
-        if engine == "triton":
-            why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
-            if why is not None:
-                if self.strict:
-                    raise ValueError(f"backend {self.name!r} cannot run this call: {why}")
-                self._log_once(f"{self.name}: {why}; this call runs on the triton backend")
-                TritonExperts().apply(call)
-                return
-        m_sum, alignment = compute_aligned_M_and_alignment(
-            num_tokens, top_k, weights.num_local_experts, self.alignment, call.expert_tokens_meta
-        )
-        fused_experts_deep_gemm(
-            call.output, call.hidden_states, None, weights.w13, weights.w2, None, None,
-            call.topk_weights.float(), call.topk_ids, scheme=UNQUANTIZED,
-            activation=call.activation, workspace13=call.workspace13,
-            workspace2=call.workspace2, expert_map=call.expert_map, alignment=alignment,
-            m_sum=m_sum, mul_routed_weight=not call.apply_router_weight_on_input, engine=engine,
-        )  # fmt: skip
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strict={self.strict}, engine={self.engine!r})"
 
@@ -453,7 +368,6 @@ class DeepGemmFP4Experts(DeepGemmExperts):
     name = "deep_gemm_fp4"
     schemes: ClassVar[dict[str, tuple[keys.QuantKey, ...]]] = {"mxfp4_w4a8": _GROUP_ACTS}
     weight_dtype: ClassVar[torch.dtype] = torch.uint8  # two E2M1 codes per byte
-    runs_unquantized: ClassVar[bool] = False
 
     @classmethod
     def engine_description(cls) -> str:

@@ -46,19 +46,14 @@ from fusedmoe.quant.formats import FP8_DTYPE
 if TYPE_CHECKING:  # annotations only: the modular layer sits above the kernels
     from fusedmoe.modular.types import ActivationSpec, ExpertTokensMeta
 from fusedmoe.quant.kernels import (
-    ACTIVATION_CODE,
     act_mul_group_quant_fp8_impl,
     act_mul_group_quant_fp8_op,
-    gated_activation,
     resolve_params,
 )
 
 __all__ = [
-    "UNQUANTIZED",
     "ContiguousLayout",
     "MaskedLayout",
-    "act_mul",
-    "act_mul_torch",
     "compute_aligned_M_and_alignment",
     "deep_gemm_config",
     "fused_experts_deep_gemm",
@@ -71,8 +66,6 @@ __all__ = [
     "unpermute_reduce_torch",
 ]
 
-#: the scheme name of bf16 / fp16 activations and weights (no quantization)
-UNQUANTIZED = "unquantized"
 _PERMUTE_ROWS = 16  # rows per permute program
 _COLS = 1024  # columns per permute / unpermute program
 
@@ -441,70 +434,6 @@ def permute_masked_torch(
     return rows, scales, counts, where
 
 
-@triton.jit
-def _act_mul_kernel(
-    h_ptr, stride_hm,  # [M_sum, 2I] GEMM1's output (the activation dtype)
-    a_ptr, stride_am,  # [M_sum, I] act(gate, up), the activation dtype
-    num_rows_ptr,  # int32 [1]: rows in use; the programs past them return
-    I, alpha, beta, limit,  # noqa: E741 (I: the intermediate size of the legend)
-    ACTIVATION: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    r0 = tl.program_id(0) * BLOCK_R
-    num_rows = tl.load(num_rows_ptr)
-    if r0 >= num_rows:
-        return
-    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < num_rows)[:, None] & (cols < I)[None, :]
-    h_rows = h_ptr + rows[:, None] * stride_hm
-    if ACTIVATION == ACT_SWIGLUOAI:  # gpt-oss: gate and up interleaved
-        gate = tl.load(h_rows + 2 * cols[None, :], mask=mask, other=0.0)
-        up = tl.load(h_rows + 2 * cols[None, :] + 1, mask=mask, other=0.0)
-    else:
-        gate = tl.load(h_rows + cols[None, :], mask=mask, other=0.0)
-        up = tl.load(h_rows + I + cols[None, :], mask=mask, other=0.0)
-    a = gated_activation(gate.to(tl.float32), up.to(tl.float32), alpha, beta, limit,
-                         ACTIVATION, HAS_LIMIT)  # fmt: skip
-    dst = a_ptr + rows[:, None] * stride_am + cols[None, :]
-    tl.store(dst, a.to(a_ptr.dtype.element_ty), mask=mask)
-
-
-ACT_SWIGLUOAI = tl.constexpr(ACTIVATION_CODE[MoEActivation.SWIGLUOAI])
-_ACT_TILE = 4096  # elements per activation program: 16-byte accesses at 4 warps
-
-
-def act_mul(
-    h: torch.Tensor,
-    out: torch.Tensor,
-    act: MoEActivation,
-    params: ActivationParams,
-    num_rows: torch.Tensor,
-) -> None:
-    """out[r] = act(gate, up) of h[r] (fp32 inside, stored in out's dtype) for the rows below
-    num_rows (a device count: the rows past it are left as they are)."""
-    m_sum, inter = out.shape
-    if m_sum == 0 or inter == 0:
-        return
-    alpha, beta, limit, has_limit = resolve_params(act, params)
-    block_c = min(1024, next_power_of_2(inter))
-    block_r = max(1, _ACT_TILE // block_c) if h.is_cuda else 64
-    grid = (cdiv(m_sum, block_r), cdiv(inter, block_c))
-    with device_guard(h):
-        _act_mul_kernel[grid](
-            h, h.stride(0), out, out.stride(0), num_rows, inter, alpha, beta, limit,
-            ACTIVATION=ACTIVATION_CODE[act], HAS_LIMIT=has_limit, BLOCK_R=block_r,
-            BLOCK_C=block_c, num_warps=4,
-        )  # fmt: skip
-
-
-def act_mul_torch(h, act, params, num_rows: int) -> torch.Tensor:
-    """act_mul's twin: act(h[:num_rows]) in float32, rounded to h's dtype."""
-    return apply_activation(act, h[:num_rows].float(), params).to(h.dtype)
-
-
 def unpermute_reduce(
     y: torch.Tensor,
     output: torch.Tensor,
@@ -729,54 +658,14 @@ def _run_fp8_block(
     )
 
 
-def _run_unquantized(
-    engine, output, a1, w13, w2, topk_weights, topk_ids, expert_map, workspace13, workspace2,
-    act, params, alignment, m_sum, mul_routed_weight,
-):  # fmt: skip
-    """bf16 / fp16 activations and weights: the same layout and GEMMs without scales, the
-    activation (no quantization) between them. Our Gluon GEMMs ("wgmma", Hopper) or our
-    Triton ones ("triton"). workspace13 holds a1 permuted, then act(h); workspace2 h, then y
-    (all in the activation dtype)."""
-    num_local, n, hidden = w13.shape
-    inter = w2.shape[2]
-    ws13, ws2 = workspace13.view(-1), workspace2.view(-1)
-    layout = permute_contiguous(
-        a1, None, topk_ids, num_local, alignment, m_sum, expert_map,
-        a_out=ws13[: m_sum * hidden].view(m_sum, hidden),
-    )  # fmt: skip
-    if engine == "wgmma":
-
-        def gemm(a, w, out):
-            wgmma_grouped_gemm(
-                a, None, w, None, out, layout.expert_ids, layout.num_rows, alignment
-            )
-    else:
-        h_dtype = TL_DTYPE[output.dtype]
-
-        def gemm(a, w, out):
-            _grouped_gemm(a, None, g.A_NONE, w, None, g.W_NONE, out, layout, w_fp4=False,
-                          h_dtype=h_dtype)  # fmt: skip
-
-    h = ws2[: m_sum * n].view(m_sum, n)
-    gemm(layout.a, w13, h)
-    a2 = ws13[: m_sum * inter].view(m_sum, inter)  # a1's rows are read: reuse their space
-    act_mul(h, a2, act, params, layout.num_rows)
-    y = ws2[: m_sum * hidden].view(m_sum, hidden)
-    gemm(a2, w2, y)
-    unpermute_reduce(
-        y, output, topk_weights, topk_ids, layout.inv_perm, num_local, expert_map,
-        mul_routed_weight,
-    )  # fmt: skip
-
-
 def _fused_experts_deep_gemm_impl(
     output: torch.Tensor,
     a1q: torch.Tensor,
-    a1q_scale: torch.Tensor | None,
+    a1q_scale: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
@@ -798,12 +687,6 @@ def _fused_experts_deep_gemm_impl(
     hidden = a1q.shape[1]
     act = MoEActivation(activation)
     params = ActivationParams(act_alpha, act_beta, act_limit)
-    if scheme == UNQUANTIZED:
-        _run_unquantized(
-            engine, output, a1q, w13, w2, topk_weights, topk_ids, expert_map, workspace13,
-            workspace2, act, params, alignment, m_sum, mul_routed_weight,
-        )  # fmt: skip
-        return
     if engine != "triton":
         _run_fp8_block(
             engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights,
@@ -866,11 +749,11 @@ def _(output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_i
 def fused_experts_deep_gemm(
     output: torch.Tensor,
     a1q: torch.Tensor,
-    a1q_scale: torch.Tensor | None,
+    a1q_scale: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -894,9 +777,8 @@ def fused_experts_deep_gemm(
 
     a1q [M, K] quantized by prepare (FP8, scales [M, K/128] float32, or MXFP8 with uint8 E8M0
     scales [M, K/32]); w13 / w2 FP8 with 128 x 128 block scales, MXFP8, or MXFP4 (uint8 packed,
-    [E_l, N, K/2]) with E8M0 scales; or, scheme UNQUANTIZED, a1q and the weights in the
-    activation dtype and no scales (engine "triton" or "wgmma"); workspaces of
-    DeepGemmExperts.workspace_shapes. Inputs are assumed checked by the caller (the backend).
+    [E_l, N, K/2]) with E8M0 scales; workspaces of DeepGemmExperts.workspace_shapes. Inputs are
+    assumed checked by the caller (the backend).
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
