@@ -31,6 +31,7 @@ RANKS = [
     ("fusedmoe.activation", 0),
     ("fusedmoe._checks", 0),
     ("fusedmoe._triton", 0),
+    ("fusedmoe._pdl", 0),  # launch infrastructure of every kernel module (imports triton)
     ("fusedmoe._paths", 0),
 ]
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from fusedmoe._pdl import pdl_args
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
@@ -261,6 +262,7 @@ def launch_gemm(
         MX_DTYPE=tl.float32 if not a.is_cuda else tl.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_args(a),
     )  # fmt: skip
     launch(g._moe_gemm_kernel, grid, args, constexprs, a.is_cuda)
 
@@ -410,6 +412,7 @@ def moe_sum(
         BLOCK_H=block_h,
         ROUND_IN_FP32=not y.is_cuda,
         num_warps=4,
+        **pdl_args(y),
     )
     launch(g._moe_sum_kernel, grid, args, constexprs, y.is_cuda)
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe._pdl import pdl_args, pdl_start
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 
 __all__ = ["AlignedRouting", "aligned_sizes", "moe_align_block_size", "moe_align_block_size_torch"]
@@ -183,7 +184,9 @@ def _align_single_kernel(
     num_slots, num_local, max_padded, max_blocks,
     HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
     J_STEP: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_start(PDL)
     _count_chunk(
         ids_ptr, map_ptr, num_ids, counts_ptr, sorted_ptr, 0, num_slots, num_local, max_padded,
         max_padded, HAS_MAP, CHUNK, E_PAD,
@@ -205,7 +208,9 @@ def _count_kernel(
     ids_ptr, map_ptr, num_ids, counts_ptr, sorted_ptr, num_slots, num_local, max_padded,
     fill_per_program,
     HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_start(PDL)
     _count_chunk(
         ids_ptr, map_ptr, num_ids, counts_ptr, sorted_ptr, tl.program_id(0), num_slots, num_local,
         max_padded, fill_per_program, HAS_MAP, CHUNK, E_PAD,
@@ -216,7 +221,9 @@ def _count_kernel(
 def _scan_kernel(
     counts_ptr, base_ptr, expert_ids_ptr, num_post_ptr, num_programs, num_local, max_blocks,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_STEP: tl.constexpr, J_STEP: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_start(PDL)
     _scan_counts(
         counts_ptr, base_ptr, expert_ids_ptr, num_post_ptr, num_programs, num_local, max_blocks,
         BLOCK_M, E_PAD, P_STEP, J_STEP,
@@ -227,7 +234,9 @@ def _scan_kernel(
 def _scatter_kernel(
     ids_ptr, map_ptr, num_ids, counts_ptr, base_ptr, shift_ptr, sorted_ptr, num_slots, num_local,
     HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_start(PDL)
     _scatter_chunk(
         ids_ptr, map_ptr, num_ids, counts_ptr, base_ptr, shift_ptr, sorted_ptr, tl.program_id(0),
         num_slots, num_local, HAS_MAP, CHUNK, E_PAD,
@@ -280,7 +289,8 @@ def moe_align_block_size(
     num_ids = num_local_experts if expert_map is None else expert_map.shape[0]
     j_step = max(1, 1024 // e_pad)  # blocks per expert written per step of the table
     warps = max(1, min(16, chunk // 256))
-    common = dict(HAS_MAP=expert_map is not None, CHUNK=chunk, E_PAD=e_pad)
+    pdl = pdl_args(topk_ids)
+    common = dict(HAS_MAP=expert_map is not None, CHUNK=chunk, E_PAD=e_pad, **pdl)
     guard = device_guard(topk_ids)
     on_cuda = topk_ids.is_cuda
     with guard:
@@ -302,7 +312,9 @@ def moe_align_block_size(
             counts, base, expert_ids, num_post, num_programs, num_local_experts, max_blocks,
         )  # fmt: skip
         p_step = min(next_power_of_2(num_programs), max(1, 4096 // e_pad))
-        constexprs = dict(BLOCK_M=block_m, E_PAD=e_pad, P_STEP=p_step, J_STEP=j_step, num_warps=4)
+        constexprs = dict(
+            BLOCK_M=block_m, E_PAD=e_pad, P_STEP=p_step, J_STEP=j_step, num_warps=4, **pdl
+        )
         launch(_scan_kernel, (1,), args, constexprs, on_cuda)
         args = (
             ids, expert_map_arg, num_ids, counts, base, shift, sorted_ids, num_slots,

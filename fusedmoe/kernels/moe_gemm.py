@@ -50,6 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusedmoe._pdl import pdl_start, pdl_wait
 from fusedmoe.quant.kernels import (
     FP8_MAX_TL,
     divide_by_group_scale,
@@ -366,7 +367,9 @@ def _moe_gemm_kernel(
     W_BLOCK_UNIFORM: tl.constexpr,  # 128-block w: each tile's rows lie in one block of 128
     ZERO_OUT: tl.constexpr,
     MX_DTYPE: tl.constexpr,  # what MX operands are dequantized to: bf16 (fp32 on the interpreter)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_wait(PDL)
     if ZERO_OUT:  # before any early return: every program zeroes its share
         _zero_slice(zero_ptr, zero_numel, 1024)
     # Grouped launch order: GROUP_M row blocks share each column tile of w while it is in L2.
@@ -614,9 +617,11 @@ def _moe_sum_kernel(
     MUL_WEIGHT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
     """out[m] = sum_j (w[m, j] *) y[row(m * k + j)] over the slots routed to this rank, in fp32;
     row(s) = s, or inv[s] for a permuted y (the DeepGEMM-style contiguous layout)."""
+    pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedmoe._pdl import pdl_args, pdl_start
 from fusedmoe._triton import cdiv, device_guard, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.activation import (
     OAI_ALPHA,
@@ -170,7 +171,9 @@ def _group_quant_fp8_kernel(
     GROUPS_PER_PROGRAM: tl.constexpr,
     SCALE_FORMAT: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_start(PDL)
     rows, groups, cols, mask, scale_mask = _group_tile(
         tl.program_id(0), tl.program_id(1), M, K, G, BLOCK_M, GROUPS_PER_PROGRAM, GROUP_SIZE,
         BLOCK_G,
@@ -235,7 +238,9 @@ def _act_mul_group_quant_fp8_kernel(
     GROUPS_PER_PROGRAM: tl.constexpr,
     SCALE_FORMAT: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_start(PDL)
     rows, groups, cols, mask, scale_mask = _group_tile(
         tl.program_id(0), tl.program_id(1), M, I, G, BLOCK_M, GROUPS_PER_PROGRAM, GROUP_SIZE,
         BLOCK_G,
@@ -391,6 +396,7 @@ def _launch_group_quant(
             SCALE_FORMAT=scale_format,
             ROUND_IN_FP32=_round_in_fp32(x),
             num_warps=cfg.num_warps,
+            **pdl_args(x),
         )  # fmt: skip
     return q, scales
 
@@ -496,6 +502,7 @@ def act_mul_group_quant_fp8_impl(
             SCALE_FORMAT=(_UE8M0 if use_ue8m0 else _FLOAT32).value,
             ROUND_IN_FP32=_round_in_fp32(h),
             num_warps=cfg.num_warps,
+            **pdl_args(h),
         )  # fmt: skip
     return q, scales
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from fusedmoe._checks import check_positive_int, check_shape, check_tensor
+from fusedmoe._pdl import pdl_args, pdl_start
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.router.base import ScoringFunc
 from fusedmoe.router.grouped import check_groups
@@ -141,7 +142,9 @@ def _route_kernel(
     G_PAD: tl.constexpr,  # next power of two >= G (1 for plain top-k)
     S_PAD: tl.constexpr,  # next power of two >= S
     K_PAD: tl.constexpr,  # next power of two >= k
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     row_ok = rows < M
     rows = rows.to(tl.int64)
@@ -264,6 +267,7 @@ def _launch(
             S_PAD=s_pad,
             K_PAD=next_power_of_2(top_k),
             num_warps=cfg.num_warps,
+            **pdl_args(logits),
         )
         launch(
             _route_kernel, (cdiv(num_tokens, cfg.block_m),), args, constexprs,
