@@ -6,7 +6,7 @@ GEMM2, top-k sum). Between two of them the GPU sits through the next kernel's la
 With PDL the next kernel's programs start early and stop at `griddepcontrol.wait`, which
 returns once the previous kernel has finished and its writes are visible. A short kernel lets
 its dependents start at once (`pdl_start`); a GEMM lets them start as its programs exit
-(`pdl_wait`; see there why). On an H100 this took 1 to 2.5 us off a decode call of the triton
+(`pdl_wait`; see there why). On an H100 this took 0.8 to 2.6 us off a decode call of the triton
 backend (benchmarks/bench_pdl.py; qwen3-30b-a3b fp8_block at M = 1: 21.0 -> 19.9 us).
 
 The contract, kept by construction: a kernel launched with PDL calls `pdl_start(PDL)` or
