@@ -29,11 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # Triton >= 3.3
+try:  # the griddepcontrol intrinsics and the launch option (Triton 3.3 on)
+    from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    _HAS_GDC = True
-except ImportError:  # an older Triton: no PDL
+    _HAS_GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except (ImportError, AttributeError):  # an older Triton: no PDL
     _HAS_GDC = False
 
 __all__ = ["pdl_args", "pdl_start", "pdl_wait"]
@@ -82,7 +83,7 @@ def pdl_args(t: torch.Tensor) -> dict:
     """The PDL constexpr and launch option for a kernel launched on t's device: {"PDL": True,
     "launch_pdl": True} on a CUDA device of compute capability >= 9.0, else {"PDL": False}
     (the CPU interpreter, older GPUs, FUSEDMOE_PDL=0). Spread into the launch's keywords."""
-    if not t.is_cuda:
+    if not t.is_cuda or torch.version.cuda is None:  # griddepcontrol is NVIDIA's (not ROCm)
         return _OFF
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     args = _BY_DEVICE.get(index)
