@@ -267,61 +267,6 @@ def launch_gemm(
     launch(g._moe_gemm_kernel, grid, args, constexprs, a.is_cuda)
 
 
-def gemm2_sum_ok(a_mode: int, w_mode: int) -> bool:
-    """Whether _moe_gemm2_sum_kernel runs these scale layouts: 128-block weights with 1 x 128
-    group activations, or scales that factor out of the sum over K (per tensor / row /
-    channel), or none."""
-    return (a_mode == g.A_GROUP) == (w_mode == g.W_BLOCK) and w_mode != g.W_MX
-
-
-def launch_gemm2_sum(
-    a, a_scale, a_mode, w, w_scale, w_mode, bias, out, topk_weights, rows: GemmRows, top_k,
-    config, *, mul_routed_weight, y_dtype,
-):  # fmt: skip
-    """out [M, H] = the weighted top-k sum of GEMM2's per-slot outputs (rounded to y_dtype
-    each, as the unfused path stores them), one program per token and column tile."""
-    num_tokens = out.shape[0]
-    n_out, k = out.shape[1], a.shape[1]
-    dummy = rows.ids
-    num_ids = rows.num_local if rows.expert_map is None else rows.expert_map.shape[0]
-    exact = a.dtype == torch.float32 or not a.is_cuda
-    args = (
-        a, a.stride(0), a.stride(1),
-        *_scale_args(a_scale, dummy, 2),
-        w, w.stride(0), w.stride(1), w.stride(2),
-        *_scale_args(w_scale, dummy, 3),
-        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
-        out, out.stride(0), out.stride(1),
-        topk_weights,
-        rows.ids, dummy if rows.expert_map is None else rows.expert_map,
-        num_ids, rows.num_local,
-        n_out, k,
-    )  # fmt: skip
-    constexprs = dict(
-        TOP_K=top_k,
-        A_SCALE=a_mode,
-        W_SCALE=w_mode,
-        HAS_BIAS=bias is not None,
-        MUL_ROUTED_WEIGHT=mul_routed_weight,
-        Y_DTYPE=y_dtype,
-        DOT_PRECISION="ieee" if exact else "tf32",
-        ROUND_IN_FP32=not a.is_cuda,
-        UPCAST=not a.is_cuda,
-        EVEN_K=k % config.block_k == 0,
-        SLOTS=next_power_of_2(top_k),
-        BLOCK_M=16,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        HAS_MAP=rows.expert_map is not None,
-        W_BLOCK_UNIFORM=w_mode == g.W_BLOCK and g.QUANT_GROUP % config.block_n == 0,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **pdl_args(a),
-    )  # fmt: skip
-    grid = (num_tokens, cdiv(n_out, config.block_n))
-    launch(g._moe_gemm2_sum_kernel, grid, args, constexprs, a.is_cuda)
-
-
 def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
     """Whether GEMM1 may leave the activation to the separate act + group quant kernel."""
     return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in ACTIVATION_CODE
@@ -406,21 +351,9 @@ def _fused_experts_triton_impl(
         if post_key is not None:  # a scale over the whole row or tensor: after GEMM1
             qa = quantize_activation(a2, OperandQuant(post_key))
             a2, a2_scale = qa.q, qa.scale
-        a2_scale_mode, w_scale_mode = _A2_SCALE[a2_mode], W_MODES[w_mode]
-        if (
-            rows.routing is None
-            and config.gemm2_sum is not None
-            and gemm2_sum_ok(a2_scale_mode, w_scale_mode)
-        ):
-            launch_gemm2_sum(
-                a2, a2_scale, a2_scale_mode, w2, w2_scale, w_scale_mode, w2_bias, output,
-                topk_weights.reshape(-1), rows, top_k, config.gemm2_sum,
-                mul_routed_weight=mul_routed_weight, y_dtype=TL_DTYPE[workspace13.dtype],
-            )  # fmt: skip
-            return
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
         launch_gemm(
-            a2, a2_scale, a2_scale_mode, 1, w2, w2_scale, w_scale_mode, w2_bias,
+            a2, a2_scale, _A2_SCALE[a2_mode], 1, w2, w2_scale, W_MODES[w_mode], w2_bias,
             y, None, topk_weights.reshape(-1), rows, num_slots, config.gemm2,
             activation=None, params=params, out_mode=g.OUT_PLAIN,
             mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,

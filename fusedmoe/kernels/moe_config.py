@@ -58,29 +58,21 @@ class MoEKernelConfig:
     #: up); False: GEMM1 stores h and a separate fused act + quant kernel reads it (one
     #: accumulator: taller tiles fit in registers). Only 1 x 128 group FP8 a2 uses False.
     fuse_activation: bool = True
-    #: calls without alignment (M = 1): GEMM2 with the top-k sum in it, one program per token
-    #: and column tile looping over the k slots, with this tile (block_k, warps, stages; its
-    #: group_m is unused); None: GEMM2 with `gemm2`, then the separate moe_sum launch
-    gemm2_sum: GemmConfig | None = None
 
     def to_json(self) -> dict:
-        entry = {
+        return {
             "block_m": self.block_m,
             "gemm1": asdict(self.gemm1),
             "gemm2": asdict(self.gemm2),
             "fuse_activation": self.fuse_activation,
         }
-        if self.gemm2_sum is not None:
-            entry["gemm2_sum"] = asdict(self.gemm2_sum)
-        return entry
 
     @classmethod
     def from_json(cls, entry: object, where: str) -> MoEKernelConfig:
         try:
             gemms = {
                 name: GemmConfig(**{f.name: int(entry[name][f.name]) for f in fields(GemmConfig)})
-                for name in ("gemm1", "gemm2", "gemm2_sum")
-                if name in entry or name != "gemm2_sum"
+                for name in ("gemm1", "gemm2")
             }
             fuse = entry.get("fuse_activation", True)
             if not isinstance(fuse, bool):
@@ -92,8 +84,9 @@ class MoEKernelConfig:
         return config
 
     def check(self, where: str = "config") -> None:
-        gemms = (self.gemm1, self.gemm2) + ((self.gemm2_sum,) if self.gemm2_sum else ())
-        sizes = [self.block_m] + [v for g in gemms for v in (g.block_n, g.block_k, g.num_warps)]
+        sizes = [self.block_m] + [
+            v for g in (self.gemm1, self.gemm2) for v in (g.block_n, g.block_k, g.num_warps)
+        ]
         if any(v <= 0 or v & (v - 1) for v in sizes) or self.block_m < 16:
             raise ValueError(f"{where}: block sizes and warps must be powers of two, block_m >= 16")
 

@@ -25,9 +25,7 @@ then one of the epilogues:
     GEMM2:             y = acc * topk_weights[slot] (unless applied on the input), stored at
                        row `slot` of [S, H]
 
-moe_sum then adds each token's k rows (skipping slots not routed to this rank). Calls without
-alignment (M = 1) may instead run GEMM2 as _moe_gemm2_sum_kernel: one program per token and
-column tile, looping over the token's k slots, so the top-k sum needs no launch of its own.
+moe_sum then adds each token's k rows (skipping slots not routed to this rank).
 
 Variants the other backends switch on (compile-time, so the triton backend's code is unchanged):
 
@@ -601,131 +599,6 @@ def _moe_gemm_kernel(
     else:  # OUT_PLAIN (activation dtype) or OUT_FP32 (quantized after the kernel)
         act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _moe_gemm2_sum_kernel(
-    a_ptr, stride_am, stride_ak,  # a2 [S, K], slot order
-    a_scale_ptr, stride_asm, stride_ask,  # [1] | [S, 1] | [S, ceil(K/128)]
-    w_ptr, stride_we, stride_wn, stride_wk,  # w2 [E_l, N, K]
-    w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l] | [E_l, N] | [E_l, N/128, K/128]
-    bias_ptr, stride_be, stride_bn,  # [E_l, N]
-    out_ptr, stride_om, stride_on,  # [M, N]
-    topk_weights_ptr,  # float32 [S]
-    ids_ptr, map_ptr,  # topk_ids [S] and expert_map [E] (global -> local, -1 elsewhere)
-    num_ids, num_local,  # ids outside [0, num_ids) / map entries outside [0, E_l): not routed
-    N, K,
-    TOP_K: tl.constexpr,
-    A_SCALE: tl.constexpr,
-    W_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    Y_DTYPE: tl.constexpr,  # where the unfused path stores a slot's output (its workspace)
-    DOT_PRECISION: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
-    UPCAST: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    SLOTS: tl.constexpr,  # TOP_K rounded up to a power of two
-    BLOCK_M: tl.constexpr,  # tl.dot's least rows: row 0 is the slot, the others are zeros
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    W_BLOCK_UNIFORM: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
-):  # fmt: skip
-    """GEMM2 with the top-k sum in it, for calls without alignment (decode): program (m, n)
-    computes out[m, n-tile] = sum over token m's routed slots j of round(y_j), where y_j is
-    GEMM2's per-slot output (a2[m * k + j] @ w2[e_j].T (+ bias) (* topk weight)), round is to
-    Y_DTYPE, and the sum is in fp32 in slot order: bit for bit what GEMM2 then moe_sum store.
-    Each K step is one batched dot over the k slots ([k, BM, BK] x [k, BK, BN], row 0 of each
-    A tile live), so the k experts' weight tiles are read side by side."""
-    pdl_wait(PDL)
-    m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    j = tl.arange(0, SLOTS)
-    slot = m * TOP_K + j  # [SLOTS]
-    expert = tl.load(ids_ptr + slot, mask=j < TOP_K, other=-1).to(tl.int32)
-    expert = tl.where((expert >= 0) & (expert < num_ids), expert, -1)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert, mask=expert >= 0, other=-1).to(tl.int32)
-    routed = (expert >= 0) & (expert < num_local)
-    e = tl.where(routed, expert, 0).to(tl.int64)  # never read out of bounds
-    # an unrouted slot's a2 row was never written: what it computes is dropped below
-    live = (tl.arange(0, BLOCK_M) == 0)[None, :, None] & (j < TOP_K)[:, None, None]
-    a_ptrs = a_ptr + slot[:, None, None] * stride_am + offs_k[None, None, :] * stride_ak
-    w_ptrs = (  # [SLOTS, BK, BN]
-        w_ptr + e[:, None, None] * stride_we + offs_n.to(tl.int64)[None, None, :] * stride_wn
-        + offs_k[None, :, None] * stride_wk
-    )  # fmt: skip
-    PER_K_BLOCK: tl.constexpr = W_SCALE == _W_BLOCK
-    acc_dtype = tl.int32 if (a_ptr.dtype.element_ty == tl.int8 and not UPCAST) else tl.float32
-    acc = tl.zeros((SLOTS, BLOCK_M, BLOCK_N), dtype=acc_dtype)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=live & k_mask[None, None, :], other=0.0)
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[None, None, :], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=n_mask[None, None, :] & k_mask[None, :, None], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        if PER_K_BLOCK:
-            k_block = k0 // _GROUP
-            a_s = tl.load(a_scale_ptr + slot * stride_asm + k_block * stride_ask, mask=routed)
-            if W_BLOCK_UNIFORM:  # every column of the tile in one 128 x 128 block
-                w_s = tl.load(
-                    w_scale_ptr + e * stride_wse + (pid_n * BLOCK_N // _GROUP) * stride_wsn
-                    + k_block * stride_wsk
-                )  # fmt: skip
-                acc += tl.dot(a, w, input_precision=DOT_PRECISION) * (a_s * w_s)[:, None, None]
-            else:  # as _block_scaled_dot rounds: (part * a_s) * w_s
-                w_s = tl.load(
-                    w_scale_ptr + e[:, None] * stride_wse + (offs_n // _GROUP)[None, :] * stride_wsn
-                    + k_block * stride_wsk, mask=n_mask[None, :], other=0.0,
-                )  # fmt: skip
-                part = tl.dot(a, w, input_precision=DOT_PRECISION)
-                acc += part * a_s[:, None, None] * w_s[:, None, :]
-        else:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION, out_dtype=acc_dtype)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
-    y = acc.to(tl.float32)
-    if not PER_K_BLOCK:  # per-tensor / per-row / per-channel scales factor out of the sum
-        if A_SCALE == _A_TENSOR:
-            y *= tl.load(a_scale_ptr)
-        elif A_SCALE == _A_ROW:
-            y *= tl.load(a_scale_ptr + slot * stride_asm, mask=routed)[:, None, None]
-        if W_SCALE == _W_TENSOR:
-            y *= tl.load(w_scale_ptr + e * stride_wse)[:, None, None]
-        elif W_SCALE == _W_CHANNEL:
-            w_s = tl.load(
-                w_scale_ptr + e[:, None] * stride_wse + offs_n[None, :] * stride_wsn,
-                mask=n_mask[None, :], other=0.0,
-            )  # fmt: skip
-            y *= w_s[:, None, :]
-    if HAS_BIAS:
-        bias = tl.load(
-            bias_ptr + e[:, None] * stride_be + offs_n[None, :] * stride_bn,
-            mask=n_mask[None, :], other=0.0,
-        )  # fmt: skip
-        y += bias.to(tl.float32)[:, None, :]
-    if MUL_ROUTED_WEIGHT:
-        y *= tl.load(topk_weights_ptr + slot, mask=routed, other=0.0)[:, None, None]
-    y = _round_to(y, Y_DTYPE, ROUND_IN_FP32)
-    y = tl.where(routed[:, None, None], y, 0.0)
-    # the sum in slot order, as moe_sum adds (picking one slot's tile out of y is exact)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in tl.static_range(TOP_K):
-        total += tl.sum(tl.where((j == t)[:, None, None], y, 0.0), axis=0)
-    total = _round_to(total, out_ptr.dtype.element_ty, ROUND_IN_FP32)
-    out_ptrs = out_ptr + m * stride_om + offs_n[None, :] * stride_on
-    out_ptrs += tl.zeros((BLOCK_M, 1), tl.int64)  # [BM, BN]: row 0 is stored
-    row0 = (tl.arange(0, BLOCK_M) == 0)[:, None]
-    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=row0 & n_mask[None, :])
 
 
 @triton.jit
