@@ -37,7 +37,7 @@ try:  # the griddepcontrol intrinsics and the launch option (Triton 3.3 on)
 except (ImportError, AttributeError):  # an older Triton: no PDL
     _HAS_GDC = False
 
-__all__ = ["pdl_args", "pdl_start", "pdl_start_early", "pdl_trigger", "pdl_wait"]
+__all__ = ["pdl_args", "pdl_start", "pdl_wait"]
 
 if _HAS_GDC:
 
@@ -59,24 +59,6 @@ if _HAS_GDC:
         if PDL:
             gdc_wait()
 
-    @triton.jit
-    def pdl_start_early(PDL: tl.constexpr):
-        """First statement of a short kernel whose dependents may start before it waits (the
-        act + quant kernel between the GEMMs): let the next kernel start, then wait for the
-        previous one. The next kernel still waits for this one before it reads what this one
-        writes; what it reads before its wait (fusedmoe.kernels.moe_gemm's weight prefetch) was
-        written before the previous kernel started."""
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
-
-    @triton.jit
-    def pdl_trigger(PDL: tl.constexpr):
-        """Let the next kernel start now (after this kernel's wait: a GEMM whose programs all
-        fit on the GPU at once)."""
-        if PDL:
-            gdc_launch_dependents()
-
 else:
 
     @triton.jit
@@ -85,14 +67,6 @@ else:
 
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
-        pass
-
-    @triton.jit
-    def pdl_start_early(PDL: tl.constexpr):
-        pass
-
-    @triton.jit
-    def pdl_trigger(PDL: tl.constexpr):
         pass
 
 

@@ -186,11 +186,8 @@ _GATHER = GemmVariant()
 def launch_gemm(
     a, a_scale, a_mode, a_row_div, w, w_scale, w_mode, bias, out, out_scale, topk_weights,
     rows: GemmRows, num_slots, config, *, activation, params, out_mode, mul_routed_weight, h_dtype,
-    variant: GemmVariant = _GATHER, prefetch_w: bool = False,
+    variant: GemmVariant = _GATHER,
 ):  # fmt: skip
-    """One expert GEMM launch. prefetch_w (GEMM2 of the gather layout): with PDL, its programs
-    bring their weight rows into L2 before they wait for the kernel before them (where w's rows
-    can be, see _prefetch_ok)."""
     n_out = out.shape[1]
     k = a.shape[1]
     act_code = g.ACT_NONE if activation is None else _ACT_CODES[activation]
@@ -208,10 +205,6 @@ def launch_gemm(
     use_tma_a = positional_a and rows.block_m >= 64 and variant.a_quant == g.AQ_NONE and _tma_ok(a)
     a_desc = _tma_descriptor(a, rows.block_m, config.block_k) if use_tma_a else a
     zero = variant.zero
-    pdl = pdl_args(a)
-    # all programs on the GPU at once: the next kernel may start as soon as they have waited
-    early = pdl["PDL"] and grid[0] <= _sm_count(a.device.index or 0)
-    prefetch_w = prefetch_w and pdl["PDL"] and activation is None and variant is _GATHER
     args = (
         a, a.stride(0), a.stride(1),
         a_desc,
@@ -225,7 +218,6 @@ def launch_gemm(
         topk_weights,
         *rows.kernel_args(),
         dummy if zero is None else zero, 0 if zero is None else zero.numel(),
-        w.shape[2] * w.element_size(),
         dummy if variant.row_map is None else variant.row_map,
         n_out, k, num_slots, rows.num_blocks,
         alpha, beta, limit,
@@ -270,41 +262,9 @@ def launch_gemm(
         MX_DTYPE=tl.float32 if not a.is_cuda else tl.bfloat16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **pdl,
-        EARLY_TRIGGER=early and _EARLY_TRIGGER,
-        PREFETCH_W=prefetch_w and _PREFETCH_W,
+        **pdl_args(a),
     )  # fmt: skip
     launch(g._moe_gemm_kernel, grid, args, constexprs, a.is_cuda)
-
-
-_EARLY_TRIGGER = True  # switches for A/B measurements (benchmarks/probe_pdl_prefetch.py)
-_PREFETCH_W = True
-#: a call's GEMM2 weights are prefetched only where they take at most this share of L2: more
-#: would evict one another (and GEMM1's) before GEMM2 reads them
-_PREFETCH_L2_SHARE = 0.5
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=16)
-def _l2_bytes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).L2_cache_size
-
-
-def _prefetch_ok(w: torch.Tensor, num_slots: int) -> bool:
-    """Whether GEMM2 may prefetch w's rows into L2 (one bulk copy per row): a CUDA w whose
-    rows are contiguous and 16-byte aligned, and whose experts a call can touch (at most one
-    per slot) fit in half of L2."""
-    if not w.is_cuda or w.stride(2) != 1 or w.data_ptr() % 16:
-        return False
-    size = w.element_size()
-    if (w.shape[2] * size) % 16 or (w.stride(1) * size) % 16 or (w.stride(0) * size) % 16:
-        return False
-    touched = min(num_slots, w.shape[0]) * w.shape[1] * w.shape[2] * size
-    return touched <= _PREFETCH_L2_SHARE * _l2_bytes(w.device.index or 0)
 
 
 def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
@@ -397,7 +357,6 @@ def _fused_experts_triton_impl(
             y, None, topk_weights.reshape(-1), rows, num_slots, config.gemm2,
             activation=None, params=params, out_mode=g.OUT_PLAIN,
             mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
-            prefetch_w=_prefetch_ok(w2, num_slots),
         )  # fmt: skip
         moe_sum(y, output, topk_ids, expert_map, num_local)
 

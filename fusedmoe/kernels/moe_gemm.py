@@ -50,7 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedmoe._pdl import pdl_start, pdl_trigger, pdl_wait
+from fusedmoe._pdl import pdl_start, pdl_wait
 from fusedmoe.quant.kernels import (
     FP8_MAX_TL,
     divide_by_group_scale,
@@ -316,46 +316,6 @@ def _zero_slice(ptr, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(addr, nbytes):
-    """Bring nbytes (a multiple of 16) from the 16-byte aligned global address addr (int64,
-    elementwise) into L2: one bulk prefetch per element, nothing waits for it."""
-    return tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_w_rows(
-    w_ptr, stride_we, stride_wn, expert_ids_ptr, ids_ptr, map_ptr, num_ids, num_local, N,
-    max_blocks, w_row_bytes, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):  # fmt: skip
-    """GEMM2, launched with PDL, before its wait: bring this program's weight rows (w2[e,
-    n-tile, :]) into L2 while the kernels before it finish. It reads only the expert of its
-    row block (expert_ids, or topk_ids and expert_map when direct), which were written before
-    GEMM1 started: GEMM2 starts early only once GEMM1 has passed its own wait."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    if DIRECT:
-        expert = tl.load(ids_ptr + pid_m).to(tl.int32)
-        expert = tl.where((expert >= 0) & (expert < num_ids), expert, -1)
-        if HAS_MAP:
-            expert = tl.load(map_ptr + expert, mask=expert >= 0, other=-1).to(tl.int32)
-    else:
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int32)
-    if (expert >= 0) & (expert < num_local):
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        addr = (w_ptr + expert.to(tl.int64) * stride_we + rows * stride_wn).to(tl.int64)
-        _l2_prefetch(addr, tl.zeros((BLOCK_N,), tl.int32) + w_row_bytes)
-
-
-@triton.jit
 def _moe_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # [rows of A, K]
     a_desc,  # USE_TMA_A: a TMA descriptor of A (CONTIGUOUS / A_IN_ORDER rows), block [BM, BK]
@@ -372,7 +332,6 @@ def _moe_gemm_kernel(
     ids_ptr, map_ptr,  # DIRECT: topk_ids [S] and expert_map [E] (global -> local, -1 elsewhere)
     num_ids, num_local,  # DIRECT: ids outside [0, num_ids) / map entries outside [0, E_l): skipped
     zero_ptr, zero_numel,  # ZERO_OUT: float32 buffer this launch zeroes (GEMM2's accumulator)
-    w_row_bytes,  # PREFETCH_W: bytes of one row of w (K contiguous elements)
     row_map_ptr,  # A_IN_ORDER / OUT_IN_ORDER: int32 [layout rows]: a slot's row in expert order
     N, K, num_slots, max_blocks,
     alpha, beta, limit,  # activation parameters, defaults resolved
@@ -409,17 +368,8 @@ def _moe_gemm_kernel(
     ZERO_OUT: tl.constexpr,
     MX_DTYPE: tl.constexpr,  # what MX operands are dequantized to: bf16 (fp32 on the interpreter)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
-    EARLY_TRIGGER: tl.constexpr,  # PDL: the next kernel may start once this one has waited
-    PREFETCH_W: tl.constexpr,  # PDL, GEMM2: its weight rows into L2 before the wait
 ):  # fmt: skip
-    if PREFETCH_W:  # reads only the row block's expert (see _prefetch_w_rows)
-        _prefetch_w_rows(
-            w_ptr, stride_we, stride_wn, expert_ids_ptr, ids_ptr, map_ptr, num_ids, num_local,
-            N, max_blocks, w_row_bytes, DIRECT, HAS_MAP, BLOCK_N, GROUP_M,
-        )  # fmt: skip
     pdl_wait(PDL)
-    if EARLY_TRIGGER:
-        pdl_trigger(PDL)
     if ZERO_OUT:  # before any early return: every program zeroes its share
         _zero_slice(zero_ptr, zero_numel, 1024)
     # Grouped launch order: GROUP_M row blocks share each column tile of w while it is in L2.

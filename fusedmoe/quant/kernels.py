@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe._pdl import pdl_args, pdl_start, pdl_start_early
+from fusedmoe._pdl import pdl_args, pdl_start
 from fusedmoe._triton import cdiv, device_guard, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.activation import (
     OAI_ALPHA,
@@ -240,8 +240,7 @@ def _act_mul_group_quant_fp8_kernel(
     ROUND_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
-    # GEMM2 may start at once: its programs prefetch their weights while GEMM1 finishes
-    pdl_start_early(PDL)
+    pdl_start(PDL)
     rows, groups, cols, mask, scale_mask = _group_tile(
         tl.program_id(0), tl.program_id(1), M, I, G, BLOCK_M, GROUPS_PER_PROGRAM, GROUP_SIZE,
         BLOCK_G,
