@@ -155,3 +155,26 @@ def test_baselines_match_the_reference(activation):
         outs["grouped_mm"] = grouped_mm_experts(x, w13, w2, weights, ids, activation)
     for name, out in outs.items():
         assert_close(out, ref, torch.bfloat16, what=name)
+
+
+def test_settle_runs_nothing_on_the_cpu():
+    """timing.settle replays a GPU call untimed before its first timing; on the CPU there is
+    no such transient and it must cost nothing."""
+    from fusedmoe.tools.bench.timing import settle
+
+    calls = []
+    settle(lambda: calls.append(1), torch.device("cpu"))
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capturable", [True, False])
+def test_settle_runs_the_call_on_a_gpu(capturable):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fusedmoe.tools.bench.timing import settle
+
+    x = torch.zeros(4, device="cuda")
+    settle(lambda: x.add_(1), torch.device("cuda"), rep_ms=1.0, capturable=capturable)
+    torch.cuda.synchronize()
+    assert float(x[0]) >= 2  # the warm-up call and at least one replay or launch

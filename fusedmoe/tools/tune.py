@@ -17,7 +17,10 @@ For each token bucket M (the shape's real sizes):
                 Then the same steps around the best so far, until nothing improves, the
                 bucket's share of --budget-s is spent, or --max-configs were timed
     timing      the whole fused_experts call under use_moe_kernel_config(candidate), median of
-                CUDA-graph replays (triton.testing.do_bench_cudagraph), under a uniform and a
+                CUDA-graph replays (triton.testing.do_bench_cudagraph), after about a second
+                of untimed replays per bucket (tools.bench.timing.settle: the first timing after
+                new weights reads up to ~10% slow, which favoured any config over the
+                heuristic's, timed first), under a uniform and a
                 skewed routing (tools.bench.inputs: popularity ~ 1 / rank^1.2 at strength 3,
                 seeded): a config that wins on uniform routing alone can lose 30-50% when a
                 popular expert's rows make many thin tiles; a candidate that does not compile
@@ -64,7 +67,7 @@ from fusedmoe.tools.bench.inputs import (
     make_routing,
     quantize_expert_set,
 )
-from fusedmoe.tools.bench.timing import rel_err
+from fusedmoe.tools.bench.timing import rel_err, settle
 
 __all__ = [
     "RULES",
@@ -323,6 +326,11 @@ def _tune_bucket(shape: TuneShape, dtype: str, experts, m: int, search: _Search)
         return over_time or len(timed) + len(failed) >= search.max_configs
 
     base = heuristic_config(m, k, e, h, i, dtype_key)
+    try:  # the bucket's first timing would read slow (fusedmoe.tools.bench.timing)
+        with use_moe_kernel_config(base):
+            settle(functools.partial(run, routings[0]), device)
+    except Exception:  # measure() reports what does not run
+        torch.cuda.synchronize()
     measure(base)
     if base not in timed:
         raise RuntimeError(f"the heuristic config {_short(base)} does not run for M={m}")

@@ -33,7 +33,7 @@ from fusedmoe.tools.bench.contenders import (
     select_backends,
 )
 from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
-from fusedmoe.tools.bench.timing import rel_err, time_ms
+from fusedmoe.tools.bench.timing import rel_err, settle, time_ms
 from fusedmoe.tools.presets import MoEPreset
 from fusedmoe.tools.roofline import Ceilings, distinct_experts, moe_floor
 
@@ -155,15 +155,22 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
             note(f"{where}: {c.name} runs as a {c.note}")
     reference = reference_run(experts, preset.activation)
     rows = []
+    first = True  # the first timing after the weights are made is settled first (timing.py)
     for routing in spec.routings:
         for m in spec.tokens:
-            rows += _bench_case(preset, quant, routing, m, contenders, reference, spec, note)
+            rows += _bench_case(
+                preset, quant, routing, m, contenders, reference, spec, note, settle_first=first
+            )
+            first = False
             if step is not None:
                 step(f"{where}, {routing}, M={m}")
     return rows
 
 
-def _bench_case(preset, quant, routing, m, contenders: list[Contender], reference, spec, note):
+def _bench_case(
+    preset, quant, routing, m, contenders: list[Contender], reference, spec, note, *,
+    settle_first: bool = False,
+):  # fmt: skip
     device = spec.device
     k = preset.top_k
     inputs = make_routing(
@@ -193,6 +200,9 @@ def _bench_case(preset, quant, routing, m, contenders: list[Contender], referenc
                 others = [n for n in outputs if n != c.name]
                 err = rel_err(outputs[c.name], outputs[others[0]]) if others else None
                 err_ref = others[0] if others else "none"
+            if settle_first:
+                settle(functools.partial(c.run, inputs), device, capturable=c.capturable)
+                settle_first = False
             ms, how = time_ms(
                 functools.partial(c.run, inputs), device, rep_ms=spec.rep_ms,
                 capturable=c.capturable,
