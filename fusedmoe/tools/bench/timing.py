@@ -9,9 +9,10 @@
 
 The first call (Triton compilation, autotuning, allocator warm-up) is never timed. After a
 preset's weights are made (a previous preset's freed), the first graph timings read slow: on a
-lent H200, gpt-oss-120b bf16 at M = 1 timed 60.0, 56.5, then 54.0 us in a row (a fresh process:
-53.4 first). `settle` replays the call untimed for about a second first; `fusedmoe bench` does
-it once per preset and scheme, `fusedmoe tune` once per token bucket.
+lent H200, gpt-oss-120b bf16 at M = 1 timed 60.0, 56.5, then 54.0 us in a row after
+deepseek-v3's weights were freed (53.4 us first after a smaller preset's). `settle` replays the
+call untimed for about a second first; `fusedmoe bench` does it once per preset and scheme,
+`fusedmoe tune` once per token bucket.
 """
 
 from __future__ import annotations
