@@ -19,7 +19,7 @@ For each token bucket M (the shape's real sizes):
     timing      the whole fused_experts call under use_moe_kernel_config(candidate), median of
                 CUDA-graph replays (triton.testing.do_bench_cudagraph), after about a second
                 of untimed replays per bucket (tools.bench.timing.settle: the first timing after
-                new weights reads up to ~10% slow, which favoured any config over the
+                new weights read up to 11% slow, which favoured any config over the
                 heuristic's, timed first), under a uniform and a
                 skewed routing (tools.bench.inputs: popularity ~ 1 / rank^1.2 at strength 3,
                 seeded): a config that wins on uniform routing alone can lose 30-50% when a
