@@ -93,18 +93,7 @@ def settle(
     rep_ms: float = 100.0,
     capturable: bool = True,
 ) -> None:
-    """Run fn as time_ms would, untimed, for about 10 x rep_ms milliseconds of replays (see the
-    module docstring for why). No-op on the CPU; a call that cannot be captured runs plain."""
-    if device.type != "cuda":
-        return
-    fn()
-    torch.cuda.synchronize()
-    if capturable and has_triton():
-        import triton.testing
-
-        try:
-            triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-            return
-        except Exception:  # a host read inside the call: plain launches below
-            torch.cuda.synchronize()
-    _launch_ms(fn, 10 * rep_ms)
+    """Time fn as time_ms would and drop the result (see the module docstring for why): about
+    10 x rep_ms milliseconds of graph replays. No-op on the CPU."""
+    if device.type == "cuda":
+        time_ms(fn, device, rep_ms=rep_ms, capturable=capturable)
