@@ -347,6 +347,42 @@ def test_act_mul_saturates_huge_values():
     assert float(q[0, 3].float()) == 448.0 and float(q[1, 10].float()) == -448.0
 
 
+@pytest.mark.parametrize("bound", [0, 5, 6, 13, 37, 40])
+def test_act_mul_rows_in_use(monkeypatch, bound):
+    """rows_in_use (the contiguous layout's rows in use): the row tiles below it are those of
+    the unbounded call, bit for bit; the tiles that start at or past it are never written."""
+    h = (torch.randn(37, 512, device=DEVICE) * 3).to(torch.bfloat16)
+    with kq.use_quant_kernel_config(kq.QuantKernelConfig(2, 1, 1)):  # two rows a program
+        q_all, s_all = _act_quant(h, "silu", None, 128, True, False)
+        alloc = kq._alloc_group_outputs
+
+        def poisoned(*args, **kwargs):  # outputs a skipped row keeps: q 1.0, scales -1
+            q, s = alloc(*args, **kwargs)
+            return q.fill_(1.0), s.fill_(-1.0)
+
+        monkeypatch.setattr(kq, "_alloc_group_outputs", poisoned)
+        rows = torch.tensor([bound], dtype=torch.int32, device=DEVICE)
+        q, s = _act_quant(h, "silu", None, 128, True, False, rows)
+    done = min(37, -(-bound // 2) * 2)  # whole tiles of two rows
+    assert_equal(q[:done].view(torch.uint8), q_all[:done].view(torch.uint8))
+    assert_equal(s[:done], s_all[:done])
+    assert bool((q[done:].float() == 1.0).all()) and bool((s[done:] == -1.0).all())
+
+
+def test_act_mul_rows_in_use_is_checked():
+    h = _ones(4, 256)
+    for rows, error, match in (
+        (3, TypeError, "rows_in_use must be a tensor"),
+        (torch.tensor([3]), ValueError, "int32 tensor of one element, got torch.int64"),
+        (torch.tensor([3, 4], dtype=torch.int32), ValueError, r"of shape \(2,\)"),
+    ):
+        with pytest.raises(error, match=match):
+            _act_quant(h, "silu", None, 128, False, False, rows)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="rows_in_use is on cpu"):
+            _act_quant(h, "silu", None, 128, False, False, torch.tensor([3], dtype=torch.int32))
+
+
 def test_fused_supports():
     for name in ("silu", "swiglustep", "swigluoai_uninterleave", "swigluoai", "gelu"):
         assert kq.fused_supports(name, None)

@@ -621,9 +621,10 @@ def _run_fp8_block(
 
         h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
         gemm(layout.a, layout.a_scale, w13, w13_scale, h)
-        a2q, a2_scale = act_quant(
-            h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True, use_ue8m0
-        )
+        a2q, a2_scale = act_quant(  # the rows of the runs only: m_sum is a bound
+            h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True, use_ue8m0,
+            layout.num_rows,
+        )  # fmt: skip
         y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
         gemm(a2q, a2_scale, w2, w2_scale, y)
         inv_perm = layout.inv_perm
@@ -723,7 +724,7 @@ def _fused_experts_deep_gemm_impl(
         alpha, beta, limit, has_limit = resolve_params(act, params)
         a2q, a2_scale = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
             h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, column_major_scales,
-            use_ue8m0,
+            use_ue8m0, layout.num_rows,
         )  # fmt: skip
     y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
     _grouped_gemm(a2q, a2_scale, a_mode, w2, w2_scale, w_mode, y, layout, w_fp4=w_fp4,

@@ -230,6 +230,7 @@ def _act_mul_group_quant_fp8_kernel(
     s_ptr, stride_sm, stride_sg,  # [M, G] fp32
     M, I, G,  # noqa: E741 (I: the intermediate size of the legend)
     alpha, beta, limit,  # fp32 activation parameters (defaults resolved by the launcher)
+    rows_in_use_ptr,  # int32 [1] (HAS_ROWS_IN_USE): rows past it are neither read nor written
     ACTIVATION: tl.constexpr,
     HAS_LIMIT: tl.constexpr,  # SILU only: whether it clamps
     GROUP_SIZE: tl.constexpr,
@@ -238,9 +239,13 @@ def _act_mul_group_quant_fp8_kernel(
     GROUPS_PER_PROGRAM: tl.constexpr,
     SCALE_FORMAT: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    HAS_ROWS_IN_USE: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
     pdl_start(PDL)
+    if HAS_ROWS_IN_USE:  # the contiguous layout's M is a bound; the rows it fills end here
+        if tl.program_id(0) * BLOCK_M >= tl.load(rows_in_use_ptr):
+            return
     rows, groups, cols, mask, scale_mask = _group_tile(
         tl.program_id(0), tl.program_id(1), M, I, G, BLOCK_M, GROUPS_PER_PROGRAM, GROUP_SIZE,
         BLOCK_G,
@@ -477,6 +482,7 @@ def act_mul_group_quant_fp8_impl(
     group_size: int,
     column_major_scales: bool,
     use_ue8m0: bool,
+    rows_in_use: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m, two_i = h.shape
     i = two_i // 2
@@ -493,6 +499,7 @@ def act_mul_group_quant_fp8_impl(
             scales, scales.stride(0), scales.stride(1),
             m, i, num_groups,
             alpha, beta, limit,
+            h if rows_in_use is None else rows_in_use,  # None: never read
             ACTIVATION=ACTIVATION_CODE[MoEActivation(activation)],
             HAS_LIMIT=has_limit,
             GROUP_SIZE=group_size,
@@ -501,6 +508,7 @@ def act_mul_group_quant_fp8_impl(
             GROUPS_PER_PROGRAM=cfg.groups_per_program,
             SCALE_FORMAT=(_UE8M0 if use_ue8m0 else _FLOAT32).value,
             ROUND_IN_FP32=_round_in_fp32(h),
+            HAS_ROWS_IN_USE=rows_in_use is not None,
             num_warps=cfg.num_warps,
             **pdl_args(h),
         )  # fmt: skip
@@ -513,7 +521,8 @@ act_mul_group_quant_fp8_op = torch.library.custom_op(
 
 
 @act_mul_group_quant_fp8_op.register_fake
-def _(h, activation, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0):
+def _(h, activation, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0,
+      rows_in_use=None):  # fmt: skip
     m, two_i = h.shape
     return _alloc_group_outputs(h, m, two_i // 2, group_size, column_major_scales, torch.float32)
 
@@ -525,6 +534,7 @@ def act_mul_per_token_group_quant_fp8_triton(
     group_size: int = 128,
     column_major_scales: bool = False,
     use_ue8m0: bool = False,
+    rows_in_use: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [M, 2I] -> (q e4m3 [M, I], scales fp32 [M, ceil(I/g)]), in one pass over h:
 
@@ -533,6 +543,10 @@ def act_mul_per_token_group_quant_fp8_triton(
 
     exp and the divisions inside the activation are the GPU's fast ones (float64 h is
     computed in fp32 too), so a scale may differ from the twin's in its last few bits.
+
+    rows_in_use: an int32 tensor of one element on h's device, read on the device (the
+    contiguous expert layout's rows in use, where M is only a bound): the row tiles that start
+    at or past it are skipped, so q and scales hold no values from there on. None: every row.
     """
     act = MoEActivation.parse(activation)
     _check_matrix("h", h)
@@ -544,10 +558,21 @@ def act_mul_per_token_group_quant_fp8_triton(
         )
     if h.shape[1] % 2 != 0:
         raise ValueError(f"h must be [M, 2I] (an even width), got shape {tuple(h.shape)}")
+    if rows_in_use is not None:
+        if not isinstance(rows_in_use, torch.Tensor):
+            raise TypeError(f"rows_in_use must be a tensor, got {type(rows_in_use).__name__}")
+        if rows_in_use.dtype != torch.int32 or rows_in_use.numel() != 1:
+            raise ValueError(
+                "rows_in_use must be an int32 tensor of one element, got "
+                f"{rows_in_use.dtype} of shape {tuple(rows_in_use.shape)}"
+            )
+        if rows_in_use.device != h.device:
+            raise ValueError(f"rows_in_use is on {rows_in_use.device}, h on {h.device}")
     alpha, beta, limit, has_limit = resolve_params(act, params)
     return op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
-        h, act.value, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0
-    )
+        h, act.value, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0,
+        rows_in_use,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
