@@ -157,7 +157,10 @@ def quant_config_to(quant_config, device):
     return replace(qc, a1=move(qc.a1), a2=move(qc.a2), w1=move(qc.w1), w2=move(qc.w2))
 
 
-def run_experts(experts, x, w13, w2, weights, ids, qc, *, activation=None, **kwargs):
+def run_experts(
+    experts, x, w13, w2, weights, ids, qc, *, activation=None, w13_bias=None, w2_bias=None,
+    **kwargs,
+):  # fmt: skip
     """One forward of an Experts backend behind the no-EP prepare/finalize (kwargs: those of
     FusedMoEModularKernel.forward; global_num_experts defaults to w13's experts)."""
     from fusedmoe.modular.kernel import FusedMoEModularKernel
@@ -165,8 +168,9 @@ def run_experts(experts, x, w13, w2, weights, ids, qc, *, activation=None, **kwa
     from fusedmoe.modular.types import ActivationSpec, ExpertWeights
 
     kernel = FusedMoEModularKernel(NoEPPrepareFinalize(), experts)
+    expert_weights = ExpertWeights(w13, w2, w13_bias=w13_bias, w2_bias=w2_bias)
     return kernel.forward(
-        x, ExpertWeights(w13, w2), weights, ids, activation=activation or ActivationSpec(),
+        x, expert_weights, weights, ids, activation=activation or ActivationSpec(),
         global_num_experts=kwargs.pop("global_num_experts", w13.shape[0]), quant_config=qc,
         **kwargs,
     )  # fmt: skip

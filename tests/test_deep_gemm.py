@@ -60,6 +60,13 @@ def _quantized(scheme, num_experts=E, activation="silu", **kwargs):
     return w13.to(DEVICE), w2.to(DEVICE), quant_config_to(qc, DEVICE)
 
 
+def _biases(num_experts=E, n=2 * I):
+    """GEMM1 / GEMM2 biases as large as h's and y's values, so that a lost one shows."""
+    b13 = torch.randn(num_experts, n, device=DEVICE) * 3
+    b2 = torch.randn(num_experts, H, device=DEVICE)
+    return b13.to(torch.bfloat16), b2.to(torch.bfloat16)
+
+
 def _x(num_tokens):
     return torch.randn(num_tokens, H, dtype=torch.bfloat16, device=DEVICE)
 
@@ -110,6 +117,16 @@ def test_permute_matches_twin(num_tokens, top_k, num_local, use_map, alignment):
     out = poison_(torch.empty(num_tokens, 96, dtype=torch.bfloat16, device=DEVICE))
     unpermute_reduce(y, out, weights, ids, layout.inv_perm, num_local, expert_map)
     assert_close(out, unpermute_reduce_torch(y, weights, ids, where), torch.bfloat16)
+    # with GEMM2's biases: each slot's row gets its local expert's before the weighting
+    bias = torch.randn(num_local, 96, device=DEVICE) * 4
+    local = ids.long().clamp(min=0) if expert_map is None else expert_map.long()[ids.long()]
+    out = poison_(torch.empty(num_tokens, 96, dtype=torch.bfloat16, device=DEVICE))
+    unpermute_reduce(y, out, weights, ids, layout.inv_perm, num_local, expert_map, True, bias)
+    ref = unpermute_reduce_torch(y, weights, ids, where, True, bias, local)
+    assert_close(out, ref, torch.bfloat16)
+    if where:  # some slot routed here: its bias shows
+        unbiased = unpermute_reduce_torch(y, weights, ids, where)
+        assert (ref.float() - unbiased.float()).abs().max() > 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +144,12 @@ CASES = {  # name -> (scheme, quantize keywords, activation, activation params)
     "mxfp8": ("mxfp8", {}, "silu", None),
     "mxfp4_w4a8": ("mxfp4_w4a8", {}, "silu", None),
 }  # fmt: skip
+BIAS_CASES = {  # gpt-oss: gate and up interleaved, biases on both GEMMs
+    "swigluoai_bias": ("fp8_block", {}, "swigluoai", ActivationParams(alpha=1.702, limit=7.0)),
+    "swigluoai_uninterleave_bias": ("fp8_block", {}, "swigluoai_uninterleave", None),
+    "mxfp8_bias": ("mxfp8", {}, "swigluoai", None),
+    "mxfp4_w4a8_bias": ("mxfp4_w4a8", {}, "swigluoai", None),
+}  # fmt: skip
 
 
 def _backend(scheme):
@@ -143,6 +166,24 @@ def test_matches_torch_backend(case):
     out = fused_experts(x, w13, w2, weights, ids, backend=_backend(scheme), **kwargs)
     ref = fused_experts(x, w13, w2, weights, ids, backend="torch", **kwargs)
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+@pytest.mark.parametrize("case", list(BIAS_CASES))
+def test_biases_match_torch_backend(case):
+    scheme, qkw, activation, params = BIAS_CASES[case]
+    w13, w2, qc = _quantized(scheme, activation=activation, **qkw)
+    b13, b2 = _biases()
+    weights, ids = _routing(128, E, K_TOP, empty=0.05)
+    x = _x(128)
+    kwargs = dict(quant_config=qc, activation=activation, activation_params=params)
+    out = fused_experts(
+        x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, backend=_backend(scheme), **kwargs
+    )
+    ref = fused_experts(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, backend="torch",
+                        **kwargs)  # fmt: skip
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+    unbiased = fused_experts(x, w13, w2, weights, ids, backend="torch", **kwargs)
+    assert (ref.float() - unbiased.float()).abs().max() > 0.5  # the biases matter here
 
 
 @pytest.mark.parametrize("case", ["all_to_one_expert", "expert_without_tokens", "expert_map"])
@@ -164,6 +205,11 @@ def test_routings(case):
     out = fused_experts(x, w13, w2, weights, ids, backend="deep_gemm", **kwargs)
     ref = fused_experts(x, w13, w2, weights, ids, backend="torch", **kwargs)
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+    b13, b2 = _biases()  # a local expert's biases, under EP too
+    kwargs.update(w13_bias=b13, w2_bias=b2)
+    out = fused_experts(x, w13, w2, weights, ids, backend="deep_gemm", **kwargs)
+    ref = fused_experts(x, w13, w2, weights, ids, backend="torch", **kwargs)
+    assert_close(out, ref, torch.bfloat16, what="with biases", **QUANT_TOL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +343,6 @@ def test_valid_call_reasons():
     [
         ("deep_gemm", dict(quant_config=None), "quant config"),
         ("deep_gemm", dict(activation="gelu"), "no gelu activation"),
-        ("deep_gemm", dict(has_bias=True), "no expert biases"),
         ("deep_gemm_fp4", dict(), "quant config"),  # fp8_block is not MXFP4
     ],
 )

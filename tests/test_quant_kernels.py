@@ -369,6 +369,48 @@ def test_act_mul_rows_in_use(monkeypatch, bound):
     assert bool((q[done:].float() == 1.0).all()) and bool((s[done:] == -1.0).all())
 
 
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_act_mul_bias(activation):
+    """bias[row_expert[m]] is added to h's row in fp32 before the activation (interleaved gate
+    / up included); a row of expert -1 (padding) takes none: the twin on h + the bias."""
+    m, i, num_experts = 37, 256, 3
+    h = (torch.randn(m, 2 * i, device=DEVICE) * 3).to(torch.bfloat16)
+    bias = (torch.randn(num_experts, 2 * i, device=DEVICE) * 3).to(torch.bfloat16)
+    row_expert = torch.randint(-1, num_experts, (m,), dtype=torch.int32, device=DEVICE)
+    row_expert[0], row_expert[1] = -1, num_experts - 1
+    q, scales = _act_quant(h, activation, None, 128, True, False, None, bias, row_expert)
+    added = torch.where(
+        (row_expert >= 0)[:, None], bias.float()[row_expert.clamp(min=0).long()], 0.0
+    )
+    h_biased = h.float() + added  # fp32, as the kernel adds it
+    q_ref, scales_ref = qa.act_mul_per_token_group_quant_fp8_torch(
+        h_biased, activation, None, 128, True, False
+    )
+    _assert_matches_twin(
+        q, scales, q_ref, scales_ref, _group_key(128, False),
+        scale_ulps=FUSED_SCALE_ULPS, max_mismatch=FUSED_MAX_MISMATCH,
+    )  # fmt: skip
+    q_plain, _ = _act_quant(h, activation, None, 128, True, False)
+    assert_equal(q[0].view(torch.uint8), q_plain[0].view(torch.uint8))  # expert -1: no bias
+    assert not bool((q[1:].view(torch.uint8) == q_plain[1:].view(torch.uint8)).all())
+
+
+def test_act_mul_bias_is_checked():
+    h, bias = _ones(4, 256), _ones(2, 256)
+    rows = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    for b, r, error, match in (
+        (bias, None, ValueError, "bias and row_expert come together"),
+        (None, rows, ValueError, "bias and row_expert come together"),
+        ("b", rows, TypeError, "bias must be a tensor"),
+        (_ones(2, 128), rows, ValueError, r"bias must be \[E, 256\]"),
+        (bias.int(), rows, TypeError, "bias must be floating point"),
+        (bias, rows[:3], ValueError, r"row_expert must be int32 \[4\]"),
+        (bias, rows.long(), ValueError, "row_expert must be int32"),
+    ):
+        with pytest.raises(error, match=match):
+            _act_quant(h, "silu", None, 128, False, False, None, b, r)
+
+
 def test_act_mul_rows_in_use_is_checked():
     h = _ones(4, 256)
     for rows, error, match in (

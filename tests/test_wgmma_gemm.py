@@ -122,6 +122,39 @@ def test_wgmma_engine_plumbing_matches_torch_backend(pretend_hopper, num_tokens)
     assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
 
 
+@pytest.mark.parametrize("activation", ["swigluoai", "swigluoai_uninterleave"])
+def test_wgmma_engine_plumbing_with_biases(pretend_hopper, activation):
+    """gpt-oss on the engine: gate / up interleaved or not, a bias on each GEMM (added by the
+    act + quant pass and by the unpermute-reduce), under EP (rank 1 of 2) too."""
+    from fusedmoe.modular.types import ActivationSpec
+    from fusedmoe.quant import quantize_experts
+    from tests.reference import random_experts
+
+    experts = random_experts(E, H, I, activation, dtype=torch.bfloat16, bias=True)
+    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
+    b13, b2 = experts["w13_bias"], experts["w2_bias"]
+    spec = ActivationSpec.make(activation)
+    weights, ids = random_routing(300, 2 * E, 2)
+    x = torch.randn(300, H, dtype=torch.bfloat16)
+    for expert_map in (None, torch.cat([torch.full((E,), -1), torch.arange(E)]).int()):
+        kwargs = dict(w13_bias=b13, w2_bias=b2, activation=spec)
+        if expert_map is None:
+            kwargs["global_num_experts"] = E
+            w, i = weights, ids % E
+        else:
+            kwargs.update(expert_map=expert_map, global_num_experts=2 * E)
+            w, i = weights, ids
+        pretend_hopper.clear()
+        out = run_experts(DeepGemmExperts(strict=True), x, w13, w2, w, i, qc, **kwargs)
+        assert len(pretend_hopper) == 2
+        ref = fused_experts(
+            x, w13, w2, w, i, quant_config=qc, backend="torch", w13_bias=b13, w2_bias=b2,
+            activation=activation, expert_map=expert_map,
+            global_num_experts=kwargs["global_num_experts"],
+        )  # fmt: skip
+        assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+
 def test_auto_hands_small_calls_to_triton(pretend_hopper):
     from fusedmoe.experts.deep_gemm import WGMMA_MIN_SLOTS_PER_EXPERT
 
@@ -269,6 +302,35 @@ def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
             args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
             out = run_experts(backend, *args, qc)
             ref = fused_experts(*args, quant_config=qc, backend="torch")
+            assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
+    finally:
+        monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
+        deep_gemm_lib.find_library(refresh=True)
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_engine_runs_gpt_oss(monkeypatch):
+    """gpt-oss-120b (interleaved SwiGLU, biases on both GEMMs, K = 2880: a partial 128 block)
+    on the engine, against the torch backend."""
+    _hopper()
+    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
+    from fusedmoe.kernels import deep_gemm_lib
+    from fusedmoe.modular.types import ActivationSpec
+
+    deep_gemm_lib.find_library(refresh=True)
+    try:
+        spec, x, experts, weights, ids, qc = preset_problem("gpt-oss-120b", 1030, "fp8_block")
+        backend = DeepGemmExperts(strict=True, engine="wgmma")
+        bias = dict(w13_bias=experts["w13_bias"], w2_bias=experts["w2_bias"])
+        for num_tokens in (129, 1030):
+            sl = slice(num_tokens)
+            args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
+            out = run_experts(
+                backend, *args, qc, activation=ActivationSpec.make(spec.activation), **bias
+            )
+            ref = fused_experts(
+                *args, quant_config=qc, backend="torch", activation=spec.activation, **bias
+            )
             assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
     finally:
         monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")

@@ -9,7 +9,10 @@ output (finalize: NoOp).
     deep_gemm      FP8 128 x 128 block weights x FP8 1 x 128 activations (float32 or UE8M0
                    scales, row- or column-major); MXFP8 weights x MXFP8 activations
     deep_gemm_fp4  MXFP4 weights (E2M1 packed, 1 x 32 E8M0) x FP8 1 x 128 activations
-    activations    SILU, SWIGLUSTEP, SWIGLUOAI_UNINTERLEAVE (gemm1_alpha / beta / clamp_limit)
+    activations    SILU, SWIGLUSTEP, SWIGLUOAI and SWIGLUOAI_UNINTERLEAVE (gemm1_alpha / beta /
+                   clamp_limit)
+    biases         w13_bias / w2_bias (gpt-oss): added by the act + quant pass and by the
+                   unpermute-reduce, in fp32, so every GEMM engine takes them
 
 The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's explanation):
 
@@ -65,7 +68,12 @@ from fusedmoe.quant.formats import FP8_DTYPE
 
 logger = logging.getLogger("fusedmoe")
 
-_ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUSTEP, MoEActivation.SWIGLUOAI_UNINTERLEAVE)
+_ACTIVATIONS = (
+    MoEActivation.SILU,
+    MoEActivation.SWIGLUSTEP,
+    MoEActivation.SWIGLUOAI,
+    MoEActivation.SWIGLUOAI_UNINTERLEAVE,
+)
 _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 #: engine="auto": the library where it runs the call, else wgmma where it runs, else triton;
 #: "library" / "wgmma": that engine or a ValueError; "triton": our Triton grouped GEMMs only
@@ -140,6 +148,10 @@ class DeepGemmExperts(Experts):
     @classmethod
     def supports_activation(cls, activation):
         return activation in _ACTIVATIONS
+
+    @classmethod
+    def supports_bias(cls):
+        return True
 
     @classmethod
     def supports_expert_map(cls):
@@ -356,6 +368,8 @@ class DeepGemmExperts(Experts):
             use_ue8m0=qc.a2.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
             mul_routed_weight=not call.apply_router_weight_on_input,
             engine=engine,
+            w13_bias=weights.w13_bias,
+            w2_bias=weights.w2_bias,
         )
 
     def __repr__(self) -> str:

@@ -443,12 +443,14 @@ def unpermute_reduce(
     num_local_experts: int,
     expert_map: torch.Tensor | None = None,
     mul_weight: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """output [M, H] = sum_j w[m, j] * y[inv_perm[m * k + j]] over the slots routed here."""
+    """output [M, H] = sum_j w[m, j] * (y[inv_perm[m * k + j]] + bias[e]) over the slots
+    routed here (e: the slot's local expert; bias [E_l, H], the GEMM2 biases, or None)."""
     with device_guard(y):
         moe_sum(
             y, output, topk_ids, expert_map, num_local_experts, inv_perm=inv_perm,
-            topk_weights=topk_weights if mul_weight else None,
+            topk_weights=topk_weights if mul_weight else None, bias=bias,
         )  # fmt: skip
 
 
@@ -458,8 +460,11 @@ def unpermute_reduce_torch(
     topk_ids: torch.Tensor,
     where: dict[int, int],
     mul_weight: bool = True,
+    bias: torch.Tensor | None = None,
+    local_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The spec: out[m] = sum_j w[m, j] * y[where[m * k + j]] (slots in `where`), fp32 sum."""
+    """The spec: out[m] = sum_j w[m, j] * (y[where[m * k + j]] + bias[local_ids[m, j]]) (slots
+    in `where`; the bias term with a bias only), fp32 sum."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32)
     for m in range(num_tokens):
@@ -467,7 +472,10 @@ def unpermute_reduce_torch(
             row = where.get(m * top_k + j)
             if row is not None:
                 w = float(topk_weights[m, j]) if mul_weight else 1.0
-                out[m] += w * y[row].float().cpu()
+                y_row = y[row].float().cpu()
+                if bias is not None:
+                    y_row = y_row + bias[int(local_ids[m, j])].float().cpu()
+                out[m] += w * y_row
     return out.to(y.dtype)
 
 
@@ -590,7 +598,7 @@ def _library():
 def _run_fp8_block(
     engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
     expert_map, workspace13, workspace2, act, params, alignment, m_sum, use_ue8m0,
-    mul_routed_weight,
+    mul_routed_weight, w13_bias, w2_bias,
 ):  # fmt: skip
     """fp8_block on the DeepGEMM library's grouped GEMMs ("contiguous" / "masked") or on our
     Gluon ones ("wgmma", contiguous layout), between our permute, act + quant and unpermute.
@@ -623,7 +631,7 @@ def _run_fp8_block(
         gemm(layout.a, layout.a_scale, w13, w13_scale, h)
         a2q, a2_scale = act_quant(  # the rows of the runs only: m_sum is a bound
             h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True, use_ue8m0,
-            layout.num_rows,
+            layout.num_rows, w13_bias, None if w13_bias is None else layout.m_indices,
         )  # fmt: skip
         y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
         gemm(a2q, a2_scale, w2, w2_scale, y)
@@ -643,9 +651,12 @@ def _run_fp8_block(
         expected_m = min(max_m, max(1, cdiv(num_tokens * top_k, num_ids)))
         h = workspace2.view(-1)[: rows * n].view(num_local, max_m, n)
         lib.masked(layout.a, layout.a_scale, w13, w13_scale, h, layout.masked_m, expected_m)
+        row_expert = None
+        if w13_bias is not None:  # row r of the batched layout is expert r // max_m's
+            row_expert = torch.arange(rows, dtype=torch.int32, device=h.device) // max_m
         a2q, a2_scale = act_quant(
             h.view(rows, n), act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True,
-            use_ue8m0,
+            use_ue8m0, None, w13_bias, row_expert,
         )  # fmt: skip
         y = workspace2.view(-1)[: rows * hidden].view(num_local, max_m, hidden)
         lib.masked(
@@ -655,8 +666,9 @@ def _run_fp8_block(
         y = y.view(rows, hidden)
         inv_perm = layout.inv_perm
     unpermute_reduce(
-        y, output, topk_weights, topk_ids, inv_perm, num_local, expert_map, mul_routed_weight
-    )
+        y, output, topk_weights, topk_ids, inv_perm, num_local, expert_map, mul_routed_weight,
+        w2_bias,
+    )  # fmt: skip
 
 
 def _fused_experts_deep_gemm_impl(
@@ -683,6 +695,8 @@ def _fused_experts_deep_gemm_impl(
     use_ue8m0: bool,
     mul_routed_weight: bool,
     engine: str,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> None:
     num_local, n, _ = w13.shape
     hidden = a1q.shape[1]
@@ -692,7 +706,7 @@ def _fused_experts_deep_gemm_impl(
         _run_fp8_block(
             engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights,
             topk_ids, expert_map, workspace13, workspace2, act, params, alignment, m_sum,
-            use_ue8m0, mul_routed_weight,
+            use_ue8m0, mul_routed_weight, w13_bias, w2_bias,
         )  # fmt: skip
         return
     h_dtype = TL_DTYPE[output.dtype]
@@ -719,19 +733,24 @@ def _fused_experts_deep_gemm_impl(
         h_dtype=h_dtype,
     )  # fmt: skip
     if scheme == "mxfp8":  # no fused MX kernel: the activation (fp32), then MXFP8
+        if w13_bias is not None:  # padding rows (m_indices -1) take none
+            valid = (layout.m_indices >= 0).unsqueeze(1)
+            rows_bias = w13_bias.float()[layout.m_indices.clamp(min=0).long()]
+            h = h.float() + torch.where(valid, rows_bias, 0.0)
         a2q, a2_scale = quantize_mxfp8(apply_activation(act, h, params))
     else:
         alpha, beta, limit, has_limit = resolve_params(act, params)
         a2q, a2_scale = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
             h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, column_major_scales,
-            use_ue8m0, layout.num_rows,
+            use_ue8m0, layout.num_rows, w13_bias,
+            None if w13_bias is None else layout.m_indices,
         )  # fmt: skip
     y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
     _grouped_gemm(a2q, a2_scale, a_mode, w2, w2_scale, w_mode, y, layout, w_fp4=w_fp4,
                   h_dtype=h_dtype)  # fmt: skip
     unpermute_reduce(
         y, output, topk_weights, topk_ids, layout.inv_perm, w2.shape[0], expert_map,
-        mul_routed_weight,
+        mul_routed_weight, w2_bias,
     )  # fmt: skip
 
 
@@ -743,7 +762,8 @@ _fused_experts_deep_gemm_op = torch.library.custom_op(
 @_fused_experts_deep_gemm_op.register_fake
 def _(output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map,
       workspace13, workspace2, scheme, activation, act_alpha, act_beta, act_limit, alignment,
-      m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine):  # fmt: skip
+      m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine, w13_bias=None,
+      w2_bias=None):  # fmt: skip
     return None
 
 
@@ -769,6 +789,8 @@ def fused_experts_deep_gemm(
     use_ue8m0: bool = False,
     mul_routed_weight: bool = True,
     engine: str = "triton",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> None:
     """output [M, H] = the experts' weighted top-k sum (one custom op: it traces under
     torch.compile and never reads the device from the host). engine: "triton" (our Triton
@@ -779,7 +801,9 @@ def fused_experts_deep_gemm(
     a1q [M, K] quantized by prepare (FP8, scales [M, K/128] float32, or MXFP8 with uint8 E8M0
     scales [M, K/32]); w13 / w2 FP8 with 128 x 128 block scales, MXFP8, or MXFP4 (uint8 packed,
     [E_l, N, K/2]) with E8M0 scales; workspaces of DeepGemmExperts.workspace_shapes. Inputs are
-    assumed checked by the caller (the backend).
+    assumed checked by the caller (the backend). Biases (w13_bias [E_l, N], w2_bias [E_l, H]):
+    the activation pass adds GEMM1's to h, the unpermute-reduce GEMM2's to each slot's row, in
+    fp32 (the GEMMs themselves take none).
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
@@ -791,4 +815,5 @@ def fused_experts_deep_gemm(
         output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
         expert_map, workspace13, workspace2, scheme, activation.kind.value, p.alpha, p.beta,
         p.limit, alignment, m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine,
+        w13_bias, w2_bias,
     )  # fmt: skip

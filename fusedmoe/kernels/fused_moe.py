@@ -382,11 +382,13 @@ def moe_sum(
     *,
     inv_perm: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """output [M, H] = sum over j of y's row of slot m * k + j, for the slots routed to this
-    rank: row m * k + j of y [M * k, H], or row inv_perm[m * k + j] of a permuted y; times
-    topk_weights[m, j] when given (in fp32, rounded once). A slot whose id lies outside the
-    expert range (or maps outside [0, E_l)) is not routed here, as in the GEMMs."""
+    rank: row m * k + j of y [M * k, H], or row inv_perm[m * k + j] of a permuted y; plus
+    bias[e] [E_l, H] of the slot's local expert e when given; times topk_weights[m, j] when
+    given (in fp32, rounded once). A slot whose id lies outside the expert range (or maps
+    outside [0, E_l)) is not routed here, as in the GEMMs."""
     num_tokens, top_k = topk_ids.shape
     hidden = y.shape[1]
     if num_tokens == 0:
@@ -402,6 +404,7 @@ def moe_sum(
         topk_ids if expert_map is None else expert_map,
         topk_ids if inv_perm is None else inv_perm,
         w, w.stride(0), w.stride(1),
+        *((y, 0, 0) if bias is None else (bias, *bias.stride())),
         hidden, num_ids, num_local_experts,
     )  # fmt: skip
     constexprs = dict(
@@ -409,6 +412,7 @@ def moe_sum(
         HAS_MAP=expert_map is not None,
         HAS_INV=inv_perm is not None,
         MUL_WEIGHT=topk_weights is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_H=block_h,
         ROUND_IN_FP32=not y.is_cuda,
         num_warps=4,

@@ -609,18 +609,21 @@ def _moe_sum_kernel(
     map_ptr,  # [E] global -> local (-1: another rank)
     inv_ptr,  # HAS_INV: int32 [S], the row of y of each slot routed here
     w_ptr, stride_wm, stride_wk,  # MUL_WEIGHT: float32 [M, k] router weights
+    b_ptr, stride_be, stride_bh,  # HAS_BIAS: [E_l, H] GEMM2 biases, added to each slot's row
     H,
     num_ids, num_local,  # ids outside [0, num_ids), map entries outside [0, E_l): not routed
     TOP_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     HAS_INV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
-    """out[m] = sum_j (w[m, j] *) y[row(m * k + j)] over the slots routed to this rank, in fp32;
-    row(s) = s, or inv[s] for a permuted y (the DeepGEMM-style contiguous layout)."""
+    """out[m] = sum_j (w[m, j] *) (y[row(m * k + j)] (+ b[e_j])) over the slots routed to this
+    rank, in fp32; row(s) = s, or inv[s] for a permuted y (the DeepGEMM-style contiguous
+    layout); e_j the slot's local expert."""
     pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -629,6 +632,7 @@ def _moe_sum_kernel(
     for j in tl.static_range(TOP_K):
         gid = tl.load(ids_ptr + m * stride_im + j * stride_ik)
         routed = (gid >= 0) & (gid < num_ids)
+        local = gid
         if HAS_MAP:
             local = tl.load(map_ptr + gid, mask=routed, other=-1)
             routed = (local >= 0) & (local < num_local)
@@ -640,6 +644,9 @@ def _moe_sum_kernel(
         mask = h_mask & ((tl.zeros((BLOCK_H,), tl.int32) + routed.to(tl.int32)) != 0)
         y = tl.load(y_ptr + row * stride_ys + offs_h * stride_yh, mask=mask, other=0.0)
         y = y.to(tl.float32)
+        if HAS_BIAS:
+            b_row = b_ptr + tl.where(routed, local, 0).to(tl.int64) * stride_be
+            y += tl.load(b_row + offs_h * stride_bh, mask=mask, other=0.0).to(tl.float32)
         if MUL_WEIGHT:
             y *= tl.load(w_ptr + m * stride_wm + j * stride_wk)
         acc += y

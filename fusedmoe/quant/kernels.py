@@ -231,6 +231,8 @@ def _act_mul_group_quant_fp8_kernel(
     M, I, G,  # noqa: E741 (I: the intermediate size of the legend)
     alpha, beta, limit,  # fp32 activation parameters (defaults resolved by the launcher)
     rows_in_use_ptr,  # int32 [1] (HAS_ROWS_IN_USE): rows past it are neither read nor written
+    bias_ptr, stride_be, stride_bn,  # HAS_BIAS: [E, 2I] GEMM1 biases, added to h before act
+    row_expert_ptr,  # HAS_BIAS: int32 [M], the expert of each row of h (< 0: no bias)
     ACTIVATION: tl.constexpr,
     HAS_LIMIT: tl.constexpr,  # SILU only: whether it clamps
     GROUP_SIZE: tl.constexpr,
@@ -240,10 +242,12 @@ def _act_mul_group_quant_fp8_kernel(
     SCALE_FORMAT: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     HAS_ROWS_IN_USE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
     pdl_start(PDL)
-    if HAS_ROWS_IN_USE:  # the contiguous layout's M is a bound; the rows it fills end here
+    if HAS_ROWS_IN_USE:  # noqa: SIM102 (a constexpr guard: nothing loaded without it)
+        # the contiguous layout's M is a bound; the rows it fills end here
         if tl.program_id(0) * BLOCK_M >= tl.load(rows_in_use_ptr):
             return
     rows, groups, cols, mask, scale_mask = _group_tile(
@@ -259,6 +263,12 @@ def _act_mul_group_quant_fp8_kernel(
         up_cols = cols + I
     gate = tl.load(h_rows + gate_cols * stride_hk, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_rows + up_cols * stride_hk, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        expert = tl.load(row_expert_ptr + rows, mask=rows < M, other=-1)
+        b_rows = bias_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_be
+        b_mask = mask & (expert >= 0)[:, None, None]
+        gate += tl.load(b_rows + gate_cols * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+        up += tl.load(b_rows + up_cols * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
     a = gated_activation(gate, up, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
     a = tl.where(mask, a, 0.0)  # padding lanes must not count in the group's amax
     y, scale = quantize_groups(a, SCALE_FORMAT, ROUND_IN_FP32)
@@ -483,6 +493,8 @@ def act_mul_group_quant_fp8_impl(
     column_major_scales: bool,
     use_ue8m0: bool,
     rows_in_use: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    row_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m, two_i = h.shape
     i = two_i // 2
@@ -500,6 +512,7 @@ def act_mul_group_quant_fp8_impl(
             m, i, num_groups,
             alpha, beta, limit,
             h if rows_in_use is None else rows_in_use,  # None: never read
+            *((h, 0, 0, h) if bias is None else (bias, *bias.stride(), row_expert)),
             ACTIVATION=ACTIVATION_CODE[MoEActivation(activation)],
             HAS_LIMIT=has_limit,
             GROUP_SIZE=group_size,
@@ -509,6 +522,7 @@ def act_mul_group_quant_fp8_impl(
             SCALE_FORMAT=(_UE8M0 if use_ue8m0 else _FLOAT32).value,
             ROUND_IN_FP32=_round_in_fp32(h),
             HAS_ROWS_IN_USE=rows_in_use is not None,
+            HAS_BIAS=bias is not None,
             num_warps=cfg.num_warps,
             **pdl_args(h),
         )  # fmt: skip
@@ -522,7 +536,7 @@ act_mul_group_quant_fp8_op = torch.library.custom_op(
 
 @act_mul_group_quant_fp8_op.register_fake
 def _(h, activation, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0,
-      rows_in_use=None):  # fmt: skip
+      rows_in_use=None, bias=None, row_expert=None):  # fmt: skip
     m, two_i = h.shape
     return _alloc_group_outputs(h, m, two_i // 2, group_size, column_major_scales, torch.float32)
 
@@ -535,11 +549,18 @@ def act_mul_per_token_group_quant_fp8_triton(
     column_major_scales: bool = False,
     use_ue8m0: bool = False,
     rows_in_use: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    row_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [M, 2I] -> (q e4m3 [M, I], scales fp32 [M, ceil(I/g)]), in one pass over h:
 
-        a = act(gate, up) in fp32       gate = h[:, :I], up = h[:, I:] (SWIGLUOAI: interleaved)
+        h' = h + bias[row_expert[m]]    in fp32 (with bias; a row_expert < 0 adds nothing)
+        a = act(gate, up) in fp32       gate = h'[:, :I], up = h'[:, I:] (SWIGLUOAI: interleaved)
         q, scales = per_token_group_quant_fp8(a)     (a is never written to memory)
+
+    bias [E, 2I] (the experts' GEMM1 biases) and row_expert (int32 [M], the expert of each row
+    of h) come together: GEMM1 over a layout whose rows are sorted by expert leaves the bias to
+    this pass.
 
     exp and the divisions inside the activation are the GPU's fast ones (float64 h is
     computed in fp32 too), so a scale may differ from the twin's in its last few bits.
@@ -568,11 +589,33 @@ def act_mul_per_token_group_quant_fp8_triton(
             )
         if rows_in_use.device != h.device:
             raise ValueError(f"rows_in_use is on {rows_in_use.device}, h on {h.device}")
+    _check_bias(h, bias, row_expert)
     alpha, beta, limit, has_limit = resolve_params(act, params)
     return op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
         h, act.value, alpha, beta, limit, has_limit, group_size, column_major_scales, use_ue8m0,
-        rows_in_use,
+        rows_in_use, bias, row_expert,
     )  # fmt: skip
+
+
+def _check_bias(h: torch.Tensor, bias: torch.Tensor | None, row_expert: torch.Tensor | None):
+    if (bias is None) != (row_expert is None):
+        raise ValueError("bias and row_expert come together (the expert of each row of h)")
+    if bias is None:
+        return
+    for name, t in (("bias", bias), ("row_expert", row_expert)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.device != h.device:
+            raise ValueError(f"{name} is on {t.device}, h on {h.device}")
+    if bias.dim() != 2 or bias.shape[1] != h.shape[1]:
+        raise ValueError(f"bias must be [E, {h.shape[1]}] (h's width), got {tuple(bias.shape)}")
+    if not bias.is_floating_point():
+        raise TypeError(f"bias must be floating point, got {bias.dtype}")
+    if row_expert.dtype != torch.int32 or row_expert.shape != (h.shape[0],):
+        raise ValueError(
+            f"row_expert must be int32 [{h.shape[0]}] (a row of h each), got {row_expert.dtype} "
+            f"of shape {tuple(row_expert.shape)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
