@@ -255,20 +255,31 @@ def _act_mul_group_quant_fp8_kernel(
         BLOCK_G,
     )  # fmt: skip
     h_rows = h_ptr + rows[:, None, None] * stride_hm
-    if ACTIVATION == _SWIGLUOAI:  # gpt-oss: gate and up interleaved
-        gate_cols = 2 * cols
-        up_cols = 2 * cols + 1
-    else:
-        gate_cols = cols
-        up_cols = cols + I
-    gate = tl.load(h_rows + gate_cols * stride_hk, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_rows + up_cols * stride_hk, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         expert = tl.load(row_expert_ptr + rows, mask=rows < M, other=-1)
         b_rows = bias_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_be
         b_mask = mask & (expert >= 0)[:, None, None]
-        gate += tl.load(b_rows + gate_cols * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
-        up += tl.load(b_rows + up_cols * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+    if ACTIVATION == _SWIGLUOAI:  # gpt-oss: gate and up interleaved, loaded as one run of
+        # 2 x BLOCK_G columns a group (vector loads) and split in registers
+        pair = 2 * cols[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+        gate, up = tl.split(
+            tl.load(h_rows[:, :, :, None] + pair * stride_hk, mask=mask[:, :, :, None], other=0.0)
+        )
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
+        if HAS_BIAS:
+            b_gate, b_up = tl.split(
+                tl.load(b_rows[:, :, :, None] + pair * stride_bn, mask=b_mask[:, :, :, None],
+                        other=0.0)  # fmt: skip
+            )
+            gate += b_gate.to(tl.float32)
+            up += b_up.to(tl.float32)
+    else:
+        gate = tl.load(h_rows + cols * stride_hk, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_rows + (cols + I) * stride_hk, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            gate += tl.load(b_rows + cols * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+            up += tl.load(b_rows + (cols + I) * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
     a = gated_activation(gate, up, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
     a = tl.where(mask, a, 0.0)  # padding lanes must not count in the group's amax
     y, scale = quantize_groups(a, SCALE_FORMAT, ROUND_IN_FP32)
