@@ -282,6 +282,27 @@ def test_library_engine_ue8m0_scales_and_swigluoai(fake_library, num_tokens):
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
 
 
+@pytest.mark.parametrize(("num_tokens", "layout"), [(5, "masked"), (130, "contiguous")])
+def test_library_engine_biases_and_interleaved_swiglu(fake_library, num_tokens, layout):
+    """gpt-oss's expert biases on both layouts: the masked one gives each row of its batch
+    the expert of its slab (row // max_m), the contiguous one the expert of its run."""
+    w13, w2, qc = _quantized(activation="swigluoai")
+    b13 = (torch.randn(E, w13.shape[1], device=DEVICE) * 3).to(torch.bfloat16)
+    b2 = torch.randn(E, H, device=DEVICE).to(torch.bfloat16)
+    weights, ids = _routing(num_tokens, E, 2)
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device=DEVICE)
+    out = run_experts(
+        DeepGemmExperts(engine="library"), x, w13, w2, weights, ids, qc,
+        activation=ActivationSpec.make("swigluoai"), w13_bias=b13, w2_bias=b2,
+    )  # fmt: skip
+    assert fake_library.calls == [layout, layout]
+    ref = fused_experts(
+        x, w13, w2, weights, ids, quant_config=qc, backend="torch", activation="swigluoai",
+        w13_bias=b13, w2_bias=b2,
+    )  # fmt: skip
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
 @pytest.mark.parametrize("case", ["all_to_one_expert", "expert_map", "empty_experts"])
 def test_library_engine_odd_loads(fake_library, case):
     w13, w2, qc = _quantized()
