@@ -248,20 +248,22 @@ def _act_rows_kernel(
         cols = c0 + tl.arange(0, BLOCK_C)
         col_mask = (cols < N)[None, :]
         mask = row_mask[:, None] & col_mask
-        if INTERLEAVED:
-            gate_cols = 2 * cols
-            up_cols = 2 * cols + 1
-        else:
-            gate_cols = cols
-            up_cols = cols + N
         h_row = h_ptr + rows[:, None] * stride_hm
-        gate = tl.load(h_row + gate_cols[None, :] * stride_hn, mask=mask, other=0.0)
-        gate = gate.to(tl.float32)
-        if GATED:
-            up = tl.load(h_row + up_cols[None, :] * stride_hn, mask=mask, other=0.0)
+        if INTERLEAVED:  # gate / up pairs: one contiguous run of 2 x BLOCK_C, split in registers
+            pair = 2 * cols[None, :, None] + tl.arange(0, 2)[None, None, :]
+            gate, up = tl.split(
+                tl.load(h_row[:, :, None] + pair * stride_hn, mask=mask[:, :, None], other=0.0)
+            )
+            gate = gate.to(tl.float32)
             up = up.to(tl.float32)
         else:
-            up = gate
+            gate = tl.load(h_row + cols[None, :] * stride_hn, mask=mask, other=0.0)
+            gate = gate.to(tl.float32)
+            if GATED:
+                up = tl.load(h_row + (cols + N)[None, :] * stride_hn, mask=mask, other=0.0)
+                up = up.to(tl.float32)
+            else:
+                up = gate
         ga_ptrs = ga_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn
         if BACKWARD:
             grad_a = tl.load(ga_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -277,9 +279,15 @@ def _act_rows_kernel(
             if STORE_DH:
                 dh_row = dh_ptr + rows[:, None] * stride_dm
                 dh_ty = dh_ptr.dtype.element_ty
-                tl.store(dh_row + gate_cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
-                if GATED:
-                    tl.store(dh_row + up_cols[None, :] * stride_dn, d_up.to(dh_ty), mask=mask)
+                if INTERLEAVED:  # the pairs back as one contiguous run
+                    d_pair = tl.join(d_gate.to(dh_ty), d_up.to(dh_ty))
+                    tl.store(dh_row[:, :, None] + pair * stride_dn, d_pair, mask=mask[:, :, None])
+                else:
+                    tl.store(dh_row + cols[None, :] * stride_dn, d_gate.to(dh_ty), mask=mask)
+                    if GATED:
+                        tl.store(
+                            dh_row + (cols + N)[None, :] * stride_dn, d_up.to(dh_ty), mask=mask
+                        )
             tl.store(ga_ptrs, act.to(ga_ptr.dtype.element_ty), mask=mask)
         else:
             act, _, _ = _act_and_grad(gate, up, 0.0, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
