@@ -186,6 +186,19 @@ def test_biases_match_torch_backend(case):
     assert (ref.float() - unbiased.float()).abs().max() > 0.5  # the biases matter here
 
 
+def test_biases_with_the_router_weight_on_the_input():
+    """apply_router_weight_on_input (k = 1): x is weighted before GEMM1, and neither bias is."""
+    w13, w2, qc = _quantized("fp8_block", activation="swigluoai")
+    b13, b2 = _biases()
+    weights, ids = _routing(130, E, 1)
+    x = _x(130)
+    kwargs = dict(quant_config=qc, activation="swigluoai", w13_bias=b13, w2_bias=b2,
+                  apply_router_weight_on_input=True)  # fmt: skip
+    out = fused_experts(x, w13, w2, weights, ids, backend="deep_gemm", **kwargs)
+    ref = fused_experts(x, w13, w2, weights, ids, backend="torch", **kwargs)
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
 @pytest.mark.parametrize("case", ["all_to_one_expert", "expert_without_tokens", "expert_map"])
 def test_routings(case):
     w13, w2, qc = _quantized("fp8_block")

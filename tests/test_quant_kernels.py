@@ -372,15 +372,16 @@ def test_act_mul_rows_in_use(monkeypatch, bound):
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 def test_act_mul_bias(activation):
     """bias[row_expert[m]] is added to h's row in fp32 before the activation (interleaved gate
-    / up included); a row of expert -1 (padding) takes none: the twin on h + the bias."""
+    / up included); a row of expert -1 (padding) or past E takes none: the twin on h + bias."""
     m, i, num_experts = 37, 256, 3
     h = (torch.randn(m, 2 * i, device=DEVICE) * 3).to(torch.bfloat16)
     bias = (torch.randn(num_experts, 2 * i, device=DEVICE) * 3).to(torch.bfloat16)
     row_expert = torch.randint(-1, num_experts, (m,), dtype=torch.int32, device=DEVICE)
-    row_expert[0], row_expert[1] = -1, num_experts - 1
+    row_expert[0], row_expert[1], row_expert[2] = -1, num_experts - 1, num_experts
     q, scales = _act_quant(h, activation, None, 128, True, False, None, bias, row_expert)
+    has_bias = (row_expert >= 0) & (row_expert < num_experts)
     added = torch.where(
-        (row_expert >= 0)[:, None], bias.float()[row_expert.clamp(min=0).long()], 0.0
+        has_bias[:, None], bias.float()[row_expert.clamp(0, num_experts - 1).long()], 0.0
     )
     h_biased = h.float() + added  # fp32, as the kernel adds it
     q_ref, scales_ref = qa.act_mul_per_token_group_quant_fp8_torch(
@@ -391,8 +392,9 @@ def test_act_mul_bias(activation):
         scale_ulps=FUSED_SCALE_ULPS, max_mismatch=FUSED_MAX_MISMATCH,
     )  # fmt: skip
     q_plain, _ = _act_quant(h, activation, None, 128, True, False)
-    assert_equal(q[0].view(torch.uint8), q_plain[0].view(torch.uint8))  # expert -1: no bias
-    assert not bool((q[1:].view(torch.uint8) == q_plain[1:].view(torch.uint8)).all())
+    for row in (0, 2):  # expert -1 and expert E: no bias
+        assert_equal(q[row].view(torch.uint8), q_plain[row].view(torch.uint8))
+    assert not bool((q[has_bias].view(torch.uint8) == q_plain[has_bias].view(torch.uint8)).all())
 
 
 def test_act_mul_bias_is_checked():
@@ -406,7 +408,9 @@ def test_act_mul_bias_is_checked():
         (bias.int(), rows, TypeError, "bias must be floating point"),
         (bias, rows[:3], ValueError, r"row_expert must be int32 \[4\]"),
         (bias, rows.long(), ValueError, "row_expert must be int32"),
-    ):
+        (bias, torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)[:, 0], ValueError,
+         "row_expert must be contiguous"),
+    ):  # fmt: skip
         with pytest.raises(error, match=match):
             _act_quant(h, "silu", None, 128, False, False, None, b, r)
 

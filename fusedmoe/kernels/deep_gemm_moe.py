@@ -9,10 +9,13 @@ reduce.
     h        = a1_perm @ w13[m_indices].T                 grouped GEMM, bf16 out; FP8 128-block
                                                           scales promoted per K block (MX: the
                                                           operands dequantized on load)
-    a2       = quant(act(h))                              fused act + 1 x 128 group FP8 (MXFP8:
-                                                          act, then quantize)
+    a2       = quant(act(h + b13[m_indices]))             fused act + 1 x 128 group FP8 (MXFP8:
+                                                          act, then quantize); the rows past
+                                                          those in use skipped; the GEMM1 bias
+                                                          (if any) added here
     y        = a2 @ w2[m_indices].T                       grouped GEMM, bf16 out
-    output   = unpermute_reduce(y)                        out[t] = sum_j w[t, j] y[inv[t*k + j]]
+    output   = unpermute_reduce(y)                        out[t] = sum_j w[t, j] (y[inv[t*k + j]]
+                                                          + b2[e_j]), e_j the slot's expert
 
 Legend: M tokens, k top-k, S = M * k slots, E_l local experts, H = K hidden, N = 2I the w13
 rows, M_sum the rows of the aligned layout (compute_aligned_M_and_alignment). Padding rows are
@@ -446,7 +449,8 @@ def unpermute_reduce(
     bias: torch.Tensor | None = None,
 ) -> None:
     """output [M, H] = sum_j w[m, j] * (y[inv_perm[m * k + j]] + bias[e]) over the slots
-    routed here (e: the slot's local expert; bias [E_l, H], the GEMM2 biases, or None)."""
+    routed here (e: the slot's local expert; bias [E_l, H], the GEMM2 biases, or None; no w
+    when mul_weight is False)."""
     with device_guard(y):
         moe_sum(
             y, output, topk_ids, expert_map, num_local_experts, inv_perm=inv_perm,
@@ -465,6 +469,8 @@ def unpermute_reduce_torch(
 ) -> torch.Tensor:
     """The spec: out[m] = sum_j w[m, j] * (y[where[m * k + j]] + bias[local_ids[m, j]]) (slots
     in `where`; the bias term with a bias only), fp32 sum."""
+    if (bias is None) != (local_ids is None):
+        raise ValueError("bias and local_ids come together")
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32)
     for m in range(num_tokens):
@@ -733,10 +739,10 @@ def _fused_experts_deep_gemm_impl(
         h_dtype=h_dtype,
     )  # fmt: skip
     if scheme == "mxfp8":  # no fused MX kernel: the activation (fp32), then MXFP8
-        if w13_bias is not None:  # padding rows (m_indices -1) take none
-            valid = (layout.m_indices >= 0).unsqueeze(1)
-            rows_bias = w13_bias.float()[layout.m_indices.clamp(min=0).long()]
-            h = h.float() + torch.where(valid, rows_bias, 0.0)
+        if w13_bias is not None:  # into h, rounded once as the reference does; padding
+            # rows (m_indices -1) take none
+            rows_bias = w13_bias.to(h.dtype)[layout.m_indices.clamp(min=0).long()]
+            h.add_(rows_bias.masked_fill_(layout.m_indices.unsqueeze(1) < 0, 0))
         a2q, a2_scale = quantize_mxfp8(apply_activation(act, h, params))
     else:
         alpha, beta, limit, has_limit = resolve_params(act, params)

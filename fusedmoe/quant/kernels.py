@@ -230,9 +230,9 @@ def _act_mul_group_quant_fp8_kernel(
     s_ptr, stride_sm, stride_sg,  # [M, G] fp32
     M, I, G,  # noqa: E741 (I: the intermediate size of the legend)
     alpha, beta, limit,  # fp32 activation parameters (defaults resolved by the launcher)
-    rows_in_use_ptr,  # int32 [1] (HAS_ROWS_IN_USE): rows past it are neither read nor written
+    rows_in_use_ptr,  # int32 [1] (HAS_ROWS_IN_USE): the row tiles starting past it are skipped
     bias_ptr, stride_be, stride_bn,  # HAS_BIAS: [E, 2I] GEMM1 biases, added to h before act
-    row_expert_ptr,  # HAS_BIAS: int32 [M], the expert of each row of h (< 0: no bias)
+    row_expert_ptr, num_bias,  # HAS_BIAS: int32 [M], each row's expert (outside [0, E): none)
     ACTIVATION: tl.constexpr,
     HAS_LIMIT: tl.constexpr,  # SILU only: whether it clamps
     GROUP_SIZE: tl.constexpr,
@@ -258,7 +258,7 @@ def _act_mul_group_quant_fp8_kernel(
     if HAS_BIAS:
         expert = tl.load(row_expert_ptr + rows, mask=rows < M, other=-1)
         b_rows = bias_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_be
-        b_mask = mask & (expert >= 0)[:, None, None]
+        b_mask = mask & ((expert >= 0) & (expert < num_bias))[:, None, None]
     if ACTIVATION == _SWIGLUOAI:  # gpt-oss: gate and up interleaved, loaded as one run of
         # 2 x BLOCK_G columns a group (vector loads) and split in registers
         pair = 2 * cols[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
@@ -268,10 +268,9 @@ def _act_mul_group_quant_fp8_kernel(
         gate = gate.to(tl.float32)
         up = up.to(tl.float32)
         if HAS_BIAS:
-            b_gate, b_up = tl.split(
-                tl.load(b_rows[:, :, :, None] + pair * stride_bn, mask=b_mask[:, :, :, None],
-                        other=0.0)  # fmt: skip
-            )
+            b_pair_ptrs = b_rows[:, :, :, None] + pair * stride_bn
+            b_pair = tl.load(b_pair_ptrs, mask=b_mask[:, :, :, None], other=0.0)
+            b_gate, b_up = tl.split(b_pair)
             gate += b_gate.to(tl.float32)
             up += b_up.to(tl.float32)
     else:
@@ -515,6 +514,9 @@ def act_mul_group_quant_fp8_impl(
     num_groups = scales.shape[1]
     cfg = quant_kernel_config(m, num_groups, group_size, h.is_cuda)
     grid = (cdiv(m, cfg.block_m), cdiv(num_groups, cfg.groups_per_program))
+    bias_args = (h, 0, 0, h, 0)  # never read without a bias
+    if bias is not None:
+        bias_args = (bias, *bias.stride(), row_expert, bias.shape[0])
     with device_guard(h):
         _act_mul_group_quant_fp8_kernel[grid](
             h, h.stride(0), h.stride(1),
@@ -523,7 +525,7 @@ def act_mul_group_quant_fp8_impl(
             m, i, num_groups,
             alpha, beta, limit,
             h if rows_in_use is None else rows_in_use,  # None: never read
-            *((h, 0, 0, h) if bias is None else (bias, *bias.stride(), row_expert)),
+            *bias_args,
             ACTIVATION=ACTIVATION_CODE[MoEActivation(activation)],
             HAS_LIMIT=has_limit,
             GROUP_SIZE=group_size,
@@ -570,8 +572,8 @@ def act_mul_per_token_group_quant_fp8_triton(
         q, scales = per_token_group_quant_fp8(a)     (a is never written to memory)
 
     bias [E, 2I] (the experts' GEMM1 biases) and row_expert (int32 [M], the expert of each row
-    of h) come together: GEMM1 over a layout whose rows are sorted by expert leaves the bias to
-    this pass.
+    of h; a row outside [0, E) takes none) come together: GEMM1 over a layout whose rows are
+    sorted by expert leaves the bias to this pass.
 
     exp and the divisions inside the activation are the GPU's fast ones (float64 h is
     computed in fp32 too), so a scale may differ from the twin's in its last few bits.
@@ -627,6 +629,8 @@ def _check_bias(h: torch.Tensor, bias: torch.Tensor | None, row_expert: torch.Te
             f"row_expert must be int32 [{h.shape[0]}] (a row of h each), got {row_expert.dtype} "
             f"of shape {tuple(row_expert.shape)}"
         )
+    if not row_expert.is_contiguous():
+        raise ValueError("row_expert must be contiguous")
 
 
 # ---------------------------------------------------------------------------------------------
