@@ -146,15 +146,47 @@ def test_baselines_match_the_reference(activation):
         torch.randint(0, num_experts, (tokens, top_k)),
     )
     ids = torch.where(ids == 3, torch.full_like(ids, 5), ids).int()  # expert 3: no token
-    ref = fused_experts(x, w13, w2, weights, ids, activation=activation, backend="torch")
-    outs = {
-        "loop": grouped_mm_experts(x, w13, w2, weights, ids, activation, loop=True),
-        "eager": eager_experts(x, w13, w2, weights, ids, activation),
-    }
-    if grouped_mm_unavailable(x.device, x.dtype) is None:
-        outs["grouped_mm"] = grouped_mm_experts(x, w13, w2, weights, ids, activation)
-    for name, out in outs.items():
-        assert_close(out, ref, torch.bfloat16, what=name)
+    for bias in ({}, _biases(w13, w2)):
+        ref = fused_experts(
+            x, w13, w2, weights, ids, activation=activation, backend="torch", **bias
+        )
+        outs = {
+            "loop": grouped_mm_experts(x, w13, w2, weights, ids, activation, loop=True, **bias),
+            "eager": eager_experts(x, w13, w2, weights, ids, activation, **bias),
+        }
+        if grouped_mm_unavailable(x.device, x.dtype) is None:
+            outs["grouped_mm"] = grouped_mm_experts(x, w13, w2, weights, ids, activation, **bias)
+        for name, out in outs.items():
+            assert_close(out, ref, torch.bfloat16, what=f"{name}, biases: {bool(bias)}")
+
+
+def _biases(w13, w2):
+    b13 = torch.randn(w13.shape[0], w13.shape[1]).bfloat16()
+    return {"w13_bias": b13, "w2_bias": torch.randn(w2.shape[0], w2.shape[1]).bfloat16()}
+
+
+def test_bench_gives_gpt_oss_its_biases(tmp_path, monkeypatch):
+    """A preset with expert biases is timed with them: the reference gets them, and every
+    contender agrees with it (the N(0, 1) biases are as large as the outputs: a contender that
+    dropped them would be far off)."""
+    from fusedmoe.tools.bench import contenders
+
+    seen = []
+    real = contenders.fused_experts
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("w13_bias") is not None and kwargs.get("w2_bias") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(contenders, "fused_experts", spy)
+    js = tmp_path / "rows.json"
+    argv = ["bench", "--preset", "gpt-oss-120b", "--scale", "32", "--tokens", "5", "--quiet"]
+    argv += ["--device", "cpu", "--backends", "monolithic", "--json", str(js)]
+    assert main(argv) == 0
+    rows = json.loads(js.read_text())
+    assert seen and all(seen)  # the reference and the backends, with both biases
+    assert {r["backend"] for r in rows} == {"monolithic", "grouped_mm", "eager"}
+    assert all(r["rel_err"] is not None and r["rel_err"] < 0.03 for r in rows), rows
 
 
 def test_settle_runs_nothing_on_the_cpu():

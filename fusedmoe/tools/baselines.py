@@ -120,13 +120,16 @@ def eager_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: MoEActivation | str = "silu",
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts as Hugging Face's eager MoE blocks compute them. x [M, H] -> [M, H].
 
     mask[e, j, m] = topk_ids[m, j] == e                 [E, k, M]
     for e with any token:
         j, m   = where(mask[e])                          the slots routed to e
-        y      = act(x[m] @ w13[e].T) @ w2[e].T * topk_weights[m, j]
+        y      = (act(x[m] @ w13[e].T + b13[e]) @ w2[e].T + b2[e]) * topk_weights[m, j]
         out[m] += y                                      (index_add, in x's dtype)
     """
     num_experts = w13.shape[0]
@@ -136,7 +139,11 @@ def eager_experts(
     for expert in hit:
         slot, token = torch.where(mask[expert])
         h = x[token] @ w13[expert].t()  # [c, N]
+        if w13_bias is not None:
+            h = h + w13_bias[expert]
         y = _activation(h, activation) @ w2[expert].t()  # [c, H]
+        if w2_bias is not None:
+            y = y + w2_bias[expert]
         y = y * topk_weights[token, slot, None].to(y.dtype)
         out.index_add_(0, token, y.to(x.dtype))
     return out

@@ -93,6 +93,7 @@ def _backend_run(name: str, experts: ExpertSet, activation: str, num_experts: in
             return fused_experts(
                 r.x, experts.w13, experts.w2, r.topk_weights, r.topk_ids,
                 activation=activation, quant_config=qc, backend=name,
+                w13_bias=experts.w13_bias, w2_bias=experts.w2_bias,
             )  # fmt: skip
 
         return run
@@ -101,7 +102,9 @@ def _backend_run(name: str, experts: ExpertSet, activation: str, num_experts: in
     act = ActivationSpec.make(activation)
 
     def run_inside(r: RoutingInputs) -> torch.Tensor:
-        weights = check_expert_weights(r.x, experts.w13, experts.w2, act.kind, None, None, qc)
+        weights = check_expert_weights(
+            r.x, experts.w13, experts.w2, act.kind, experts.w13_bias, experts.w2_bias, qc
+        )
         result = backend.apply_monolithic(
             r.x, r.router_logits, weights, routing=routing, activation=act, expert_start=0
         )
@@ -127,14 +130,17 @@ def make_contenders(
         for name in backends
     ]
     w13, w2 = experts.w13_plain, experts.w2_plain
+    bias = dict(w13_bias=experts.w13_bias, w2_bias=experts.w2_bias)
     unavailable = grouped_mm_unavailable(device, w13.dtype)
     loop = unavailable is not None
 
     def grouped_mm(r: RoutingInputs) -> torch.Tensor:
-        return grouped_mm_experts(r.x, w13, w2, r.topk_weights, r.topk_ids, activation, loop)
+        return grouped_mm_experts(
+            r.x, w13, w2, r.topk_weights, r.topk_ids, activation, loop, **bias
+        )
 
     def eager(r: RoutingInputs) -> torch.Tensor:
-        return eager_experts(r.x, w13, w2, r.topk_weights, r.topk_ids, activation)
+        return eager_experts(r.x, w13, w2, r.topk_weights, r.topk_ids, activation, **bias)
 
     note = f"per-expert loop ({unavailable})" if loop else "torch._grouped_mm"
     out.append(Contender("grouped_mm", act_name, grouped_mm, capturable=not loop, note=note))
@@ -149,6 +155,7 @@ def reference_run(experts: ExpertSet, activation: str) -> Callable[[RoutingInput
         return fused_experts(
             r.x, experts.w13, experts.w2, r.topk_weights, r.topk_ids,
             activation=activation, quant_config=experts.quant_config, backend=REFERENCE,
+            w13_bias=experts.w13_bias, w2_bias=experts.w2_bias,
         )  # fmt: skip
 
     return run

@@ -4,10 +4,11 @@ Every contender of a row gets the same inputs; the same (shape, routing, M) gets
 inputs in every run (generators seeded from a hash of their names).
 
 Weights: w13 [E, N, H] and w2 [E, H, I] drawn N(0, 1 / fan_in) in the activation dtype, in
-place (no float32 copy of the whole: deepseek-v3's bf16 experts are 22 GB). A scheme's weights
-are quantized a few experts at a time (quantize makes several float32 temporaries), and the
-baselines, which only run 16-bit GEMMs, read the dequantized values back in the activation
-dtype: every contender computes the same function.
+place (no float32 copy of the whole: deepseek-v3's bf16 experts are 22 GB); for a shape with
+expert biases (gpt-oss), w13_bias [E, N] and w2_bias [E, H] drawn N(0, 1), never quantized.
+A scheme's weights are quantized a few experts at a time (quantize makes several float32
+temporaries), and the baselines, which only run 16-bit GEMMs, read the dequantized values back
+in the activation dtype: every contender computes the same function.
 
 Routing: logits [M, E] ~ N(0, 1) (uniform: every expert equally popular), or skewed (a few
 experts take most tokens, as real routers do). The skew law:
@@ -43,6 +44,7 @@ __all__ = [
     "ROUTINGS",
     "ExpertSet",
     "RoutingInputs",
+    "make_expert_biases",
     "make_expert_weights",
     "make_routing",
     "quantize_expert_set",
@@ -74,6 +76,8 @@ class ExpertSet:
     quant_config: FusedMoEQuantConfig | None  # None: unquantized
     w13_plain: torch.Tensor | None  # [E, N, H] the values of w13 in the activation dtype
     w2_plain: torch.Tensor | None  # [E, H, I]
+    w13_bias: torch.Tensor | None = None  # [E, N] in the activation dtype (every contender's)
+    w2_bias: torch.Tensor | None = None  # [E, H]
 
 
 def make_expert_weights(
@@ -92,6 +96,25 @@ def make_expert_weights(
     w13 = torch.empty(e, n, h, dtype=dtype, device=device).normal_(0.0, h**-0.5, generator=gen)
     w2 = torch.empty(e, h, i, dtype=dtype, device=device).normal_(0.0, i**-0.5, generator=gen)
     return w13, w2
+
+
+def make_expert_biases(
+    name: str,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    activation: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13_bias [E, N] and w2_bias [E, H] in `dtype`, N(0, 1): as large as h's and y's values,
+    so that a contender that drops one is far off the reference."""
+    e, h, i = num_experts, hidden_size, intermediate_size
+    n = MoEActivation.parse(activation).gemm1_out_size(i)
+    gen = seeded(device, name, e, h, i, "biases")
+    b13 = torch.empty(e, n, dtype=dtype, device=device).normal_(0.0, 1.0, generator=gen)
+    b2 = torch.empty(e, h, dtype=dtype, device=device).normal_(0.0, 1.0, generator=gen)
+    return b13, b2
 
 
 def _chunks(w13: torch.Tensor, w2: torch.Tensor) -> list[slice]:

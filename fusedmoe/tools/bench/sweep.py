@@ -32,7 +32,12 @@ from fusedmoe.tools.bench.contenders import (
     reference_run,
     select_backends,
 )
-from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.tools.bench.inputs import (
+    make_expert_biases,
+    make_expert_weights,
+    make_routing,
+    quantize_expert_set,
+)
 from fusedmoe.tools.bench.timing import rel_err, settle, time_ms
 from fusedmoe.tools.presets import MoEPreset
 from fusedmoe.tools.roofline import Ceilings, distinct_experts, moe_floor
@@ -110,6 +115,7 @@ def _problem(preset: MoEPreset, quant_config, dtype: torch.dtype, device) -> MoE
         top_k=preset.top_k,
         activation=ActivationSpec.make(preset.activation),
         quant_config=quant_config,
+        has_bias=preset.has_bias,
         has_router_logits=True,  # as in a FusedMoE layer
     )
 
@@ -136,6 +142,11 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
     )  # fmt: skip
     experts = quantize_expert_set(w13, w2, None if quant in PLAIN_DTYPES else quant)
     del w13, w2
+    if preset.has_bias:
+        experts.w13_bias, experts.w2_bias = make_expert_biases(
+            preset.name, preset.num_experts, preset.hidden_size, preset.intermediate_size,
+            preset.activation, dtype, device,
+        )  # fmt: skip
     problem = _problem(preset, experts.quant_config, dtype, device)
     selection = select_backends(problem, spec.backends)
     where = f"{preset_label(preset)}, {quant}"
