@@ -178,6 +178,8 @@ def test_the_oracle_puts_deep_gemm_first_where_wgmma_runs(pretend_hopper, monkey
     choice = select_backend(**problem)
     assert choice.name == "deep_gemm", choice.explain()
     assert "wgmma" in choice.reason
+    gpt_oss = select_backend(**problem, activation="swigluoai", has_bias=True)
+    assert gpt_oss.name == "deep_gemm", gpt_oss.explain()  # biases, interleaved SwiGLU
     assert select_backend(**problem, dtype=torch.float32).name == "triton"
     monkeypatch.setattr(wgmma_gemm, "gluon_unusable_reason", lambda device: "not Hopper")
     assert select_backend(**problem).name == "triton"
