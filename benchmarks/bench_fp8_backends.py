@@ -168,12 +168,12 @@ def run_case(preset_name, quant, args, ceilings, device):
     else:
         calib = make_routing(preset.name, 256, e, k, h, "uniform", dtype, device).x
         q13, q2, qc = quantize_static_fp8_tensor(w13, w2, calib)
-    del w13, w2
-    torch.cuda.empty_cache()
     bias = {}
     if preset.has_bias:  # gpt-oss: timed with its expert biases, as a model runs it
-        b13, b2 = make_expert_biases(preset.name, e, h, i, act, dtype, device)
+        b13, b2 = make_expert_biases(preset.name, w13, w2)
         bias = dict(w13_bias=b13, w2_bias=b2)
+    del w13, w2
+    torch.cuda.empty_cache()
     rows = []
     for routing in args.routing:
         for m in args.tokens:

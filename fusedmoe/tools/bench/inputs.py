@@ -98,22 +98,14 @@ def make_expert_weights(
     return w13, w2
 
 
-def make_expert_biases(
-    name: str,
-    num_experts: int,
-    hidden_size: int,
-    intermediate_size: int,
-    activation: str,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13_bias [E, N] and w2_bias [E, H] in `dtype`, N(0, 1): as large as h's and y's values,
-    so that a contender that drops one is far off the reference."""
-    e, h, i = num_experts, hidden_size, intermediate_size
-    n = MoEActivation.parse(activation).gemm1_out_size(i)
-    gen = seeded(device, name, e, h, i, "biases")
-    b13 = torch.empty(e, n, dtype=dtype, device=device).normal_(0.0, 1.0, generator=gen)
-    b2 = torch.empty(e, h, dtype=dtype, device=device).normal_(0.0, 1.0, generator=gen)
+def make_expert_biases(name: str, w13: torch.Tensor, w2: torch.Tensor):
+    """(w13_bias [E, N], w2_bias [E, H]) for the experts w13 [E, N, H], w2 [E, H, I], in their
+    dtype and on their device, N(0, 1): as large as h's and y's values, so that a contender
+    that drops one is far off the reference."""
+    (e, n, h), i = w13.shape, w2.shape[2]
+    gen = seeded(w13.device, name, e, h, i, "biases")
+    b13 = torch.empty(e, n, dtype=w13.dtype, device=w13.device).normal_(generator=gen)
+    b2 = torch.empty(e, h, dtype=w13.dtype, device=w13.device).normal_(generator=gen)
     return b13, b2
 
 

@@ -141,12 +141,9 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
         preset.activation, dtype, device,
     )  # fmt: skip
     experts = quantize_expert_set(w13, w2, None if quant in PLAIN_DTYPES else quant)
-    del w13, w2
     if preset.has_bias:
-        experts.w13_bias, experts.w2_bias = make_expert_biases(
-            preset.name, preset.num_experts, preset.hidden_size, preset.intermediate_size,
-            preset.activation, dtype, device,
-        )  # fmt: skip
+        experts.w13_bias, experts.w2_bias = make_expert_biases(preset.name, w13, w2)
+    del w13, w2
     problem = _problem(preset, experts.quant_config, dtype, device)
     selection = select_backends(problem, spec.backends)
     where = f"{preset_label(preset)}, {quant}"
