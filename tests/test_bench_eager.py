@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusedmoe.functional import fused_experts
 from fusedmoe.tools.bench.eager import ENTRIES, EagerRow
 from fusedmoe.tools.cli import main
 
@@ -47,6 +48,32 @@ def test_bench_eager_quantized_custom_shape(capsys):
     assert main([*argv, "--quiet", "--rep-ms", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:6] == "custom"]
     assert [r[2] for r in rows] == list(ENTRIES) and all(r[1] == "fp8_block" for r in rows)
+
+
+@pytest.mark.parametrize(
+    "requested, quant, given",
+    [(None, "bf16", "auto"), (None, "fp8_block", "auto"), ("torch", "fp8_block", "torch")],
+)  # on the CPU the oracle picks monolithic (routes inside) for bf16, torch for fp8_block
+def test_bench_eager_gives_fused_experts_what_a_caller_would(
+    monkeypatch, capsys, requested, quant, given
+):
+    """An oracle-chosen layer: fused_experts gets "auto" (a backend named outright is strict,
+    and deep_gemm would then keep the small calls auto hands to triton); a named one, its name."""
+    from fusedmoe.tools.bench import eager
+
+    seen = []
+
+    def spy(*args, backend, **kwargs):
+        seen.append(backend)
+        return fused_experts(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(eager, "fused_experts", spy)
+    argv = ["bench", "--eager", "--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden"]
+    argv += ["64", "--intermediate", "64", "--tokens", "3", "--quiet", "--rep-ms", "1"]
+    argv += ["--quant", quant] + (["--backends", requested] if requested else [])
+    assert main(argv) == 0
+    assert seen and set(seen) == {given}
+    assert f"fused_experts(backend={given!r}) runs" in capsys.readouterr().out
 
 
 def _benchmark(name: str):

@@ -240,12 +240,17 @@ def _softmax_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
     return weights / weights.sum(dim=-1, keepdim=True), ids.int()
 
 
-def _fused_experts_backend(layer, dtype: torch.dtype, device: torch.device) -> str:
-    """The backend fused_experts runs for the layer's weights: the layer's own where it does
-    not route inside, else what the oracle picks without router logits."""
+def _fused_experts_backend(layer, requested: str, dtype: torch.dtype, device: torch.device):
+    """(what fused_experts is given, the backend that runs) for the layer's weights.
+
+    A layer whose backend was requested by name: fused_experts gets that name (strict, as the
+    layer), or, for a backend that routes inside, the oracle's pick without router logits. An
+    oracle-chosen layer: fused_experts gets "auto", as a caller who names no backend does (a
+    backend named outright is strict: deep_gemm would then keep small calls it hands to triton
+    under "auto")."""
     choice = layer.backend_choice()
     if not choice.experts_cls.routes_inside:
-        return choice.name
+        return ("auto" if requested == "auto" else choice.name), choice.name
     problem = MoEProblem(
         device=device,
         dtype=dtype,
@@ -257,7 +262,8 @@ def _fused_experts_backend(layer, dtype: torch.dtype, device: torch.device) -> s
         quant_config=layer.quant_config,
         has_bias=layer.has_bias,
     )
-    return select_backend(problem).name
+    name = select_backend(problem).name
+    return ("auto" if requested == "auto" else name), name
 
 
 def _entries(layer, r, top_k: int, fe_backend: str, w13_plain, w2_plain, loop: bool):
@@ -300,9 +306,12 @@ def _bench_layer(preset: MoEPreset, quant: str, backend: str, spec: EagerSpec, n
         layer.quantize_(quant)
     layer.eval()
     choice = layer.backend_choice()
-    fe_backend = _fused_experts_backend(layer, dtype, device)
+    fe_arg, fe_backend = _fused_experts_backend(layer, backend, dtype, device)
     where = f"{preset_label(preset)}, {quant}"
-    note(f"{where}: the layer runs {choice.name} ({choice.reason}); fused_experts {fe_backend}")
+    note(
+        f"{where}: the layer runs {choice.name} ({choice.reason}); "
+        f"fused_experts(backend={fe_arg!r}) runs {fe_backend}"
+    )
     loop = grouped_mm_unavailable(device, dtype) is not None
     gmm = "torch (per-expert loop)" if loop else "torch._grouped_mm"
     rows = []
@@ -312,7 +321,7 @@ def _bench_layer(preset: MoEPreset, quant: str, backend: str, spec: EagerSpec, n
                 preset.name, m, preset.num_experts, preset.top_k, preset.hidden_size, routing,
                 dtype, device,
             )  # fmt: skip
-            entries = _entries(layer, r, preset.top_k, fe_backend, w13_plain, w2_plain, loop)
+            entries = _entries(layer, r, preset.top_k, fe_arg, w13_plain, w2_plain, loop)
             for entry, fn in entries.items():
                 name = {"layer": choice.name, "fused_experts": fe_backend}.get(entry, gmm)
                 what = "softmax top-k routing" if entry == "grouped_mm+routing" else ""
