@@ -99,11 +99,37 @@ def test_bench_named_triton_runs_on_the_interpreter(capsys):
         (["--tokens", "0"], "--tokens"),
         (["--preset", "mixtral-8x7b"], "not both"),
         (["--top-k", "9"], "exceeds --experts"),
+        (["--fast-accum"], "--fast-accum applies to fp8_block"),
+        (["--fast-accum", "--quant", "fp8_block", "--eager"], "not --eager / --backward"),
     ],
 )
 def test_bench_refuses_bad_arguments(argv, message, capsys):
     assert main([*TINY, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_fast_accum_reaches_the_fp8_block_configs(tmp_path, capsys, monkeypatch):
+    """--fast-accum: the fp8_block rows' experts carry a quant config with fast_accum (and the
+    rows say so); the bf16 rows are as before."""
+    from fusedmoe.tools.bench import sweep
+
+    made = []
+
+    def spy(*args, **kwargs):
+        made.append(sweep_quantize(*args, **kwargs))
+        return made[-1]
+
+    sweep_quantize = sweep.quantize_expert_set
+    monkeypatch.setattr(sweep, "quantize_expert_set", spy)
+    js = tmp_path / "rows.json"
+    argv = [*TINY, "--tokens", "3", "--quant", "bf16,fp8_block", "--fast-accum", "--json", str(js)]
+    assert main(argv) == 0
+    assert [e.quant_config is not None and e.quant_config.fast_accum for e in made] == [
+        False,
+        True,
+    ]
+    rows = json.loads(js.read_text())
+    assert {r["quant"] for r in rows} == {"bf16", "fp8_block+fast_accum"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")

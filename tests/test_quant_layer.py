@@ -108,6 +108,8 @@ def test_quantize_options_reach_the_config():
     layer.quantize_("fp8_block", use_ue8m0=True, column_major_scales=True)
     config = layer.quant_config
     assert config.a1.key.scale_format.value == "ue8m0" and config.a1.column_major_scales
+    assert not config.fast_accum
+    assert float_layer().quantize_("fp8_block", fast_accum=True).quant_config.fast_accum
     static = float_layer()
     static.quantize_("fp8_tensor", a1_scale=torch.tensor([0.01]), a2_scale=torch.tensor([0.02]))
     assert static.a1_scale.tolist() == torch.tensor([0.01]).tolist()

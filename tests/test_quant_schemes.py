@@ -453,6 +453,8 @@ def test_nvfp4_needs_its_global_scale(experts):
         ("mxfp8", {"use_ue8m0": True}, "use_ue8m0 applies"),
         ("fp8_tensor", {"column_major_scales": True}, "column_major_scales applies to group"),
         ("mxfp4_w4a16", {"column_major_scales": True}, "column_major_scales applies to group"),
+        ("fp8_tensor", {"fast_accum": True}, "fast_accum applies to fp8_block"),
+        ("mxfp8", {"fast_accum": True}, "fast_accum applies to fp8_block"),
     ],
 )
 def test_config_options_the_scheme_does_not_take(experts, scheme, kwargs, match):
@@ -462,6 +464,15 @@ def test_config_options_the_scheme_does_not_take(experts, scheme, kwargs, match)
     }
     with pytest.raises(ValueError, match=match):
         quantize_experts(experts["w13"], experts["w2"], scheme, **kwargs)
+
+
+def test_fast_accum_is_a_bool_and_part_of_the_cache_key(experts):
+    _, _, plain = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
+    with pytest.raises(TypeError, match="fast_accum must be a bool, got int"):
+        make_quant_config("fp8_block", plain.w1.scale, plain.w2.scale, fast_accum=1)
+    fast = make_quant_config("fp8_block", plain.w1.scale, plain.w2.scale, fast_accum=True)
+    assert fast.fast_accum and not plain.fast_accum
+    assert fast.cache_key() != plain.cache_key()
 
 
 def test_quant_config_of_the_wrong_type_is_refused(experts):

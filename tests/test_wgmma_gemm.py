@@ -68,8 +68,8 @@ def _stand_in(calls):
     """The GEMM's contract in torch: rows of each 128-row run block times its expert's
     dequantized weights; blocks past num_rows or of expert -1 untouched."""
 
-    def gemm(a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment):
-        calls.append(tuple(a.shape))
+    def gemm(a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment, *, block_n=None):
+        calls.append((tuple(a.shape), block_n))
         assert a_scale.stride(0) == 1  # column-major: the layout the kernel reads coalesced
         for b in range(int(num_rows) // alignment):
             e = int(expert_ids[b])
@@ -166,6 +166,28 @@ def test_auto_hands_small_calls_to_triton(pretend_hopper):
     assert len(pretend_hopper) == 2
     run_experts(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)
     assert len(pretend_hopper) == 2
+
+
+def test_fast_accum_takes_the_wide_tiles_from_its_slots_per_expert(pretend_hopper):
+    """A quant config with fast_accum: the engine runs its 256-wide fast-accumulation tiles from
+    FAST_ACCUM_MIN_SLOTS_PER_EXPERT, the promoting 128-wide ones below it and without it."""
+    import dataclasses
+
+    from fusedmoe.experts.deep_gemm import FAST_ACCUM_MIN_SLOTS_PER_EXPERT
+
+    tokens = FAST_ACCUM_MIN_SLOTS_PER_EXPERT * E // 2  # k = 2: exactly the threshold
+    x, w13, w2, weights, ids, qc = _problem(tokens)
+    fast = dataclasses.replace(qc, fast_accum=True)
+    cases = [(fast, tokens, 256), (fast, tokens - 1, None), (qc, tokens, None)]
+    for config, m, block_n in cases:
+        pretend_hopper.clear()
+        out = run_experts(DeepGemmExperts(), x[:m], w13, w2, weights[:m], ids[:m], config)
+        assert [b for _, b in pretend_hopper] == [block_n, block_n], (m, config.fast_accum)
+        ref = fused_experts(x[:m], w13, w2, weights[:m], ids[:m], quant_config=qc, backend="torch")
+        assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+    pretend_hopper.clear()
+    run_experts(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, fast)
+    assert pretend_hopper == []  # the Triton GEMMs promote: fast_accum is a permission
 
 
 def test_the_oracle_puts_deep_gemm_first_where_wgmma_runs(pretend_hopper, monkeypatch):
@@ -289,6 +311,43 @@ def test_gpu_gemm_row_major_scales():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_gpu_gemm_scales_far_apart_and_zero_weight_blocks(block_n):
+    """The FP8 kernel keeps its sum in units of the last K block's scale and rescales it block
+    by block: row and weight scales nine orders of magnitude apart, and weight blocks of scale
+    zero (which add nothing), still give the reference's result."""
+    _hopper()
+    from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
+
+    m, e, k, n, kk = 200, 4, 2, 512, 1024
+    torch.manual_seed(11)
+    _, ids = random_routing(m, e, k, device="cuda")
+    groups = kk // 128
+    x = (torch.randn(m, kk, device="cuda") * 2).to(FP8_DTYPE)
+    x_s = 10 ** (torch.rand(m, groups, device="cuda") * 9 - 6)
+    w = (torch.randn(e, n, kk, device="cuda") * 2).to(FP8_DTYPE)
+    w_s = 10 ** (torch.rand(e, n // 128, groups, device="cuda") * 8 - 6)
+    w_s[torch.rand_like(w_s) < 0.2] = 0.0
+    w_s[:, :, 0] = 0.0  # the first K block of every tile: the sum starts after it
+    assert (w_s > 0).any()
+    m_sum, _ = compute_aligned_M_and_alignment(m, k, e, 128)
+    scale_out = torch.empty(groups, m_sum, device="cuda").t()
+    layout = permute_contiguous(x, x_s, ids, e, 128, m_sum, scale_out=scale_out)
+    out = poison_(torch.empty(m_sum, n, device="cuda", dtype=torch.bfloat16))
+    wgmma_gemm.wgmma_grouped_gemm(
+        layout.a, layout.a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, 128,
+        block_n=block_n,
+    )  # fmt: skip
+    ref = _reference(layout.a, layout.a_scale, w, w_s, layout.m_indices)
+    rows = layout.m_indices >= 0
+    got, want = out[rows].float(), ref[rows]
+    assert torch.isfinite(got).all()
+    peak = want.abs().amax(dim=1, keepdim=True)  # row by row: the rows' sizes differ by 1e9
+    assert (peak > 0).all()
+    assert_close(got / peak, want / peak, torch.bfloat16, what="scales far apart")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
 def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
     _hopper()
@@ -334,6 +393,39 @@ def test_gpu_wgmma_engine_runs_gpt_oss(monkeypatch):
                 *args, quant_config=qc, backend="torch", activation=spec.activation, **bias
             )
             assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
+    finally:
+        monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
+        deep_gemm_lib.find_library(refresh=True)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_accum_matches_torch_backend(monkeypatch):
+    """fast_accum on the engine (its 256-wide tiles from 256 slots per expert): mixtral-8x7b,
+    whose GEMM2 sums the longest K (14336, 112 blocks, the most the accumulator takes without a
+    promotion), within the quantized bounds of the torch backend."""
+    _hopper()
+    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
+    from fusedmoe.kernels import deep_gemm_lib, deep_gemm_moe
+
+    deep_gemm_lib.find_library(refresh=True)
+    seen = []
+    real = deep_gemm_moe.wgmma_grouped_gemm
+
+    def spy(*args, block_n=None, **kwargs):
+        seen.append(block_n)
+        return real(*args, block_n=block_n, **kwargs)
+
+    monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", spy)
+    try:
+        _, x, experts, weights, ids, qc = preset_problem(
+            "mixtral-8x7b", 1030, "fp8_block", fast_accum=True
+        )
+        assert qc.fast_accum
+        args = (x, experts["w13"], experts["w2"], weights, ids)
+        out = run_experts(DeepGemmExperts(strict=True, engine="wgmma"), *args, qc)
+        assert seen == [256, 256]
+        ref = fused_experts(*args, quant_config=qc, backend="torch")
+        assert_close(out, ref, torch.bfloat16, what="fast_accum", **quant_tol("cuda"))
     finally:
         monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
         deep_gemm_lib.find_library(refresh=True)

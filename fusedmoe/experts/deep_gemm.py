@@ -28,6 +28,9 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
               fp16 activations, K and the intermediate size multiples of 16: where the
               library does not run. On an H200 the layer on them is 0.70x to 0.94x of the
               triton backend's time from 128 slots per expert (WGMMA_MIN_SLOTS_PER_EXPERT).
+              A quant config with fast_accum=True lets it sum K without promoting each 128
+              block, on 256-wide tiles, from FAST_ACCUM_MIN_SLOTS_PER_EXPERT (faster prefill,
+              about 3x the error against the exact quantized computation).
     triton    our Triton grouped GEMMs over the contiguous layout (fusedmoe.kernels.
               deep_gemm_moe): everywhere else, and for the MX schemes, which the library's
               Hopper kernels do not take.
@@ -87,6 +90,11 @@ LIBRARY_MIN_SLOTS_PER_EXPERT = 128
 #: uniform routing, M = 256 to 16384) the deep_gemm layer on them is 0.70x to 0.94x of triton's
 #: time from 128 slots per expert, and 0.99x to 1.13x at 64
 WGMMA_MIN_SLOTS_PER_EXPERT = 128
+#: with FusedMoEQuantConfig.fast_accum, the wgmma engine takes its 256-wide fast-accumulation
+#: tiles from this many slots per expert: on an H100 (fusedmoe bench, five fp8_block presets,
+#: uniform routing) the layer on them was 1.8% to 7.1% faster at M = 16384 (256 to 4096 slots
+#: per expert) and -2.9% to +3.9% at M = 4096, the +3.9% at 128 slots per expert
+FAST_ACCUM_MIN_SLOTS_PER_EXPERT = 256
 
 
 class DeepGemmExperts(Experts):
@@ -370,6 +378,11 @@ class DeepGemmExperts(Experts):
             engine=engine,
             w13_bias=weights.w13_bias,
             w2_bias=weights.w2_bias,
+            fast_accum=(
+                engine == "wgmma"
+                and qc.fast_accum
+                and slots_per_expert >= FAST_ACCUM_MIN_SLOTS_PER_EXPERT
+            ),
         )
 
     def __repr__(self) -> str:

@@ -604,11 +604,12 @@ def _library():
 def _run_fp8_block(
     engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
     expert_map, workspace13, workspace2, act, params, alignment, m_sum, use_ue8m0,
-    mul_routed_weight, w13_bias, w2_bias,
+    mul_routed_weight, w13_bias, w2_bias, fast_accum,
 ):  # fmt: skip
     """fp8_block on the DeepGEMM library's grouped GEMMs ("contiguous" / "masked") or on our
-    Gluon ones ("wgmma", contiguous layout), between our permute, act + quant and unpermute.
-    Activation scales are column-major (the layout both read coalesced)."""
+    Gluon ones ("wgmma", contiguous layout; fast_accum: their 256-wide fast-accumulation
+    tiles), between our permute, act + quant and unpermute. Activation scales are column-major
+    (the layout both read coalesced)."""
     num_local, n, hidden = w13.shape
     num_tokens, top_k = topk_ids.shape
     alpha, beta, limit, has_limit = resolve_params(act, params)
@@ -622,11 +623,13 @@ def _run_fp8_block(
             a_out=a_out, scale_out=scale_out,
         )  # fmt: skip
         if engine == "wgmma":
+            block_n = 256 if fast_accum else None
 
             def gemm(a, a_scale, w, w_scale, out):
                 wgmma_grouped_gemm(
-                    a, a_scale, w, w_scale, out, layout.expert_ids, layout.num_rows, alignment
-                )
+                    a, a_scale, w, w_scale, out, layout.expert_ids, layout.num_rows, alignment,
+                    block_n=block_n,
+                )  # fmt: skip
         else:
             lib = _library()
 
@@ -703,6 +706,7 @@ def _fused_experts_deep_gemm_impl(
     engine: str,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> None:
     num_local, n, _ = w13.shape
     hidden = a1q.shape[1]
@@ -712,7 +716,7 @@ def _fused_experts_deep_gemm_impl(
         _run_fp8_block(
             engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights,
             topk_ids, expert_map, workspace13, workspace2, act, params, alignment, m_sum,
-            use_ue8m0, mul_routed_weight, w13_bias, w2_bias,
+            use_ue8m0, mul_routed_weight, w13_bias, w2_bias, fast_accum,
         )  # fmt: skip
         return
     h_dtype = TL_DTYPE[output.dtype]
@@ -769,7 +773,7 @@ _fused_experts_deep_gemm_op = torch.library.custom_op(
 def _(output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map,
       workspace13, workspace2, scheme, activation, act_alpha, act_beta, act_limit, alignment,
       m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine, w13_bias=None,
-      w2_bias=None):  # fmt: skip
+      w2_bias=None, fast_accum=False):  # fmt: skip
     return None
 
 
@@ -797,6 +801,7 @@ def fused_experts_deep_gemm(
     engine: str = "triton",
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> None:
     """output [M, H] = the experts' weighted top-k sum (one custom op: it traces under
     torch.compile and never reads the device from the host). engine: "triton" (our Triton
@@ -809,7 +814,8 @@ def fused_experts_deep_gemm(
     [E_l, N, K/2]) with E8M0 scales; workspaces of DeepGemmExperts.workspace_shapes. Inputs are
     assumed checked by the caller (the backend). Biases (w13_bias [E_l, N], w2_bias [E_l, H]):
     the activation pass adds GEMM1's to h, the unpermute-reduce GEMM2's to each slot's row, in
-    fp32 (the GEMMs themselves take none).
+    fp32 (the GEMMs themselves take none). fast_accum: the wgmma engine runs its
+    fast-accumulation tiles (FusedMoEQuantConfig.fast_accum); the other engines promote.
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
@@ -821,5 +827,5 @@ def fused_experts_deep_gemm(
         output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
         expert_map, workspace13, workspace2, scheme, activation.kind.value, p.alpha, p.beta,
         p.limit, alignment, m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine,
-        w13_bias, w2_bias,
+        w13_bias, w2_bias, fast_accum,
     )  # fmt: skip

@@ -359,6 +359,12 @@ def _add_bench(sub) -> None:
         help="rows with more M*k slots compare against another contender instead "
         "of the float64 reference",
     )
+    p.add_argument(
+        "--fast-accum",
+        action="store_true",
+        help="fp8_block rows: quant configs with fast_accum=True (the wgmma engine's fast "
+        "accumulation; labelled fp8_block+fast_accum)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument(
         "--eager",

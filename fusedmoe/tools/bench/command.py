@@ -86,6 +86,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     eager, backward = getattr(args, "eager", False), getattr(args, "backward", False)
     if eager and backward:
         return _fail("--eager and --backward are two modes: give one")
+    if (eager or backward) and getattr(args, "fast_accum", False):
+        return _fail("--fast-accum applies to the forward bench, not --eager / --backward")
     if backward:
         from fusedmoe.tools.bench import backward as backward_mode
 
@@ -105,17 +107,21 @@ def run_bench_command(args: argparse.Namespace) -> int:
         args.ceilings, device, hbm_gbps=args.hbm_gbps, bf16_tflops=args.bf16_tflops,
         fp8_tflops=args.fp8_tflops,
     )  # fmt: skip
-    spec = BenchSpec(
-        presets=shapes,
-        quants=args.quant,
-        tokens=tokens,
-        routings=args.routing,
-        device=device,
-        ceilings=ceilings,
-        backends=args.backends,
-        rep_ms=args.rep_ms,
-        ref_max_slots=args.ref_max_slots,
-    )
+    try:
+        spec = BenchSpec(
+            presets=shapes,
+            quants=args.quant,
+            tokens=tokens,
+            routings=args.routing,
+            device=device,
+            ceilings=ceilings,
+            backends=args.backends,
+            rep_ms=args.rep_ms,
+            ref_max_slots=args.ref_max_slots,
+            fast_accum=getattr(args, "fast_accum", False),
+        )
+    except ValueError as exc:
+        return _fail(str(exc))
     label = device_label(device)
     triton_version = "-"
     if has_triton():

@@ -116,10 +116,16 @@ def _chunks(w13: torch.Tensor, w2: torch.Tensor) -> list[slice]:
 
 
 def quantize_expert_set(
-    w13: torch.Tensor, w2: torch.Tensor, scheme: str | None, *, with_plain: bool = True
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scheme: str | None,
+    *,
+    with_plain: bool = True,
+    fast_accum: bool = False,
 ) -> ExpertSet:
     """The experts in `scheme` (None: as they are), quantized a few experts at a time, with the
-    dequantized values for the baselines (with_plain=False: w13_plain and w2_plain are None)."""
+    dequantized values for the baselines (with_plain=False: w13_plain and w2_plain are None);
+    fast_accum: that of the quant config (fp8_block)."""
     if scheme is None:
         return ExpertSet(w13, w2, None, w13, w2)
     parts = [quantize_experts(w13[c], w2[c], scheme) for c in _chunks(w13, w2)]
@@ -138,6 +144,7 @@ def quantize_expert_set(
         cat([qc.w2.scale for qc in configs]),
         w1_global_scale=cat([qc.w1.global_scale for qc in configs]),
         w2_global_scale=cat([qc.w2.global_scale for qc in configs]),
+        fast_accum=fast_accum,
     )
     plain13 = torch.empty_like(w13)
     plain2 = torch.empty_like(w2)

@@ -81,6 +81,7 @@ class BenchSpec:
     backends: list[str] | None = None  # None: every backend that supports the row here
     rep_ms: float = 50.0  # timed milliseconds per contender and row
     ref_max_slots: int = 1 << 17  # rows with more M * k slots skip the float64 reference
+    fast_accum: bool = False  # fp8_block rows: FusedMoEQuantConfig.fast_accum (quant label +)
 
     def __post_init__(self) -> None:
         bad = [q for q in self.quants if q not in QUANTS]
@@ -90,6 +91,8 @@ class BenchSpec:
             raise ValueError(f"--tokens must be counts >= 1, got {self.tokens}")
         if not self.presets or not self.quants or not self.routings:
             raise ValueError("nothing to benchmark: no preset, quant or routing given")
+        if self.fast_accum and "fp8_block" not in self.quants:
+            raise ValueError("--fast-accum applies to fp8_block: add it to --quant")
 
     @property
     def num_cases(self) -> int:
@@ -140,7 +143,9 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
         preset.name, preset.num_experts, preset.hidden_size, preset.intermediate_size,
         preset.activation, dtype, device,
     )  # fmt: skip
-    experts = quantize_expert_set(w13, w2, None if quant in PLAIN_DTYPES else quant)
+    experts = quantize_expert_set(
+        w13, w2, None if quant in PLAIN_DTYPES else quant, fast_accum=_fast_accum(quant, spec)
+    )
     if preset.has_bias:
         experts.w13_bias, experts.w2_bias = make_expert_biases(preset.name, w13, w2)
     del w13, w2
@@ -173,6 +178,10 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
             if step is not None:
                 step(f"{where}, {routing}, M={m}")
     return rows
+
+
+def _fast_accum(quant: str, spec: BenchSpec) -> bool:
+    return spec.fast_accum and quant == "fp8_block"
 
 
 def _bench_case(
@@ -235,7 +244,7 @@ def _row(preset, quant, routing, m, num_distinct, c: Contender, ms, how, err, er
     seconds = ms / 1e3
     return Row(
         preset=preset_label(preset),
-        quant=quant,
+        quant=quant + ("+fast_accum" if _fast_accum(quant, spec) else ""),
         routing=routing,
         backend=c.name,
         weights=c.weights,
