@@ -16,7 +16,6 @@ max |e| and ||a - e|| / ||e|| against:
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
@@ -44,6 +43,13 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     real_gemm = deep_gemm_moe.wgmma_grouped_gemm
+
+    def forced(block_n):  # the tile given here, whatever the backend asks for
+        def gemm(*args, **kwargs):
+            return real_gemm(*args, **{**kwargs, "block_n": block_n})
+
+        return gemm
+
     print("preset M | exact vs bf16 | promote vs exact | fast vs exact | vs bf16: promote, fast")
     for name in args.presets.split(","):
         p = PRESETS[name]
@@ -69,13 +75,15 @@ def main() -> None:
             exact = fused_experts(*qargs, quant_config=qc, backend="torch", activation=p.activation)
             outs = {}
             for block_n in (128, 256):
-                deep_gemm_moe.wgmma_grouped_gemm = functools.partial(real_gemm, block_n=block_n)
+                deep_gemm_moe.wgmma_grouped_gemm = forced(block_n)
                 try:
                     outs[block_n] = fused_experts(
                         *qargs, quant_config=qc, backend="deep_gemm", activation=p.activation
                     )
                 finally:
                     deep_gemm_moe.wgmma_grouped_gemm = real_gemm
+            if torch.equal(outs[128], outs[256]):
+                raise RuntimeError("both tiles gave the same output: the tile was not forced")
             nan = (float("nan"), float("nan"))
             cells = [
                 errors(exact, bf16) if bf16 is not None else nan,
