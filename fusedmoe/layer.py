@@ -421,7 +421,8 @@ class FusedMoE(nn.Module):
         """Quantize the experts' float weights in place to `scheme` (see fusedmoe.quant.config).
 
         config_kwargs: those of make_quant_config (static a1_scale / a2_scale for fp8_tensor,
-        per_token_activations, use_ue8m0, column_major_scales, gemm1_* parameters).
+        per_token_activations, use_ue8m0, column_major_scales, fast_accum for fp8_block,
+        gemm1_* parameters).
 
         Schemes whose K groups must be whole (MX: 32, NVFP4: 16) pad the intermediate size I
         up to a multiple of the group, Ip = padded_intermediate_size (gpt-oss: I = 2880 is one

@@ -262,6 +262,31 @@ def test_library_engine_matches_torch_backend(fake_library, num_tokens, layout):
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
 
 
+def test_fast_accum_leaves_the_library_promoting(fake_library, monkeypatch):
+    """fast_accum is a permission: where the library runs a call, auto keeps it (it promotes
+    each 128 block) even when the wgmma engine, which would take the permission, could run."""
+    import dataclasses
+
+    from fusedmoe.experts.deep_gemm import FAST_ACCUM_MIN_SLOTS_PER_EXPERT
+    from fusedmoe.kernels import deep_gemm_moe, wgmma_gemm
+
+    monkeypatch.setattr(wgmma_gemm, "gluon_unusable_reason", lambda device: None)
+
+    def no_wgmma(*args, **kwargs):
+        raise AssertionError("the wgmma engine ran")
+
+    monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", no_wgmma)
+    w13, w2, qc = _quantized()
+    fast = dataclasses.replace(qc, fast_accum=True)
+    tokens = FAST_ACCUM_MIN_SLOTS_PER_EXPERT * E // 2
+    weights, ids = _routing(tokens, E, 2)
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, device=DEVICE)
+    out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, fast)
+    assert fake_library.calls == ["contiguous", "contiguous"]
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
 @pytest.mark.parametrize("num_tokens", [5, 130])  # masked, contiguous
 def test_library_engine_ue8m0_scales_and_swigluoai(fake_library, num_tokens):
     """UE8M0 (power-of-two) group scales, prepare's column-major scales, and the activation

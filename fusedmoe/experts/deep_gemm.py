@@ -91,9 +91,10 @@ LIBRARY_MIN_SLOTS_PER_EXPERT = 128
 #: time from 128 slots per expert, and 0.99x to 1.13x at 64
 WGMMA_MIN_SLOTS_PER_EXPERT = 128
 #: with FusedMoEQuantConfig.fast_accum, the wgmma engine takes its 256-wide fast-accumulation
-#: tiles from this many slots per expert: on an H100 (fusedmoe bench, five fp8_block presets,
-#: uniform routing) the layer on them was 1.8% to 7.1% faster at M = 16384 (256 to 4096 slots
-#: per expert) and -2.9% to +3.9% at M = 4096, the +3.9% at 128 slots per expert
+#: tiles from this many slots per expert. On an H100 (fusedmoe bench, five fp8_block presets,
+#: benchmarks/results/fast_accum_h100/) the layer on them took 0.93x to 0.98x of the promoting
+#: tiles' time at 512 to 4096 slots per expert (M = 16384), 0.96x to 1.0x at 256 (qwen3-235b-a22b
+#: and qwen3-30b-a3b at M = 4096), and at 128 (forced) 1.0x for deepseek-v3, 1.03x for gpt-oss-120b
 FAST_ACCUM_MIN_SLOTS_PER_EXPERT = 256
 
 

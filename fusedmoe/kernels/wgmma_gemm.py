@@ -12,8 +12,8 @@ to it first), out [M_sum, N] bf16 / fp16. Unscaled (bf16 / fp16 a and w): the sa
 the scales. Row blocks past num_rows or of expert -1 are skipped; padding
 rows inside a run are computed from whatever a holds and never read back.
 
-Why Gluon: the per-128-K scales forbid one accumulator over K, so each K block's product is
-formed apart (a wgmma with a zero accumulator) and then scaled into the sum. Plain Triton waits
+Why Gluon: with the per-128-K scales, DeepGEMM forms each K block's product apart (a wgmma with
+a zero accumulator) and then scales it into a float32 sum (the promotion). Plain Triton waits
 for that wgmma before scaling, with all warps in lock step, and the tensor cores idle through
 the scaling (the Triton GEMM stops at 40-55% of the FP8 peak). Here, per program (persistent:
 one per SM, tiles in grouped order):
@@ -22,8 +22,8 @@ one per SM, tiles in grouped order):
                          A and w tiles into it, and (FP8) the A tile's 128 row scales of the K
                          block as one line (a ring of STAGES stages, mbarrier-tracked)
     consumer warpgroups  two, rows [0, 64) and [64, 128) of the tile; per K block: wait for
-    (4 warps each)       the stage, wgmma, release the stage, acc += part * a_s[:, None] * w_s;
-                         then the tile through shared memory and a TMA store
+    (4 warps each)       the stage, wgmma, acc += part * a_s[:, None] * w_s (FP8), release
+                         the stage; then the tile through shared memory and a TMA store
 
 The two consumers are not in lock step, so one's promotion overlaps the other's wgmma (a
 second accumulator in flight within one warpgroup makes ptxas serialize the wgmmas). The row
@@ -35,8 +35,12 @@ descriptors' and buffers' types.
 FP8 tiles 256 wide (block_n=256: the fast_accum path) do not promote: the product and two
 128-wide accumulators would spill. Each half keeps one accumulator in units of the last K
 block's scale s, rescaled by s_prev / s before the block's wgmma adds to it, and leaves as
-acc * s. The tensor cores then sum all of K at their FP8 accumulation precision (about 3x the
-error of the promotion against the exact result), for 2-10% more speed at prefill.
+acc * s. The tensor cores then sum all of K at their FP8 accumulation precision: against the
+exact result the GEMM's error grows with K (1.05x the promotion's at K = 768, 2.8x at K =
+14336; the layer's RMS error 2.4-3.4x), for -1% to +10% speed per GEMM at M = 16384 on an
+H100 (benchmarks/results/fast_accum_h100/). Row and weight scales must be positive: the
+quantizers' are (amax is floored), a zero weight block scale is read as _MIN_W_SCALE, and
+padding rows (any scale) give rows never read.
 """
 
 from __future__ import annotations
@@ -92,7 +96,9 @@ def gluon_unusable_reason(device: torch.device) -> str | None:
 
 if gluon is not None:
     _GROUP_M = gl.constexpr(8)  # row blocks that sweep the n blocks together (L2 reuse)
-    #: the least weight block scale the FP8 kernel divides by (2^-60; real scales are amax / 448)
+    #: the least weight block scale the 256-wide FP8 kernel divides by (2^-60; real scales are
+    #: amax / 448). With row scales >= 2.2e-13 (the quantizer's floor) the accumulator holds at
+    #: most |partial sum| / 1.9e-31: fp32 overflows only for partial sums near 6e7 at both floors
     _MIN_W_SCALE = gl.constexpr(8.673617379884035e-19)
 
     @gluon.jit
@@ -194,10 +200,11 @@ if gluon is not None:
                   HALF: gl.constexpr):  # fmt: skip
         """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile of this program.
 
-        SCALED (FP8, 128-block scales): the tile is one or two 128-wide column halves, each
-        with its own accumulator and weight scale; a K block's product per half is scaled
-        into its accumulator. Unscaled: one accumulator over K, the wgmma of block kb still
-        running while block kb - 1's stage is released."""
+        SCALED (FP8, 128-block scales), 128 wide: each K block's product is scaled into the
+        accumulator (the promotion); 256 wide: two 128-wide halves, each one rescaled
+        accumulator with its own weight scale (the module docstring). Unscaled: one
+        accumulator over K, the wgmma of block kb still running while block kb - 1's stage is
+        released."""
         STAGES: gl.constexpr = a_smem.shape[0]
         SCALED: gl.constexpr = a_desc.dtype.primitive_bitwidth == 8
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -319,10 +326,9 @@ if gluon is not None:
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         OUT_N: gl.constexpr = out_desc.block_type.shape[1]
-        out_smem = gl.allocate_shared_memory(  # one per warpgroup (both halves of a 256-wide
-            out_desc.dtype,
-            [2, BLOCK_M // 2, OUT_N],
-            out_desc.layout,  # FP8 tile in turn)
+        # one epilogue buffer per warpgroup: a 256-wide FP8 tile stores its halves in turn
+        out_smem = gl.allocate_shared_memory(
+            out_desc.dtype, [2, BLOCK_M // 2, OUT_N], out_desc.layout
         )
         as_smem = gl.allocate_shared_memory(  # one line of BLOCK_M row scales per stage
             as_desc.dtype, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -417,7 +423,9 @@ def wgmma_grouped_gemm(
     defaults to what measured best (benchmarks/probe_wgmma_gemm.py): FP8 128 wide, 4 stages,
     each K block promoted as DeepGEMM does; bf16 256 wide, 3 stages (5-10% faster than 128 on
     an H200). FP8 at block_n=256 (3 stages) is the fast-accumulation kernel (module
-    docstring): 2-10% faster than 128 at M = 16384 on an H100, less precise."""
+    docstring): -1% to +10% per GEMM against 128 at M = 16384 on an H100, less precise; its row
+    scales must be positive. At least 2 stages (a consumer holds a stage until the next one
+    has arrived)."""
     m_sum, k = a.shape
     num_experts, n, _ = w.shape
     scaled = a_scale is not None
@@ -427,6 +435,8 @@ def wgmma_grouped_gemm(
         stages = 4 if block_n == 128 else 3
     block_m = 128
     block_k = 128 if scaled else 64  # 128-byte rows: the widest swizzle
+    if stages < 2:
+        raise ValueError(f"stages must be at least 2, got {stages}")
     if alignment != block_m or block_n not in (128, 256):
         raise ValueError(
             f"alignment {alignment} / block_n {block_n}: the runs must be of {block_m} rows, "

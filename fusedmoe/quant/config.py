@@ -117,6 +117,10 @@ class OperandQuant:
         return self.key is not None
 
 
+#: the schemes whose configs take fast_accum (FusedMoEQuantConfig.fast_accum)
+FAST_ACCUM_SCHEMES = ("fp8_block",)
+
+
 @dataclass(frozen=True)
 class FusedMoEQuantConfig:
     scheme: str
@@ -127,13 +131,14 @@ class FusedMoEQuantConfig:
     gemm1_alpha: float | None = None
     gemm1_beta: float | None = None
     gemm1_clamp_limit: float | None = None
-    #: fp8_block: the FP8 GEMMs may sum all of K in the tensor cores' accumulator, rescaled
-    #: from one 128-wide K block's scale to the next, where that is faster, instead of
-    #: promoting each block's product to float32 (what DeepGEMM does). A permission, like
-    #: torch._scaled_mm(use_fast_accum=True): GEMMs without such a path promote as before.
-    #: Taken by the deep_gemm backend's wgmma engine from 256 slots per expert (M * k / E).
-    #: Its error against the exact quantized computation is about 3x (README: "Fast
-    #: accumulation"); against the unquantized layer it was unchanged in the measured presets.
+    #: fp8_block (FAST_ACCUM_SCHEMES): the FP8 GEMMs may sum all of K in the tensor cores'
+    #: accumulator, rescaled from one 128-wide K block's scale to the next, where that is
+    #: faster, instead of promoting each block's product to float32 (what DeepGEMM does). A
+    #: permission, like torch._scaled_mm(use_fast_accum=True): GEMMs without such a path (the
+    #: Triton GEMMs, the DeepGEMM library) promote as before. Taken by the deep_gemm backend's
+    #: wgmma engine from deep_gemm.FAST_ACCUM_MIN_SLOTS_PER_EXPERT. The layer's error against
+    #: the exact quantized computation is 2-3x (README: "Fast accumulation"); against the
+    #: unquantized layer it did not move in the measured presets.
     fast_accum: bool = False
 
     @property
@@ -271,7 +276,7 @@ def make_quant_config(
     weight_key, act_key = _SCHEME_KEYS[check_scheme(scheme)]
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
-    if fast_accum and scheme != "fp8_block":
+    if fast_accum and scheme not in FAST_ACCUM_SCHEMES:
         raise ValueError(f"fast_accum applies to fp8_block (FP8 128-block GEMMs), not {scheme}")
     static = a1_scale is not None or a2_scale is not None
     if static:

@@ -363,7 +363,8 @@ def _add_bench(sub) -> None:
         "--fast-accum",
         action="store_true",
         help="fp8_block rows: quant configs with fast_accum=True (the wgmma engine's fast "
-        "accumulation; labelled fp8_block+fast_accum)",
+        "accumulation), labelled fp8_block+fast_accum (the baselines still run the "
+        "dequantized bf16 weights)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument(

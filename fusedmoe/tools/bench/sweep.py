@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedmoe.modular.types import ActivationSpec, MoEProblem
-from fusedmoe.quant.config import SCHEMES
+from fusedmoe.quant.config import FAST_ACCUM_SCHEMES, SCHEMES
 from fusedmoe.tools.bench.contenders import (
     REFERENCE,
     Contender,
@@ -91,8 +91,10 @@ class BenchSpec:
             raise ValueError(f"--tokens must be counts >= 1, got {self.tokens}")
         if not self.presets or not self.quants or not self.routings:
             raise ValueError("nothing to benchmark: no preset, quant or routing given")
-        if self.fast_accum and "fp8_block" not in self.quants:
-            raise ValueError("--fast-accum applies to fp8_block: add it to --quant")
+        if self.fast_accum and not set(self.quants) & set(FAST_ACCUM_SCHEMES):
+            raise ValueError(
+                f"--fast-accum applies to {', '.join(FAST_ACCUM_SCHEMES)}: add it to --quant"
+            )
 
     @property
     def num_cases(self) -> int:
@@ -181,7 +183,7 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
 
 
 def _fast_accum(quant: str, spec: BenchSpec) -> bool:
-    return spec.fast_accum and quant == "fp8_block"
+    return spec.fast_accum and quant in FAST_ACCUM_SCHEMES
 
 
 def _bench_case(
