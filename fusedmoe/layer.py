@@ -196,6 +196,7 @@ class FusedMoE(nn.Module):
         routed_input_transform: Transform | None = None,
         routed_output_transform: Transform | None = None,
         quant_config: str | None = None,
+        quant_options: dict | None = None,
         parallel_config: ParallelConfig | None = None,
         backend: str | type[Experts] = "auto",
         params_dtype: torch.dtype = torch.bfloat16,
@@ -208,6 +209,10 @@ class FusedMoE(nn.Module):
         those k. It equals the default softmax, top-k, renormalize (which it needs), so it
         changes how the monolithic backend computes the routing, not the result; other backends
         route through the router.
+
+        quant_config: a scheme the layer is built quantized in (its weights then come from
+        load_weights); quant_options: that scheme's options, as quantize_ takes them (for
+        example {"fast_accum": True} or {"use_ue8m0": True} for fp8_block).
         """
         super().__init__()
         self.num_experts = check_positive_int("num_experts", num_experts)
@@ -227,6 +232,11 @@ class FusedMoE(nn.Module):
             raise ValueError("shared_expert_gate needs shared_experts")
         if quant_config is not None:
             check_scheme(quant_config)
+        if quant_options is not None:
+            if not isinstance(quant_options, dict):
+                raise TypeError(f"quant_options must be a dict, got {type(quant_options).__name__}")
+            if quant_config is None:
+                raise ValueError("quant_options needs quant_config (the scheme they are for)")
         self.params_dtype = params_dtype  # the activations' dtype (weights may be quantized)
         self.quant_scheme: str | None = None
         self._quant_options: dict = {}
@@ -293,8 +303,8 @@ class FusedMoE(nn.Module):
         self._graph_state = None
         self.reset_parameters()
         self.backend, self._kernels = backend, {}
-        if quant_config is not None:
-            self.quantize_(quant_config)  # random weights, quantized; load_weights fills them
+        if quant_config is not None:  # random weights, quantized; load_weights fills them
+            self.quantize_(quant_config, **(quant_options or {}))
         self.set_backend(backend)
 
     # ---- construction helpers ----

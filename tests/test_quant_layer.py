@@ -117,6 +117,19 @@ def test_quantize_options_reach_the_config():
     assert "a1_scale" in dict(static.named_buffers())
 
 
+def test_constructor_quant_options():
+    """A layer built quantized (for a pre-quantized checkpoint) takes the scheme's options."""
+    layer = FusedMoE(E, K, H, I, quant_config="fp8_block", quant_options={"fast_accum": True})
+    assert layer.quant_config.fast_accum and layer.quant_config.a1.key.group == (1, 128)
+    assert not FusedMoE(E, K, H, I, quant_config="fp8_block").quant_config.fast_accum
+    with pytest.raises(ValueError, match="quant_options needs quant_config"):
+        FusedMoE(E, K, H, I, quant_options={"fast_accum": True})
+    with pytest.raises(TypeError, match="quant_options must be a dict, got list"):
+        FusedMoE(E, K, H, I, quant_config="fp8_block", quant_options=["fast_accum"])
+    with pytest.raises(ValueError, match="fast_accum applies to fp8_block"):
+        FusedMoE(E, K, H, I, quant_config="int8", quant_options={"fast_accum": True})
+
+
 def test_quantize_twice_and_bad_schemes():
     layer = float_layer()
     layer.quantize_("fp8_channel")
