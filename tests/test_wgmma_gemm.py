@@ -233,6 +233,24 @@ def _reference(a, a_s, w, w_s, m_indices):
     return out
 
 
+def _gemm_on_layout(x, x_s, ids, num_experts, top_k, w, w_s, block_n):
+    """x (and its row scales) permuted into the contiguous layout, the Gluon GEMM with w:
+    (out [M_sum, N] poisoned outside the runs, the float32 reference, the rows in runs)."""
+    from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
+
+    m, dev = x.shape[0], x.device
+    m_sum, _ = compute_aligned_M_and_alignment(m, top_k, num_experts, 128)
+    scale_out = None if x_s is None else torch.empty(x_s.shape[1], m_sum, device=dev).t()
+    layout = permute_contiguous(x, x_s, ids, num_experts, 128, m_sum, scale_out=scale_out)
+    out = poison_(torch.empty(m_sum, w.shape[1], device=dev, dtype=torch.bfloat16))
+    wgmma_gemm.wgmma_grouped_gemm(
+        layout.a, layout.a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, 128,
+        block_n=block_n,
+    )  # fmt: skip
+    ref = _reference(layout.a, layout.a_scale, w, w_s, layout.m_indices)
+    return out, ref, layout.m_indices >= 0
+
+
 CASES = {  # name: (M, E, k, N, K, routing)
     "uniform": (300, 6, 2, 384, 512, None),
     "odd_n_partial_k": (77, 5, 3, 320, 400, None),  # N % 256, K % 128 != 0
@@ -247,8 +265,6 @@ CASES = {  # name: (M, E, k, N, K, routing)
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_gemm_matches_reference(case, block_n, scaled):
     _hopper()
-    from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
-
     m, e, k, n, kk, routing = CASES[case]
     torch.manual_seed(hash(case) % 1000)
     _, ids = random_routing(m, e, k, device="cuda")
@@ -267,16 +283,7 @@ def test_gpu_gemm_matches_reference(case, block_n, scaled):
         x = torch.randn(m, kk, device=dev, dtype=torch.bfloat16)
         w = torch.randn(e, n, kk, device=dev, dtype=torch.bfloat16) * 0.1
         x_s = w_s = None
-    m_sum, _ = compute_aligned_M_and_alignment(m, k, e, 128)
-    scale_out = torch.empty(groups, m_sum, device=dev).t() if scaled else None
-    layout = permute_contiguous(x, x_s, ids, e, 128, m_sum, scale_out=scale_out)
-    out = poison_(torch.empty(m_sum, n, device=dev, dtype=torch.bfloat16))
-    wgmma_gemm.wgmma_grouped_gemm(
-        layout.a, layout.a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, 128,
-        block_n=block_n,
-    )  # fmt: skip
-    ref = _reference(layout.a, layout.a_scale, w, w_s, layout.m_indices)
-    rows = layout.m_indices >= 0
+    out, ref, rows = _gemm_on_layout(x, x_s, ids, e, k, w, w_s, block_n)
     assert rows.any()
     assert_close(out[rows], ref[rows], torch.bfloat16, what=case)
 
@@ -317,8 +324,6 @@ def test_gpu_gemm_scales_far_apart_and_zero_weight_blocks(block_n):
     fast-accumulation kernel (256 wide), which keeps its sum in units of the last K block's
     scale and rescales it block by block."""
     _hopper()
-    from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
-
     m, e, k, n, kk = 200, 4, 2, 640, 1040  # a half-empty last 256-wide tile, a partial K block
     torch.manual_seed(11)
     _, ids = random_routing(m, e, k, device="cuda")
@@ -330,16 +335,7 @@ def test_gpu_gemm_scales_far_apart_and_zero_weight_blocks(block_n):
     w_s[torch.rand_like(w_s) < 0.2] = 0.0
     w_s[:, :, 0] = 0.0  # the first K block of every tile: the sum starts after it
     assert (w_s > 0).any()
-    m_sum, _ = compute_aligned_M_and_alignment(m, k, e, 128)
-    scale_out = torch.empty(groups, m_sum, device="cuda").t()
-    layout = permute_contiguous(x, x_s, ids, e, 128, m_sum, scale_out=scale_out)
-    out = poison_(torch.empty(m_sum, n, device="cuda", dtype=torch.bfloat16))
-    wgmma_gemm.wgmma_grouped_gemm(
-        layout.a, layout.a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, 128,
-        block_n=block_n,
-    )  # fmt: skip
-    ref = _reference(layout.a, layout.a_scale, w, w_s, layout.m_indices)
-    rows = layout.m_indices >= 0
+    out, ref, rows = _gemm_on_layout(x, x_s, ids, e, k, w, w_s, block_n)
     got, want = out[rows].float(), ref[rows]
     assert torch.isfinite(got).all()
     peak = want.abs().amax(dim=1, keepdim=True)  # row by row: the rows' sizes differ by 1e9
