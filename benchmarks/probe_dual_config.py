@@ -140,10 +140,8 @@ def main() -> None:
     print("preset quant routing M | A us | B(xF) us, dual us, chose B | ...")
     for name in args.presets.split(","):
         p = PRESETS[name]
-        w13, w2 = make_expert_weights(
-            name, p.num_experts, p.hidden_size, p.intermediate_size, p.activation,
-            torch.bfloat16, device,
-        )  # fmt: skip
+        e, h, i = p.num_experts, p.hidden_size, p.intermediate_size
+        w13, w2 = make_expert_weights(name, e, h, i, p.activation, torch.bfloat16, device)
         scheme = None if args.quant == "bf16" else args.quant
         experts = quantize_expert_set(w13, w2, scheme, with_plain=False)
         if p.has_bias:

@@ -53,10 +53,8 @@ def main() -> None:
     print("preset M | exact vs bf16 | promote vs exact | fast vs exact | vs bf16: promote, fast")
     for name in args.presets.split(","):
         p = PRESETS[name]
-        w13, w2 = make_expert_weights(
-            name, p.num_experts, p.hidden_size, p.intermediate_size, p.activation,
-            torch.bfloat16, device,
-        )  # fmt: skip
+        e, h, i = p.num_experts, p.hidden_size, p.intermediate_size
+        w13, w2 = make_expert_weights(name, e, h, i, p.activation, torch.bfloat16, device)
         experts = quantize_expert_set(w13, w2, "fp8_block", with_plain=False)
         small = p.num_experts * p.hidden_size * p.intermediate_size < FLOAT32_REFERENCE_MAX_ELEMENTS
         for m in (int(t) for t in args.tokens.split(",")):

@@ -26,7 +26,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusedmoe.functional import fused_experts
+from benchmarks.probe_dual_config import record_args
 from fusedmoe.kernels import fused_moe as fm
 from fusedmoe.tools.bench.inputs import (
     make_expert_biases,
@@ -35,27 +35,6 @@ from fusedmoe.tools.bench.inputs import (
     quantize_expert_set,
 )
 from fusedmoe.tools.presets import PRESETS
-
-
-def record_args(experts, routing, activation):
-    """The arguments of the triton backend's impl for this call (after prepare)."""
-    seen = []
-    real = fm._fused_experts_triton_impl
-
-    def spy(*args):
-        seen.append(args)
-        return real(*args)
-
-    fm._fused_experts_triton_impl = spy
-    try:
-        fused_experts(
-            routing.x, experts.w13, experts.w2, routing.topk_weights, routing.topk_ids,
-            quant_config=experts.quant_config, backend="triton", activation=activation,
-            w13_bias=experts.w13_bias, w2_bias=experts.w2_bias,
-        )  # fmt: skip
-    finally:
-        fm._fused_experts_triton_impl = real
-    return seen[-1]
 
 
 def main() -> None:
@@ -69,10 +48,8 @@ def main() -> None:
     print("preset quant routing M | block_m, row blocks used / launched | shipped us | trimmed us")
     for name in args.presets.split(","):
         p = PRESETS[name]
-        w13, w2 = make_expert_weights(
-            name, p.num_experts, p.hidden_size, p.intermediate_size, p.activation,
-            torch.bfloat16, device,
-        )  # fmt: skip
+        e, h, i = p.num_experts, p.hidden_size, p.intermediate_size
+        w13, w2 = make_expert_weights(name, e, h, i, p.activation, torch.bfloat16, device)
         for quant in args.quant.split(","):
             experts = quantize_expert_set(w13, w2, None if quant == "bf16" else quant,
                                           with_plain=False)  # fmt: skip
