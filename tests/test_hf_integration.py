@@ -455,6 +455,24 @@ def test_patch_quantized_fp8_block(name):
     assert out.shape == (1, 29)
 
 
+def test_patch_passes_quant_options():
+    """quant_options reach every block's quantize_; bad ones fail patch() at once (not one
+    skipped block after another)."""
+    model = build(FAMILY["qwen3_moe"])
+    report = hf.patch(model, quant="fp8_block", quant_options={"fast_accum": True})
+    assert len(report.replaced) == 2 and report.skipped == {}
+    for block_name in report.replaced:
+        assert model.get_submodule(block_name).moe.quant_config.fast_accum
+    fresh = build(FAMILY["qwen3_moe"])
+    with pytest.raises(ValueError, match="quant_options needs quant"):
+        hf.patch(fresh, quant_options={"fast_accum": True})
+    with pytest.raises(ValueError, match="fast_accum applies to fp8_block"):
+        hf.patch(fresh, quant="int8", quant_options={"fast_accum": True})
+    with pytest.raises(TypeError, match="quant_options must be a dict"):
+        hf.patch(fresh, quant="fp8_block", quant_options=[("fast_accum", True)])
+    assert not any(isinstance(m, hf.FusedMoEBlock) for m in fresh.modules())
+
+
 def test_a_layer_fusedmoe_refuses_is_reported(monkeypatch):
     """A ValueError of FusedMoE (a scheme it cannot apply, ...) leaves the block, with why."""
 

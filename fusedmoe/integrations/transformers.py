@@ -613,7 +613,9 @@ class PatchReport:
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why it was left
 
 
-def _build_layer(spec: BlockSpec, backend: str, quant: str | None) -> FusedMoE:
+def _build_layer(
+    spec: BlockSpec, backend: str, quant: str | None, quant_options: dict | None = None
+) -> FusedMoE:
     layout = experts_layout(spec.experts)
     if layout.w13.is_meta:
         raise NotRepresentable("its weights are on the meta device (offloaded or not loaded)")
@@ -651,7 +653,7 @@ def _build_layer(spec: BlockSpec, backend: str, quant: str | None) -> FusedMoE:
     moe.load_weights(weights)
     _share_parameters(moe, layout)
     if quant is not None:
-        moe.quantize_(quant)
+        moe.quantize_(quant, **(quant_options or {}))
     return moe
 
 
@@ -690,7 +692,9 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _patch_block(block: nn.Module, backend: str, quant: str | None) -> FusedMoEBlock:
+def _patch_block(
+    block: nn.Module, backend: str, quant: str | None, quant_options: dict | None = None
+) -> FusedMoEBlock:
     name = type(block).__name__
     if not type(block).__module__.startswith("transformers."):
         raise NotRepresentable(
@@ -711,21 +715,27 @@ def _patch_block(block: nn.Module, backend: str, quant: str | None) -> FusedMoEB
             "patch the model in eval mode"
         )
     try:
-        moe = _build_layer(spec, backend, quant)
+        moe = _build_layer(spec, backend, quant, quant_options)
     except (ValueError, TypeError) as exc:
         raise NotRepresentable(f"FusedMoE refused it: {exc}") from exc
     wrapper = FusedMoEBlock(moe, getattr(block, spec.router_attr), spec, replaced=name)
     return wrapper.train(block.training)
 
 
-def patch(model: nn.Module, backend: str = "auto", quant: str | None = None) -> PatchReport:
+def patch(
+    model: nn.Module,
+    backend: str = "auto",
+    quant: str | None = None,
+    quant_options: dict | None = None,
+) -> PatchReport:
     """Replace every sparse MoE block of `model` that fusedmoe can compute by a FusedMoEBlock.
 
     Blocks are recognised by class (BLOCK_ADAPTERS). A block is replaced only when the
     FusedMoE computes the same function (router included): any other block, and any module
     with an `experts` submodule whose class has no adapter, is left as it is and reported with
     the reason. backend goes to FusedMoE(backend=...); quant ("fp8_block", ...) quantizes the
-    experts online (layer.quantize_).
+    experts online (layer.quantize_), with quant_options as quantize_'s options (for example
+    {"fast_accum": True} for fp8_block).
 
     The FusedMoE layers hold the experts' own Parameter objects (gate_up_proj, down_proj and
     their biases), so training updates the model's tensors and an optimizer built before
@@ -738,6 +748,10 @@ def patch(model: nn.Module, backend: str = "auto", quant: str | None = None) -> 
         get_backend(backend)  # an unknown name fails here, not once per block
     if quant is not None and quant not in SCHEMES:
         raise ValueError(f"unknown quant scheme {quant!r}; expected None or one of {SCHEMES}")
+    if quant_options is not None:  # checked once here, not refused block by block
+        if quant is None:
+            raise ValueError("quant_options needs quant (the scheme they are for)")
+        FusedMoE(2, 1, 128, 128, quant_config=quant, quant_options=quant_options, device="cpu")
     report = PatchReport()
     done: list[str] = []
     for name, module in list(model.named_modules()):
@@ -757,7 +771,7 @@ def patch(model: nn.Module, backend: str = "auto", quant: str | None = None) -> 
             report.skipped[name] = "the model is itself a MoE block: patch its parent module"
             continue
         try:
-            wrapper = _patch_block(module, backend, quant)
+            wrapper = _patch_block(module, backend, quant, quant_options)
         except NotRepresentable as why:
             report.skipped[name] = f"{type(module).__name__}: {why}"
             continue
