@@ -87,21 +87,30 @@ def _stand_in(calls):
 
 
 @pytest.fixture
-def pretend_hopper(monkeypatch):
-    """No library, Gluon usable, the kernel replaced by its torch stand-in: the calls seen."""
-    from fusedmoe.experts.triton import TritonExperts
-    from fusedmoe.kernels import deep_gemm_lib, deep_gemm_moe
+def no_library(monkeypatch):
+    """The DeepGEMM library hidden (FUSEDMOE_DEEP_GEMM=0): the wgmma engine runs fp8_block;
+    the search is redone on both sides so that no other test sees this one's."""
+    from fusedmoe.kernels import deep_gemm_lib
 
     monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
     deep_gemm_lib.find_library(refresh=True)
+    yield
+    monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
+    deep_gemm_lib.find_library(refresh=True)
+
+
+@pytest.fixture
+def pretend_hopper(monkeypatch, no_library):
+    """No library, Gluon usable, the kernel replaced by its torch stand-in: the calls seen."""
+    from fusedmoe.experts.triton import TritonExperts
+    from fusedmoe.kernels import deep_gemm_moe
+
     monkeypatch.setattr(wgmma_gemm, "gluon_unusable_reason", lambda device: None)
     calls = []
     monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", _stand_in(calls))
     for cls in (DeepGemmExperts, TritonExperts):  # as on a GPU (the CPU runs them by name)
         monkeypatch.setattr(cls, "preferred_on", classmethod(lambda cls, device: True))
-    yield calls
-    monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
-    deep_gemm_lib.find_library(refresh=True)
+    return calls
 
 
 def _problem(num_tokens):
@@ -345,65 +354,48 @@ def test_gpu_gemm_scales_far_apart_and_zero_weight_blocks(block_n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
-def test_gpu_wgmma_engine_matches_torch_backend(preset, monkeypatch):
+def test_gpu_wgmma_engine_matches_torch_backend(preset, no_library):
     _hopper()
-    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")  # the wgmma engine, not the library
-    from fusedmoe.kernels import deep_gemm_lib
-
-    deep_gemm_lib.find_library(refresh=True)
-    try:
-        _, x, experts, weights, ids, qc = preset_problem(preset, 1030, "fp8_block")
-        backend = DeepGemmExperts(strict=True, engine="wgmma")
-        for num_tokens in (1, 129, 1030):
-            sl = slice(num_tokens)
-            args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
-            out = run_experts(backend, *args, qc)
-            ref = fused_experts(*args, quant_config=qc, backend="torch")
-            assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
-    finally:
-        monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
-        deep_gemm_lib.find_library(refresh=True)
+    _, x, experts, weights, ids, qc = preset_problem(preset, 1030, "fp8_block")
+    backend = DeepGemmExperts(strict=True, engine="wgmma")
+    for num_tokens in (1, 129, 1030):
+        sl = slice(num_tokens)
+        args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
+        out = run_experts(backend, *args, qc)
+        ref = fused_experts(*args, quant_config=qc, backend="torch")
+        assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
 
 
 @pytest.mark.gpu
-def test_gpu_wgmma_engine_runs_gpt_oss(monkeypatch):
+def test_gpu_wgmma_engine_runs_gpt_oss(no_library):
     """gpt-oss-120b (interleaved SwiGLU, biases on both GEMMs, K = 2880: a partial 128 block)
     on the engine, against the torch backend."""
     _hopper()
-    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
-    from fusedmoe.kernels import deep_gemm_lib
     from fusedmoe.modular.types import ActivationSpec
 
-    deep_gemm_lib.find_library(refresh=True)
-    try:
-        spec, x, experts, weights, ids, qc = preset_problem("gpt-oss-120b", 1030, "fp8_block")
-        backend = DeepGemmExperts(strict=True, engine="wgmma")
-        bias = dict(w13_bias=experts["w13_bias"], w2_bias=experts["w2_bias"])
-        for num_tokens in (129, 1030):
-            sl = slice(num_tokens)
-            args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
-            out = run_experts(
-                backend, *args, qc, activation=ActivationSpec.make(spec.activation), **bias
-            )
-            ref = fused_experts(
-                *args, quant_config=qc, backend="torch", activation=spec.activation, **bias
-            )
-            assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
-    finally:
-        monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
-        deep_gemm_lib.find_library(refresh=True)
+    spec, x, experts, weights, ids, qc = preset_problem("gpt-oss-120b", 1030, "fp8_block")
+    backend = DeepGemmExperts(strict=True, engine="wgmma")
+    bias = dict(w13_bias=experts["w13_bias"], w2_bias=experts["w2_bias"])
+    for num_tokens in (129, 1030):
+        sl = slice(num_tokens)
+        args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
+        out = run_experts(
+            backend, *args, qc, activation=ActivationSpec.make(spec.activation), **bias
+        )
+        ref = fused_experts(
+            *args, quant_config=qc, backend="torch", activation=spec.activation, **bias
+        )
+        assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
 
 
 @pytest.mark.gpu
-def test_gpu_fast_accum_matches_torch_backend(monkeypatch):
+def test_gpu_fast_accum_matches_torch_backend(monkeypatch, no_library):
     """fast_accum on the engine (its 256-wide tiles from 256 slots per expert): mixtral-8x7b,
     whose GEMM2 sums the longest K of the presets (14336: 112 blocks in one accumulator,
     where the error grows most), within the quantized bounds of the torch backend."""
     _hopper()
-    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
-    from fusedmoe.kernels import deep_gemm_lib, deep_gemm_moe
+    from fusedmoe.kernels import deep_gemm_moe
 
-    deep_gemm_lib.find_library(refresh=True)
     seen = []
     real = deep_gemm_moe.wgmma_grouped_gemm
 
@@ -412,50 +404,40 @@ def test_gpu_fast_accum_matches_torch_backend(monkeypatch):
         return real(*args, block_n=block_n, **kwargs)
 
     monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", spy)
-    try:
-        _, x, experts, weights, ids, qc = preset_problem(
-            "mixtral-8x7b", 1030, "fp8_block", fast_accum=True
-        )
-        assert qc.fast_accum
-        args = (x, experts["w13"], experts["w2"], weights, ids)
-        out = run_experts(DeepGemmExperts(strict=True, engine="wgmma"), *args, qc)
-        assert seen == [256, 256]
-        ref = fused_experts(*args, quant_config=qc, backend="torch")
-        assert_close(out, ref, torch.bfloat16, what="fast_accum", **quant_tol("cuda"))
-    finally:
-        monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
-        deep_gemm_lib.find_library(refresh=True)
+    _, x, experts, weights, ids, qc = preset_problem(
+        "mixtral-8x7b", 1030, "fp8_block", fast_accum=True
+    )
+    assert qc.fast_accum
+    args = (x, experts["w13"], experts["w2"], weights, ids)
+    out = run_experts(DeepGemmExperts(strict=True, engine="wgmma"), *args, qc)
+    assert seen == [256, 256]
+    ref = fused_experts(*args, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, what="fast_accum", **quant_tol("cuda"))
 
 
 @pytest.mark.gpu
-def test_gpu_auto_takes_wgmma_without_the_library(monkeypatch):
+def test_gpu_auto_takes_wgmma_without_the_library(monkeypatch, no_library):
     _hopper()
-    monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
-    from fusedmoe.kernels import deep_gemm_lib, deep_gemm_moe
+    from fusedmoe.kernels import deep_gemm_moe
 
-    deep_gemm_lib.find_library(refresh=True)
     seen = []
     real = deep_gemm_moe.wgmma_grouped_gemm
     monkeypatch.setattr(
         deep_gemm_moe, "wgmma_grouped_gemm", lambda *a, **k: seen.append(1) or real(*a, **k)
     )
-    try:
-        _, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 4096, "fp8_block")
-        args = (x, experts["w13"], experts["w2"], weights, ids)
-        ref = fused_experts(*args, quant_config=qc, backend="torch")
-        run_experts(DeepGemmExperts(strict=True, engine="triton"), *args, qc)
-        assert seen == []
-        out = run_experts(DeepGemmExperts(strict=True), *args, qc)  # auto: wgmma
-        assert len(seen) == 2  # both GEMMs
-        assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
-        seen.clear()
-        out = fused_experts(*args, quant_config=qc)  # the oracle: deep_gemm on wgmma
-        assert len(seen) == 2
-        assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
-        seen.clear()
-        small = (x[:64], experts["w13"], experts["w2"], weights[:64], ids[:64])
-        fused_experts(*small, quant_config=qc)  # 4 slots per expert: the triton backend
-        assert seen == []
-    finally:
-        monkeypatch.delenv("FUSEDMOE_DEEP_GEMM")
-        deep_gemm_lib.find_library(refresh=True)
+    _, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 4096, "fp8_block")
+    args = (x, experts["w13"], experts["w2"], weights, ids)
+    ref = fused_experts(*args, quant_config=qc, backend="torch")
+    run_experts(DeepGemmExperts(strict=True, engine="triton"), *args, qc)
+    assert seen == []
+    out = run_experts(DeepGemmExperts(strict=True), *args, qc)  # auto: wgmma
+    assert len(seen) == 2  # both GEMMs
+    assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
+    seen.clear()
+    out = fused_experts(*args, quant_config=qc)  # the oracle: deep_gemm on wgmma
+    assert len(seen) == 2
+    assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
+    seen.clear()
+    small = (x[:64], experts["w13"], experts["w2"], weights[:64], ids[:64])
+    fused_experts(*small, quant_config=qc)  # 4 slots per expert: the triton backend
+    assert seen == []
