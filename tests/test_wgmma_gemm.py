@@ -15,7 +15,6 @@ from fusedmoe import fused_experts
 from fusedmoe.experts.deep_gemm import DeepGemmExperts
 from fusedmoe.kernels import wgmma_gemm
 from fusedmoe.quant.formats import FP8_DTYPE
-from fusedmoe.quant.kernels import act_mul_group_quant_fp8_impl
 from tests.helpers import (
     assert_close,
     poison_,
@@ -87,23 +86,6 @@ def _stand_in(calls):
     return gemm
 
 
-def _fused_stand_in(calls):
-    """The fused GEMM1's contract in torch: the stand-in GEMM into a bf16 h, then the act +
-    quant kernel over the rows in use (what the Gluon epilogue reproduces bit for bit)."""
-    gemm = _stand_in(calls)
-
-    def fused(a, a_scale, w13, w13_scale, out, out_scale, expert_ids, num_rows, alignment):
-        assert out_scale.stride() == (1, a.shape[0])  # column-major, as GEMM2 reads them
-        h = torch.zeros(a.shape[0], w13.shape[1], dtype=torch.bfloat16)
-        gemm(a, a_scale, w13, w13_scale, h, expert_ids, num_rows, alignment, block_n="act")
-        q, s = act_mul_group_quant_fp8_impl(h, "silu", 0.0, 0.0, 0.0, False, 128, True, False)
-        rows = int(num_rows)
-        out[:rows] = q[:rows]
-        out_scale[:rows] = s[:rows]
-
-    return fused
-
-
 @pytest.fixture
 def no_library(monkeypatch):
     """The DeepGEMM library hidden (FUSEDMOE_DEEP_GEMM=0): the wgmma engine runs fp8_block;
@@ -126,7 +108,6 @@ def pretend_hopper(monkeypatch, no_library):
     monkeypatch.setattr(wgmma_gemm, "gluon_unusable_reason", lambda device: None)
     calls = []
     monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", _stand_in(calls))
-    monkeypatch.setattr(deep_gemm_moe, "wgmma_gemm1_act_quant", _fused_stand_in(calls))
     for cls in (DeepGemmExperts, TritonExperts):  # as on a GPU (the CPU runs them by name)
         monkeypatch.setattr(cls, "preferred_on", classmethod(lambda cls, device: True))
     return calls
@@ -208,85 +189,13 @@ def test_fast_accum_takes_the_wide_tiles_from_its_slots_per_expert(pretend_hoppe
     tokens = FAST_ACCUM_MIN_SLOTS_PER_EXPERT * E // 2  # k = 2: exactly the threshold
     x, w13, w2, weights, ids, qc = _problem(tokens)
     fast = dataclasses.replace(qc, fast_accum=True)
-    # the promoting 128-wide tiles make a2 in GEMM1's epilogue ("act"); the fast ones do not
-    cases = [
-        (fast, tokens, [256, 256]),
-        (fast, tokens - 1, ["act", None]),
-        (qc, tokens, ["act", None]),
-    ]
+    cases = [(fast, tokens, 256), (fast, tokens - 1, None), (qc, tokens, None)]
     for config, m, block_n in cases:
         pretend_hopper.clear()
         out = run_experts(DeepGemmExperts(), x[:m], w13, w2, weights[:m], ids[:m], config)
-        assert [b for _, b in pretend_hopper] == block_n, (m, config.fast_accum)
+        assert [b for _, b in pretend_hopper] == [block_n, block_n], (m, config.fast_accum)
         ref = fused_experts(x[:m], w13, w2, weights[:m], ids[:m], quant_config=qc, backend="torch")
         assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
-
-
-@pytest.mark.parametrize(
-    "case", ["silu", "switched_off", "fp16", "limit", "gelu", "bias", "half_group"]
-)
-def test_gemm1_makes_a2_where_its_epilogue_can(pretend_hopper, case):
-    """GEMM1's epilogue makes a2 (the "act" call) for SiLU without clamp or bias, a bf16 h
-    and whole 128-wide groups of each half; everywhere else GEMM1 stores h for the act +
-    quant kernel. Either way the layer matches the torch backend."""
-    from fusedmoe.activation import ActivationParams
-    from fusedmoe.experts.deep_gemm import WGMMA_MIN_SLOTS_PER_EXPERT
-    from fusedmoe.kernels.deep_gemm_moe import use_wgmma_act_fusion
-    from fusedmoe.modular.types import ActivationSpec
-    from fusedmoe.quant import quantize_experts
-    from tests.reference import random_experts
-
-    tokens = WGMMA_MIN_SLOTS_PER_EXPERT * E // 2
-    inter = 64 if case == "half_group" else I  # I = 64: each half is half a group
-    kind = "gelu" if case == "gelu" else "silu"
-    experts = random_experts(E, H, inter, kind, dtype=torch.bfloat16)
-    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
-    weights, ids = random_routing(tokens, E, 2)
-    dtype = torch.float16 if case == "fp16" else torch.bfloat16
-    x = torch.randn(tokens, H, dtype=dtype)
-    params = ActivationParams(limit=2.0) if case == "limit" else None
-    act = ActivationSpec.make(kind, params)
-    bias = torch.randn(E, 2 * inter, dtype=dtype) if case == "bias" else None
-    with use_wgmma_act_fusion(case != "switched_off"):
-        out = run_experts(
-            DeepGemmExperts(), x, w13, w2, weights, ids, qc, activation=act, w13_bias=bias
-        )
-    fused = case == "silu"
-    assert [b for _, b in pretend_hopper] == (["act", None] if fused else [None, None]), case
-    ref = fused_experts(
-        x, w13, w2, weights, ids, quant_config=qc, activation=kind, activation_params=params,
-        w13_bias=bias, backend="torch",
-    )  # fmt: skip
-    assert_close(out, ref, dtype, **quant_tol("cpu"))
-
-
-def test_the_fused_gemm1_refuses_shapes_it_cannot_tile():
-    a = torch.empty(256, 128, dtype=FP8_DTYPE)
-    a_s = torch.empty(1, 256).t()
-    ids = torch.zeros(2, dtype=torch.int32)
-
-    def call(n, width, scale_shape, m_sum=256):
-        w = torch.empty(2, n, 128, dtype=FP8_DTYPE)
-        out = torch.empty(m_sum, width, dtype=FP8_DTYPE)
-        s = torch.empty(scale_shape[::-1]).t()
-        wgmma_gemm.wgmma_gemm1_act_quant(a[:m_sum], a_s[:m_sum], w, None, out, s, ids, ids, 128)
-
-    with pytest.raises(ValueError, match="I a multiple of 128"):
-        call(384, 192, (256, 1))  # I = 192
-    with pytest.raises(ValueError, match=r"out \[256, 128\] float8_e4m3fn"):
-        call(256, 256, (256, 1))
-    with pytest.raises(ValueError, match="out_scale must be float32"):
-        call(256, 128, (256, 2))
-    with pytest.raises(ValueError, match="whole 128-row runs"):
-        call(256, 128, (200, 1), m_sum=200)
-
-
-def test_the_act_fusion_switch_takes_a_bool():
-    from fusedmoe.kernels.deep_gemm_moe import use_wgmma_act_fusion
-
-    switch = use_wgmma_act_fusion(0)
-    with pytest.raises(TypeError, match="enabled must be a bool, got int"):
-        switch.__enter__()
 
 
 def test_the_oracle_puts_deep_gemm_first_where_wgmma_runs(pretend_hopper, monkeypatch):
@@ -386,59 +295,6 @@ def test_gpu_gemm_matches_reference(case, block_n, scaled):
     out, ref, rows = _gemm_on_layout(x, x_s, ids, e, k, w, w_s, block_n)
     assert rows.any()
     assert_close(out[rows], ref[rows], torch.bfloat16, what=case)
-
-
-ACT_CASES = {  # name: (M, E, k, 2I, K, routing): I a multiple of 128
-    "uniform": (300, 6, 2, 512, 512, None),
-    "partial_k": (77, 5, 3, 768, 400, None),  # K % 128 != 0
-    "one_expert_takes_all": (260, 4, 1, 256, 256, "hot"),
-    "empty_experts": (150, 9, 2, 512, 384, "empty"),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(ACT_CASES))
-def test_gpu_gemm1_act_quant_is_gemm1_then_the_act_kernel(case):
-    """GEMM1 with SiLU-and-mul and the 1 x 128 quantization in its epilogue writes, in every
-    row of the runs, the bytes and scales that the GEMM into a bf16 h and the act + quant
-    kernel write: the same sums (the same promotion), rounded to bf16, the same arithmetic."""
-    _hopper()
-    from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
-
-    m, e, k, n, kk, routing = ACT_CASES[case]
-    torch.manual_seed(hash(case) % 1000)
-    _, ids = random_routing(m, e, k, device="cuda")
-    if routing == "hot":
-        ids = torch.full_like(ids, e - 1)
-    elif routing == "empty":
-        ids = ids % 3 * 3  # experts 0, 3 and 6 only
-    groups = -(-kk // 128)
-    x = (torch.randn(m, kk, device="cuda") * 2).to(FP8_DTYPE)
-    x_s = torch.rand(m, groups, device="cuda") * 0.1 + 0.01
-    w = (torch.randn(e, n, kk, device="cuda") * 2).to(FP8_DTYPE)
-    w_s = torch.rand(e, n // 128, groups, device="cuda") * 0.1 + 0.01
-    m_sum, _ = compute_aligned_M_and_alignment(m, k, e, 128)
-    scale_out = torch.empty(groups, m_sum, device="cuda").t()
-    layout = permute_contiguous(x, x_s, ids, e, 128, m_sum, scale_out=scale_out)
-    h = torch.empty(m_sum, n, device="cuda", dtype=torch.bfloat16)
-    wgmma_gemm.wgmma_grouped_gemm(
-        layout.a, layout.a_scale, w, w_s, h, layout.expert_ids, layout.num_rows, 128
-    )
-    want_q, want_s = act_mul_group_quant_fp8_impl(
-        h, "silu", 0.0, 0.0, 0.0, False, 128, True, False, layout.num_rows
-    )
-    q = torch.empty(m_sum, n // 2, device="cuda", dtype=FP8_DTYPE)
-    q.view(torch.uint8).fill_(0x7F)  # NaN: a byte left unwritten fails
-    scales = poison_(torch.empty(n // 2 // 128, m_sum, device="cuda")).t()
-    wgmma_gemm.wgmma_gemm1_act_quant(
-        layout.a, layout.a_scale, w, w_s, q, scales, layout.expert_ids, layout.num_rows, 128
-    )
-    rows = layout.m_indices >= 0
-    assert rows.sum() == m * k
-    assert torch.equal(scales[rows], want_s[rows]), case
-    got, want = q[rows].view(torch.uint8), want_q[rows].view(torch.uint8)
-    assert torch.equal(got, want), f"{case}: {(got != want).sum().item()} bytes differ"
-    assert want_q[rows].float().abs().amax() > 400  # the groups reach the FP8 range
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ from fusedmoe.kernels.deep_gemm_lib import MASKED_ROWS, find_library
 from fusedmoe.kernels.fused_moe import TL_DTYPE, GemmRows, GemmVariant, launch_gemm, moe_sum
 from fusedmoe.kernels.moe_align import aligned_sizes, local_ids, moe_align_block_size
 from fusedmoe.kernels.moe_config import GemmConfig
-from fusedmoe.kernels.wgmma_gemm import wgmma_gemm1_act_quant, wgmma_grouped_gemm
+from fusedmoe.kernels.wgmma_gemm import wgmma_grouped_gemm
 from fusedmoe.quant.activation import quantize_mxfp8
 from fusedmoe.quant.formats import FP8_DTYPE
 
@@ -594,41 +594,6 @@ def carve_permuted(workspace13: torch.Tensor, rows: int, hidden: int, groups: in
     return a_out, scales
 
 
-_act_fusion: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fusedmoe_wgmma_act_fusion", default=True
-)
-
-
-@contextlib.contextmanager
-def use_wgmma_act_fusion(enabled: bool) -> Iterator[None]:
-    """Scoped switch (benchmarks, tests): whether the wgmma engine's GEMM1 makes a2 in its
-    epilogue where it can (the default), or stores h for the act + quant kernel."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    token = _act_fusion.set(enabled)
-    try:
-        yield
-    finally:
-        _act_fusion.reset(token)
-
-
-def _act_fusable(act, has_limit, w13_bias, use_ue8m0, fast_accum, n, dtype) -> bool:
-    """Whether the wgmma engine's GEMM1 can make a2 itself (wgmma_gemm1_act_quant): SiLU
-    without clamp or bias, float32 group scales, the promoting 128-wide tiles, whole 128-wide
-    groups of each half, and a bf16 h (the rounding the epilogue reproduces). Elsewhere GEMM1
-    stores h and the act + quant kernel reads it."""
-    return (
-        _act_fusion.get()
-        and act is MoEActivation.SILU
-        and not has_limit
-        and w13_bias is None
-        and not use_ue8m0
-        and not fast_accum
-        and n % (2 * g.QUANT_GROUP) == 0
-        and dtype == torch.bfloat16
-    )
-
-
 def _library():
     lib = find_library()
     if lib is None:
@@ -671,24 +636,12 @@ def _run_fp8_block(
             def gemm(a, a_scale, w, w_scale, out):
                 lib.contiguous(a, a_scale, w, w_scale, out, layout.m_indices)
 
-        if engine == "wgmma" and _act_fusable(act, has_limit, w13_bias, use_ue8m0, fast_accum,
-                                              n, output.dtype):  # fmt: skip
-            # GEMM1's epilogue makes a2: h never reaches memory
-            a2q = torch.empty((m_sum, n // 2), dtype=FP8_DTYPE, device=output.device)
-            a2_scale = torch.empty(
-                (n // 2 // g.QUANT_GROUP, m_sum), dtype=torch.float32, device=output.device
-            ).t()
-            wgmma_gemm1_act_quant(
-                layout.a, layout.a_scale, w13, w13_scale, a2q, a2_scale, layout.expert_ids,
-                layout.num_rows, alignment,
-            )  # fmt: skip
-        else:
-            h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
-            gemm(layout.a, layout.a_scale, w13, w13_scale, h)
-            a2q, a2_scale = act_quant(  # the rows of the runs only: m_sum is a bound
-                h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True, use_ue8m0,
-                layout.num_rows, w13_bias, None if w13_bias is None else layout.m_indices,
-            )  # fmt: skip
+        h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
+        gemm(layout.a, layout.a_scale, w13, w13_scale, h)
+        a2q, a2_scale = act_quant(  # the rows of the runs only: m_sum is a bound
+            h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, True, use_ue8m0,
+            layout.num_rows, w13_bias, None if w13_bias is None else layout.m_indices,
+        )  # fmt: skip
         y = workspace2.view(-1)[: m_sum * hidden].view(m_sum, hidden)
         gemm(a2q, a2_scale, w2, w2_scale, y)
         inv_perm = layout.inv_perm

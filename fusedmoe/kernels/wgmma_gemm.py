@@ -51,7 +51,6 @@ import torch
 import triton
 
 from fusedmoe.kernels.deep_gemm_lib import device_capability
-from fusedmoe.quant.formats import AMAX_EPS, FP8_MAX
 
 try:  # Gluon's Hopper API; without it the Triton GEMMs run
     from triton.experimental import gluon
@@ -70,7 +69,7 @@ except Exception as e:  # an older or newer Triton with another Gluon API
     gluon = None
     GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-__all__ = ["gluon_unusable_reason", "wgmma_gemm1_act_quant", "wgmma_grouped_gemm", "wgmma_status"]
+__all__ = ["gluon_unusable_reason", "wgmma_grouped_gemm", "wgmma_status"]
 
 #: Triton versions (major.minor) whose Gluon API the kernel was built, checked and measured
 #: with: Gluon is experimental and moves between releases, so other versions run the Triton GEMMs
@@ -101,8 +100,6 @@ if gluon is not None:
     #: amax / 448). With row scales >= 2.2e-13 (the quantizer's floor) the accumulator holds at
     #: most |partial sum| / 1.9e-31: fp32 overflows only for partial sums near 6e7 at both floors
     _MIN_W_SCALE = gl.constexpr(8.673617379884035e-19)
-    _FP8_MAX = gl.constexpr(FP8_MAX)  # the group quantization's, as fusedmoe.quant.kernels
-    _AMAX_EPS = gl.constexpr(AMAX_EPS)
 
     @gluon.jit
     def _tile_of(tile, num_m_blocks, num_n_blocks, GROUP_M: gl.constexpr):
@@ -127,15 +124,11 @@ if gluon is not None:
         return off_m, pid_n, expert
 
     @gluon.jit
-    def _producer(a_desc, w_desc, as_desc, out_desc, a_smem, w_smem, as_smem, full, empty,
-                  expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
+    def _producer(a_desc, w_desc, as_desc, a_smem, w_smem, as_smem, full, empty, expert_ids_ptr,
+                  num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
         """One warp: TMA loads of every (tile, K block) of this program into the stage ring:
-        the A and w tiles and, FP8, the A tile's 128 row scales of the K block. Fused with the
-        activation (an FP8 out), a tile is 128 activation columns: the gate rows' K blocks,
-        then the up rows'."""
+        the A and w tiles and, FP8, the A tile's 128 row scales of the K block."""
         SCALED: gl.constexpr = a_desc.dtype.primitive_bitwidth == 8
-        FUSED: gl.constexpr = out_desc.dtype.primitive_bitwidth == 8
-        PASSES: gl.constexpr = 2 if FUSED else 1
         STAGE_BYTES: gl.constexpr = (
             a_desc.block_type.nbytes + w_desc.block_type.nbytes
             + SCALED * as_desc.block_type.nbytes
@@ -144,7 +137,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-        num_n_blocks = gl.cdiv(N // PASSES, BLOCK_N)
+        num_n_blocks = gl.cdiv(N, BLOCK_N)
         num_k = gl.cdiv(K, BLOCK_K)
         num_rows = gl.load(num_rows_ptr)
         it = 0
@@ -153,26 +146,25 @@ if gluon is not None:
                 tile, num_m_blocks, num_n_blocks, num_rows, expert_ids_ptr, BLOCK_M
             )
             if expert >= 0:
-                for half in gl.static_range(PASSES):  # fused: the up rows start at N / 2
-                    w_row = expert * N + half * (N // 2) + pid_n * BLOCK_N
-                    for kb in range(num_k):
-                        stage = it % STAGES
-                        # wait until both consumers released the stage (its previous use)
-                        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
-                        bar = full.index(stage)
-                        mbarrier.expect(bar, STAGE_BYTES)
-                        tma.async_copy_global_to_shared(
-                            a_desc, [off_m, kb * BLOCK_K], bar, a_smem.index(stage)
+                w_row = expert * N + pid_n * BLOCK_N
+                for kb in range(num_k):
+                    stage = it % STAGES
+                    # wait until both consumers released the stage (its previous use)
+                    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                    bar = full.index(stage)
+                    mbarrier.expect(bar, STAGE_BYTES)
+                    tma.async_copy_global_to_shared(
+                        a_desc, [off_m, kb * BLOCK_K], bar, a_smem.index(stage)
+                    )
+                    tma.async_copy_global_to_shared(
+                        w_desc, [w_row, kb * BLOCK_K], bar, w_smem.index(stage)
+                    )
+                    if SCALED:
+                        line = as_smem.index(stage)._reinterpret(
+                            as_desc.dtype, as_desc.block_type.shape, as_desc.layout
                         )
-                        tma.async_copy_global_to_shared(
-                            w_desc, [w_row, kb * BLOCK_K], bar, w_smem.index(stage)
-                        )
-                        if SCALED:
-                            line = as_smem.index(stage)._reinterpret(
-                                as_desc.dtype, as_desc.block_type.shape, as_desc.layout
-                            )
-                            tma.async_copy_global_to_shared(as_desc, [kb, off_m], bar, line)
-                        it += 1
+                        tma.async_copy_global_to_shared(as_desc, [kb, off_m], bar, line)
+                    it += 1
 
     @gluon.jit
     def _scaled_block(a_tile, w_tile, acc, scale):
@@ -202,65 +194,14 @@ if gluon is not None:
         tma.async_copy_shared_to_global(out_desc, [off_m, off_n], buf)
 
     @gluon.jit
-    def _promoted_sum(a_smem, w_smem, as_smem, full, empty, w_scales, stride_wsk, num_k, it,
-                      acc, HALF: gl.constexpr, row_layout: gl.constexpr):  # fmt: skip
-        """acc + this warpgroup's rows of one 128-wide w row block's tile over all K blocks,
-        each K block's product promoted into the float32 sum as DeepGEMM does (w_scales: the
-        block's weight scales, one per K block). -> (acc, it after the blocks)."""
-        STAGES: gl.constexpr = a_smem.shape[0]
-        ROWS: gl.constexpr = a_smem.shape[1] // 2
-        for kb in range(num_k):
-            stage = it % STAGES
-            # the weight scale first: its latency hides behind the wait and the wgmma (the
-            # row scales came with the stage)
-            w_s0 = gl.load(w_scales + kb * stride_wsk)
-            mbarrier.wait(full.index(stage), (it // STAGES) & 1)
-            a_s = as_smem.index(stage).slice(HALF * ROWS, ROWS).load(row_layout)
-            a_tile = a_smem.index(stage).slice(HALF * ROWS, ROWS)
-            acc = _scaled_block(a_tile, w_smem.index(stage), acc, a_s * w_s0)
-            mbarrier.arrive(empty.index(stage), count=1)
-            it += 1
-        return acc, it
-
-    @gluon.jit
-    def _store_act_quant(out_desc, out_smem, slot, gate, up, off_m, off_n, out_scale_ptr,
-                         stride_osm, stride_osg, row_layout: gl.constexpr):  # fmt: skip
-        """silu(gate) * up of a [64, 128] tile, FP8 per 1 x 128 group, stored with its row
-        scales: the act + quant kernel's arithmetic (fusedmoe.quant.kernels), gate and up
-        rounded to bf16 first as GEMM1's h would be, so the two paths agree bit for bit."""
-        ROWS: gl.constexpr = gate.shape[0]
-        g = gate.to(gl.float32)
-        u = up.to(gl.bfloat16).to(gl.float32)
-        act = g / (1.0 + gl.exp(-g)) * u
-        amax = gl.max(gl.abs(act), axis=1)
-        scale = gl.div_rn(gl.maximum(amax, _AMAX_EPS), _FP8_MAX)
-        inverse = gl.div_rn(gl.full([ROWS], 1.0, gl.float32, row_layout), scale)
-        s2 = gl.expand_dims(scale, 1)
-        i2 = gl.expand_dims(inverse, 1)
-        q = act * i2  # act / scale rounded to nearest: Markstein's correction of q
-        r = gl.fma(-q, s2, act)
-        y = gl.where(r == 0.0, q, gl.fma(r, i2, q))
-        y = gl.minimum(gl.maximum(y, -_FP8_MAX), _FP8_MAX)
-        tma.store_wait(pendings=0)  # the previous tile's store has left this buffer
-        buf = out_smem.index(slot)
-        buf.store(y.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], buf)
-        rows = off_m + gl.arange(0, ROWS, layout=row_layout)
-        gl.store(out_scale_ptr + (off_n // 128) * stride_osg + rows * stride_osm, scale)
-
-    @gluon.jit
     def _consumer(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
                   w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-                  out_scale_ptr, stride_osm, stride_osg,
                   expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
                   HALF: gl.constexpr):  # fmt: skip
         """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile of this program.
 
         SCALED (FP8, 128-block scales), 128 wide: each K block's product is scaled into the
-        accumulator (the promotion); fused with the activation (FP8 out), the gate tile's sum
-        waits in registers (bf16) while the up tile's forms, then the activation and its
-        quantization leave as the tile; 256 wide: two 128-wide halves, each one rescaled
+        accumulator (the promotion); 256 wide: two 128-wide halves, each one rescaled
         accumulator with its own weight scale (the module docstring). Unscaled: one
         accumulator over K, the wgmma of block kb still running while block kb - 1's stage is
         released."""
@@ -277,8 +218,7 @@ if gluon is not None:
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         TWO: gl.constexpr = BLOCK_N // OUT_N == 2  # SCALED with a 256-wide tile
-        FUSED: gl.constexpr = out_desc.dtype.primitive_bitwidth == 8  # GEMM1 + act + quant
-        num_n_blocks = gl.cdiv(N // 2 if FUSED else N, BLOCK_N)
+        num_n_blocks = gl.cdiv(N, BLOCK_N)
         num_k = gl.cdiv(K, BLOCK_K)
         num_rows = gl.load(num_rows_ptr)
         it = 0
@@ -290,25 +230,7 @@ if gluon is not None:
                 off_n = pid_n * BLOCK_N
                 row0 = off_m + HALF * ROWS
                 acc = gl.zeros([ROWS, OUT_N], gl.float32, mma_layout)
-                if FUSED:
-                    # tile pid_n of the activation: gate rows off_n.., then up rows N / 2 +
-                    # off_n.. of the expert, each promoted as below
-                    w_scales = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
-                    gate, it = _promoted_sum(
-                        a_smem, w_smem, as_smem, full, empty, w_scales, stride_wsk, num_k, it,
-                        acc, HALF, row_layout,
-                    )  # fmt: skip
-                    gate = gate.to(gl.bfloat16)  # h's rounding; half the registers
-                    w_scales += (N // 2 // 128) * stride_wsn
-                    up, it = _promoted_sum(
-                        a_smem, w_smem, as_smem, full, empty, w_scales, stride_wsk, num_k, it,
-                        acc, HALF, row_layout,
-                    )  # fmt: skip
-                    _store_act_quant(
-                        out_desc, out_smem, HALF, gate, up, row0, off_n, out_scale_ptr,
-                        stride_osm, stride_osg, row_layout,
-                    )  # fmt: skip
-                elif SCALED and not TWO:
+                if SCALED and not TWO:
                     # 128 wide: each K block's product is promoted into the sum, as DeepGEMM
                     w_scale_0 = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
                     for kb in range(num_k):
@@ -391,7 +313,6 @@ if gluon is not None:
         out_desc,  # [M_sum, N], blocks [BLOCK_M / 2, BLOCK_N]
         as_desc,  # a_scale.T [K / 128, M_sum] float32, blocks [1, BLOCK_M] (SCALED)
         w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l, N / 128, K / 128] (SCALED)
-        out_scale_ptr, stride_osm, stride_osg,  # FP8 out (fused act): float32 [M_sum, N / 256]
         expert_ids_ptr,  # int32 [M_sum / 128]: expert of each run block, -1 past the end
         num_rows_ptr,  # int32 [1]: rows in use
         N, K, num_m_blocks,
@@ -420,18 +341,16 @@ if gluon is not None:
         first = (
             a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
             w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-            out_scale_ptr, stride_osm, stride_osg,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
         )  # fmt: skip
         second = (  # the same again: one tuple given to two partitions breaks the lowering
             a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
             w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-            out_scale_ptr, stride_osm, stride_osg,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
         )  # fmt: skip
         producer = (
-            a_desc, w_desc, as_desc, out_desc, a_smem, w_smem, as_smem, full, empty,
-            expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
+            a_desc, w_desc, as_desc, a_smem, w_smem, as_smem, full, empty, expert_ids_ptr,
+            num_rows_ptr, N, K, num_m_blocks,
         )  # fmt: skip
         gl.warp_specialize(
             [(_first_half, first), (_second_half, second), (_producer, producer)],
@@ -442,24 +361,20 @@ if gluon is not None:
     @gluon.jit
     def _first_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
                     w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-                    out_scale_ptr, stride_osm, stride_osg,
                     expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
         _consumer(
             a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
             w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-            out_scale_ptr, stride_osm, stride_osg,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks, 0,
         )  # fmt: skip
 
     @gluon.jit
     def _second_half(a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
                      w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-                     out_scale_ptr, stride_osm, stride_osg,
                      expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
         _consumer(
             a_desc, w_desc, out_desc, a_smem, w_smem, out_smem, as_smem, full, empty,
             w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-            out_scale_ptr, stride_osm, stride_osg,
             expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks, 1,
         )  # fmt: skip
 
@@ -511,71 +426,27 @@ def wgmma_grouped_gemm(
     docstring): -1% to +10% per GEMM against 128 at M = 16384 on an H100, less precise; its row
     scales must be positive. At least 2 stages (a consumer holds a stage until the next one
     has arrived)."""
+    m_sum, k = a.shape
+    num_experts, n, _ = w.shape
     scaled = a_scale is not None
     if block_n is None:
         block_n = 128 if scaled else 256
     if stages is None:
         stages = 4 if block_n == 128 else 3
-    if block_n not in (128, 256):
-        raise ValueError(f"block_n {block_n}: the tiles are 128 or 256 wide")
-    _launch(a, a_scale, w, w_scale, out, None, expert_ids, num_rows, alignment, block_n, stages)
-
-
-def wgmma_gemm1_act_quant(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    out: torch.Tensor,
-    out_scale: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_rows: torch.Tensor,
-    alignment: int,
-    *,
-    stages: int = 4,
-) -> None:
-    """GEMM1 with SiLU-and-mul and the FP8 1 x 128 group quantization in its epilogue: with
-    h = a @ w13[e].T (FP8, 128-block scales, promoted per K block) rounded to bf16 and never
-    stored, out [M_sum, I] e4m3 and out_scale [M_sum, I / 128] float32 (strides (1, M_sum))
-    are what fusedmoe.quant.kernels' act + quant kernel makes of h, bit for bit. w13 [E_l, 2I,
-    K] is gate rows then up rows; I a multiple of 128. A tile is 128 activation columns: the
-    gate block's sum waits in registers while the up block's forms. Inputs are assumed checked
-    by the caller, except the shapes this path adds."""
-    m_sum = a.shape[0]
-    num_experts, n, _ = w13.shape
-    width = n // 2
-    if n % 256 or out.shape != (m_sum, width) or out.dtype != torch.float8_e4m3fn:
-        raise ValueError(
-            f"w13 [{num_experts}, {n}, K] needs 2I rows with I a multiple of 128 and out "
-            f"[{m_sum}, {width}] float8_e4m3fn, got out {list(out.shape)} {out.dtype}"
-        )
-    if out_scale.shape != (m_sum, width // 128) or out_scale.stride() != (1, m_sum):
-        raise ValueError(
-            f"out_scale must be float32 [{m_sum}, {width // 128}] with strides (1, {m_sum}), "
-            f"got {list(out_scale.shape)} strides {out_scale.stride()}"
-        )
-    if m_sum % 128:
-        raise ValueError(f"the layout's rows ({m_sum}) must be whole 128-row runs")
-    _launch(a, a_scale, w13, w13_scale, out, out_scale, expert_ids, num_rows, alignment, 128,
-            stages)  # fmt: skip
-
-
-def _launch(a, a_scale, w, w_scale, out, out_scale, expert_ids, num_rows, alignment, block_n,
-            stages):  # fmt: skip
-    m_sum, k = a.shape
-    num_experts, n, _ = w.shape
-    scaled = a_scale is not None
     block_m = 128
     block_k = 128 if scaled else 64  # 128-byte rows: the widest swizzle
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
-    if alignment != block_m:
-        raise ValueError(f"alignment {alignment}: the runs must be of {block_m} rows")
+    if alignment != block_m or block_n not in (128, 256):
+        raise ValueError(
+            f"alignment {alignment} / block_n {block_n}: the runs must be of {block_m} rows, "
+            "the tiles 128 or 256 wide"
+        )
     a_desc = _descriptor(a, [block_m, block_k])
     w_desc = _descriptor(w.view(num_experts * n, k), [block_n, block_k])
     out_desc = _descriptor(out, [block_m // 2, 128 if scaled else block_n])
     num_m_blocks = triton.cdiv(m_sum, block_m)
-    tiles = num_m_blocks * triton.cdiv(out.shape[1], block_n)
+    tiles = num_m_blocks * triton.cdiv(n, block_n)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (max(1, min(tiles, _num_sms(index))),)
     if scaled:
@@ -587,9 +458,8 @@ def _launch(a, a_scale, w, w_scale, out, out_scale, expert_ids, num_rows, alignm
     else:  # never read
         as_desc = _descriptor(_dummy_scales(a.device), [1, block_m], swizzle=0)
         w_scale_args = (expert_ids, 0, 0, 0)
-    out_scale_args = (expert_ids, 0, 0) if out_scale is None else (out_scale, *out_scale.stride())
     _grouped_gemm_kernel[grid](
-        a_desc, w_desc, out_desc, as_desc, *w_scale_args, *out_scale_args, expert_ids, num_rows,
+        a_desc, w_desc, out_desc, as_desc, *w_scale_args, expert_ids, num_rows,
         n, k, num_m_blocks,
         STAGES=stages,
         num_warps=4,
