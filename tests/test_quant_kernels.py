@@ -370,28 +370,29 @@ def test_act_mul_rows_in_use(monkeypatch, bound):
 
 
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
-def test_act_mul_bias(activation):
+@pytest.mark.parametrize(("i", "group_size"), [(256, 128), (200, 64)])  # a partial last group
+def test_act_mul_bias(activation, i, group_size):
     """bias[row_expert[m]] is added to h's row in fp32 before the activation (interleaved gate
     / up included); a row of expert -1 (padding) or past E takes none: the twin on h + bias."""
-    m, i, num_experts = 37, 256, 3
+    m, num_experts = 37, 3
     h = (torch.randn(m, 2 * i, device=DEVICE) * 3).to(torch.bfloat16)
     bias = (torch.randn(num_experts, 2 * i, device=DEVICE) * 3).to(torch.bfloat16)
     row_expert = torch.randint(-1, num_experts, (m,), dtype=torch.int32, device=DEVICE)
     row_expert[0], row_expert[1], row_expert[2] = -1, num_experts - 1, num_experts
-    q, scales = _act_quant(h, activation, None, 128, True, False, None, bias, row_expert)
+    q, scales = _act_quant(h, activation, None, group_size, True, False, None, bias, row_expert)
     has_bias = (row_expert >= 0) & (row_expert < num_experts)
     added = torch.where(
         has_bias[:, None], bias.float()[row_expert.clamp(0, num_experts - 1).long()], 0.0
     )
     h_biased = h.float() + added  # fp32, as the kernel adds it
     q_ref, scales_ref = qa.act_mul_per_token_group_quant_fp8_torch(
-        h_biased, activation, None, 128, True, False
+        h_biased, activation, None, group_size, True, False
     )
     _assert_matches_twin(
-        q, scales, q_ref, scales_ref, _group_key(128, False),
+        q, scales, q_ref, scales_ref, _group_key(group_size, False),
         scale_ulps=FUSED_SCALE_ULPS, max_mismatch=FUSED_MAX_MISMATCH,
     )  # fmt: skip
-    q_plain, _ = _act_quant(h, activation, None, 128, True, False)
+    q_plain, _ = _act_quant(h, activation, None, group_size, True, False)
     for row in (0, 2):  # expert -1 and expert E: no bias
         assert_equal(q[row].view(torch.uint8), q_plain[row].view(torch.uint8))
     assert not bool((q[has_bias].view(torch.uint8) == q_plain[has_bias].view(torch.uint8)).all())
