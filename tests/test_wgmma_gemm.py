@@ -57,6 +57,10 @@ def test_the_launcher_refuses_other_alignments():
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 128, block_n=64)
     with pytest.raises(ValueError, match="stages must be at least 2, got 1"):
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 128, stages=1)
+    a = torch.empty(256, 128, dtype=FP8_DTYPE)  # FP8 on runs of 64 rows: 256-wide tiles only
+    with pytest.raises(ValueError, match=r"256 on runs of 64"):
+        wgmma_gemm.wgmma_grouped_gemm(a, a[:, :1].float(), a.view(2, 128, 128), None, t, ids,
+                                      ids[:1], 64, block_n=128)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +75,7 @@ def _stand_in(calls):
     dequantized weights; blocks past num_rows or of expert -1 untouched."""
 
     def gemm(a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment, *, block_n=None):
-        calls.append((tuple(a.shape), block_n))
+        calls.append((tuple(a.shape), block_n, alignment))
         assert a_scale.stride(0) == 1  # column-major: the layout the kernel reads coalesced
         for b in range(int(num_rows) // alignment):
             e = int(expert_ids[b])
@@ -124,11 +128,13 @@ def _problem(num_tokens):
     return x, w13, w2, weights, ids, qc
 
 
-@pytest.mark.parametrize("num_tokens", [1, 77, 512])
+@pytest.mark.parametrize("num_tokens", [1, 77, 127, 128, 512])  # 128: 64 slots per expert
 def test_wgmma_engine_plumbing_matches_torch_backend(pretend_hopper, num_tokens):
     x, w13, w2, weights, ids, qc = _problem(num_tokens)
     out = run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: any M
-    assert len(pretend_hopper) == 2
+    # runs of 64 rows below WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT (64) slots per expert, else 128
+    runs = 64 if num_tokens * 2 / E < 64 else 128
+    assert [align for _, _, align in pretend_hopper] == [runs, runs]
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
 
@@ -193,7 +199,7 @@ def test_fast_accum_takes_the_wide_tiles_from_its_slots_per_expert(pretend_hoppe
     for config, m, block_n in cases:
         pretend_hopper.clear()
         out = run_experts(DeepGemmExperts(), x[:m], w13, w2, weights[:m], ids[:m], config)
-        assert [b for _, b in pretend_hopper] == [block_n, block_n], (m, config.fast_accum)
+        assert [b for _, b, _ in pretend_hopper] == [block_n, block_n], (m, config.fast_accum)
         ref = fused_experts(x[:m], w13, w2, weights[:m], ids[:m], quant_config=qc, backend="torch")
         assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
 
@@ -242,18 +248,19 @@ def _reference(a, a_s, w, w_s, m_indices):
     return out
 
 
-def _gemm_on_layout(x, x_s, ids, num_experts, top_k, w, w_s, block_n):
-    """x (and its row scales) permuted into the contiguous layout, the Gluon GEMM with w:
-    (out [M_sum, N] poisoned outside the runs, the float32 reference, the rows in runs)."""
+def _gemm_on_layout(x, x_s, ids, num_experts, top_k, w, w_s, block_n, runs=128):
+    """x (and its row scales) permuted into the contiguous layout (runs of `runs` rows), the
+    Gluon GEMM with w: (out [M_sum, N] poisoned outside the runs, the float32 reference, the
+    rows in runs)."""
     from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
 
     m, dev = x.shape[0], x.device
-    m_sum, _ = compute_aligned_M_and_alignment(m, top_k, num_experts, 128)
+    m_sum, _ = compute_aligned_M_and_alignment(m, top_k, num_experts, runs)
     scale_out = None if x_s is None else torch.empty(x_s.shape[1], m_sum, device=dev).t()
-    layout = permute_contiguous(x, x_s, ids, num_experts, 128, m_sum, scale_out=scale_out)
+    layout = permute_contiguous(x, x_s, ids, num_experts, runs, m_sum, scale_out=scale_out)
     out = poison_(torch.empty(m_sum, w.shape[1], device=dev, dtype=torch.bfloat16))
     wgmma_gemm.wgmma_grouped_gemm(
-        layout.a, layout.a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, 128,
+        layout.a, layout.a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, runs,
         block_n=block_n,
     )  # fmt: skip
     ref = _reference(layout.a, layout.a_scale, w, w_s, layout.m_indices)
@@ -269,10 +276,15 @@ CASES = {  # name: (M, E, k, N, K, routing)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scaled", [True, False], ids=["fp8_block", "bf16"])
-@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize(
+    ("scaled", "block_n", "runs"),
+    [(True, 128, 128), (True, 256, 128), (True, 256, 64), (False, 128, 128), (False, 256, 128)],
+    ids=["fp8_block-128", "fp8_block-256", "fp8_block-runs64", "bf16-128", "bf16-256"],
+)
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_gemm_matches_reference(case, block_n, scaled):
+def test_gpu_gemm_matches_reference(case, block_n, scaled, runs):
+    """Runs of 64 rows: 64 x 256 tiles, each warpgroup 128 of the columns (odd_n_partial_k:
+    the second warpgroup's columns of the last tile lie past N)."""
     _hopper()
     m, e, k, n, kk, routing = CASES[case]
     torch.manual_seed(hash(case) % 1000)
@@ -292,7 +304,7 @@ def test_gpu_gemm_matches_reference(case, block_n, scaled):
         x = torch.randn(m, kk, device=dev, dtype=torch.bfloat16)
         w = torch.randn(e, n, kk, device=dev, dtype=torch.bfloat16) * 0.1
         x_s = w_s = None
-    out, ref, rows = _gemm_on_layout(x, x_s, ids, e, k, w, w_s, block_n)
+    out, ref, rows = _gemm_on_layout(x, x_s, ids, e, k, w, w_s, block_n, runs)
     assert rows.any()
     assert_close(out[rows], ref[rows], torch.bfloat16, what=case)
 
@@ -354,8 +366,15 @@ def test_gpu_gemm_scales_far_apart_and_zero_weight_blocks(block_n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
-def test_gpu_wgmma_engine_matches_torch_backend(preset, no_library):
+def test_gpu_wgmma_engine_matches_torch_backend(preset, no_library, monkeypatch):
+    """M = 1 and 129 (below 64 slots per expert) on runs of 64 rows, 1030 on runs of 128."""
     _hopper()
+    from fusedmoe.kernels import deep_gemm_moe
+
+    runs, real = [], deep_gemm_moe.wgmma_grouped_gemm
+    monkeypatch.setattr(
+        deep_gemm_moe, "wgmma_grouped_gemm", lambda *a, **k: runs.append(a[7]) or real(*a, **k)
+    )
     _, x, experts, weights, ids, qc = preset_problem(preset, 1030, "fp8_block")
     backend = DeepGemmExperts(strict=True, engine="wgmma")
     for num_tokens in (1, 129, 1030):
@@ -364,6 +383,7 @@ def test_gpu_wgmma_engine_matches_torch_backend(preset, no_library):
         out = run_experts(backend, *args, qc)
         ref = fused_experts(*args, quant_config=qc, backend="torch")
         assert_close(out, ref, torch.bfloat16, what=f"M = {num_tokens}", **quant_tol("cuda"))
+    assert runs == [64, 64, 64, 64, 128, 128]
 
 
 @pytest.mark.gpu

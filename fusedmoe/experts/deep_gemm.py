@@ -28,6 +28,8 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
               fp16 activations, K and the intermediate size multiples of 16: where the
               library does not run. On an H200 the layer on them is 0.70x to 0.94x of the
               triton backend's time from 128 slots per expert (WGMMA_MIN_SLOTS_PER_EXPERT).
+              Below 64 slots per expert (WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT) the runs are
+              padded to 64 rows and the tiles are 64 x 256.
               A quant config with fast_accum=True lets it sum K without promoting each 128
               block, on 256-wide tiles, from FAST_ACCUM_MIN_SLOTS_PER_EXPERT (faster prefill,
               about 3x the error against the exact quantized computation).
@@ -96,6 +98,14 @@ WGMMA_MIN_SLOTS_PER_EXPERT = 128
 #: tiles' time at 512 to 4096 slots per expert (M = 16384), 0.96x to 1.0x at 256 (qwen3-235b-a22b
 #: and qwen3-30b-a3b at M = 4096), and at 128 (forced) 1.0x for deepseek-v3, 1.03x for gpt-oss-120b
 FAST_ACCUM_MIN_SLOTS_PER_EXPERT = 256
+#: below this many slots per expert the wgmma engine pads each run to 64 rows, not 128, and
+#: runs 64 x 256 tiles (each warpgroup 128 of the columns): half the padding rows, the same
+#: output bits. On an H100 (benchmarks/probe_wgmma_rows64.py, five fp8_block presets, uniform
+#: and skewed routing) the layer took 0.84x to 0.98x of the 128-row tiles' time at 2 to 32
+#: slots per expert, 0.95x to 1.03x at 64, 0.95x to 1.12x from 128 (long runs: a 128 x 128
+#: tile reads less per flop). Chosen by the oracle such calls run on triton (faster under
+#: uniform routing); this is what deep_gemm by name runs
+WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
 
 
 class DeepGemmExperts(Experts):
@@ -353,8 +363,11 @@ class DeepGemmExperts(Experts):
                     TritonExperts().apply(call)
                     return
                 self._log_once(f"{self.name}: {why}; the contiguous path runs it all the same")
+        alignment = self.alignment
+        if engine == "wgmma" and slots_per_expert < WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT:
+            alignment = 64  # short runs: 64-row tiles, half the padding
         m_sum, alignment = compute_aligned_M_and_alignment(
-            num_tokens, top_k, weights.num_local_experts, self.alignment, call.expert_tokens_meta
+            num_tokens, top_k, weights.num_local_experts, alignment, call.expert_tokens_meta
         )
         fused_experts_deep_gemm(
             call.output,

@@ -211,13 +211,17 @@ if gluon is not None:
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         OUT_N: gl.constexpr = out_desc.block_type.shape[1]
-        ROWS: gl.constexpr = BLOCK_M // 2
+        # 64-row tiles (SPLIT): both warpgroups take all 64 rows, each its 128 of the 256
+        # columns; 128-row tiles: each its 64 rows of all the columns
+        SPLIT: gl.constexpr = BLOCK_M == 64
+        ROWS: gl.constexpr = BLOCK_M if SPLIT else BLOCK_M // 2
+        FIRST_ROW: gl.constexpr = 0 if SPLIT else HALF * ROWS
         INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, OUT_N, INSTR_K]
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        TWO: gl.constexpr = BLOCK_N // OUT_N == 2  # SCALED with a 256-wide tile
+        TWO: gl.constexpr = BLOCK_N // OUT_N == 2 and not SPLIT  # SCALED, a 256-wide tile
         num_n_blocks = gl.cdiv(N, BLOCK_N)
         num_k = gl.cdiv(K, BLOCK_K)
         num_rows = gl.load(num_rows_ptr)
@@ -228,23 +232,31 @@ if gluon is not None:
             )
             if expert >= 0:
                 off_n = pid_n * BLOCK_N
-                row0 = off_m + HALF * ROWS
+                row0 = off_m + FIRST_ROW
+                col0 = off_n + HALF * OUT_N if SPLIT else off_n  # this warpgroup's columns
                 acc = gl.zeros([ROWS, OUT_N], gl.float32, mma_layout)
                 if SCALED and not TWO:
                     # 128 wide: each K block's product is promoted into the sum, as DeepGEMM
-                    w_scale_0 = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
+                    w_scale_0 = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
+                    live = col0 < N  # SPLIT: the last tile's second half may lie past N
                     for kb in range(num_k):
                         stage = it % STAGES
                         # the weight scale first: its latency hides behind the wait and the
                         # wgmma (the row scales came with the stage)
-                        w_s0 = gl.load(w_scale_0 + kb * stride_wsk)
+                        if SPLIT:  # past N: no scale to read, the columns are never stored
+                            w_s0 = gl.load(w_scale_0 + kb * stride_wsk, mask=live, other=0.0)
+                        else:
+                            w_s0 = gl.load(w_scale_0 + kb * stride_wsk)
                         mbarrier.wait(full.index(stage), (it // STAGES) & 1)
-                        a_s = as_smem.index(stage).slice(HALF * ROWS, ROWS).load(row_layout)
-                        a_tile = a_smem.index(stage).slice(HALF * ROWS, ROWS)
-                        acc = _scaled_block(a_tile, w_smem.index(stage), acc, a_s * w_s0)
+                        a_s = as_smem.index(stage).slice(FIRST_ROW, ROWS).load(row_layout)
+                        a_tile = a_smem.index(stage).slice(FIRST_ROW, ROWS)
+                        w_tile = w_smem.index(stage)
+                        if SPLIT:
+                            w_tile = w_tile.slice(HALF * OUT_N, OUT_N)
+                        acc = _scaled_block(a_tile, w_tile, acc, a_s * w_s0)
                         mbarrier.arrive(empty.index(stage), count=1)
                         it += 1
-                    _store_tile(out_desc, out_smem, HALF, acc, row0, off_n)
+                    _store_tile(out_desc, out_smem, HALF, acc, row0, col0)
                 elif SCALED:
                     # 256 wide, the rescaled accumulator: acc holds the sum in units of the
                     # last K block's scale s (row scale x weight scale). A block's product
@@ -268,8 +280,8 @@ if gluon is not None:
                                        other=1.0)  # fmt: skip
                         w_s1 = gl.maximum(w_s1, _MIN_W_SCALE)
                         mbarrier.wait(full.index(stage), (it // STAGES) & 1)
-                        a_s = as_smem.index(stage).slice(HALF * ROWS, ROWS).load(row_layout)
-                        a_tile = a_smem.index(stage).slice(HALF * ROWS, ROWS)
+                        a_s = as_smem.index(stage).slice(FIRST_ROW, ROWS).load(row_layout)
+                        a_tile = a_smem.index(stage).slice(FIRST_ROW, ROWS)
                         w_tile = w_smem.index(stage)
                         # both halves' wgmmas of block kb - 1 done, the second half is
                         # rescaled while the first's wgmma runs (waiting for one half at a
@@ -293,7 +305,7 @@ if gluon is not None:
                         stage = it % STAGES
                         mbarrier.wait(full.index(stage), (it // STAGES) & 1)
                         acc = warpgroup_mma(
-                            a_smem.index(stage).slice(HALF * ROWS, ROWS),
+                            a_smem.index(stage).slice(FIRST_ROW, ROWS),
                             w_smem.index(stage).permute((1, 0)), acc, is_async=True,
                         )  # fmt: skip
                         # the previous K block's wgmma is done: release its stage
@@ -328,7 +340,7 @@ if gluon is not None:
         OUT_N: gl.constexpr = out_desc.block_type.shape[1]
         # one epilogue buffer per warpgroup: a 256-wide FP8 tile stores its halves in turn
         out_smem = gl.allocate_shared_memory(
-            out_desc.dtype, [2, BLOCK_M // 2, OUT_N], out_desc.layout
+            out_desc.dtype, [2, out_desc.block_type.shape[0], OUT_N], out_desc.layout
         )
         as_smem = gl.allocate_shared_memory(  # one line of BLOCK_M row scales per stage
             as_desc.dtype, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -429,22 +441,22 @@ def wgmma_grouped_gemm(
     m_sum, k = a.shape
     num_experts, n, _ = w.shape
     scaled = a_scale is not None
+    block_m = 64 if alignment == 64 and scaled else 128
     if block_n is None:
-        block_n = 128 if scaled else 256
+        block_n = 128 if scaled and block_m == 128 else 256
     if stages is None:
-        stages = 4 if block_n == 128 else 3
-    block_m = 128
+        stages = 4 if block_n == 128 or block_m == 64 else 3
     block_k = 128 if scaled else 64  # 128-byte rows: the widest swizzle
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
-    if alignment != block_m or block_n not in (128, 256):
+    if alignment != block_m or block_n not in (128, 256) or (block_m == 64 and block_n != 256):
         raise ValueError(
-            f"alignment {alignment} / block_n {block_n}: the runs must be of {block_m} rows, "
-            "the tiles 128 or 256 wide"
+            f"alignment {alignment} / block_n {block_n}: the runs must be of 128 rows (FP8: "
+            "or 64), the tiles 128 or 256 wide (256 on runs of 64)"
         )
     a_desc = _descriptor(a, [block_m, block_k])
     w_desc = _descriptor(w.view(num_experts * n, k), [block_n, block_k])
-    out_desc = _descriptor(out, [block_m // 2, 128 if scaled else block_n])
+    out_desc = _descriptor(out, [64, 128 if scaled else block_n])  # one warpgroup's part
     num_m_blocks = triton.cdiv(m_sum, block_m)
     tiles = num_m_blocks * triton.cdiv(n, block_n)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
