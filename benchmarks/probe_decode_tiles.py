@@ -40,14 +40,17 @@ from fusedmoe.kernels.moe_config import (
 from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
 from fusedmoe.tools.bench.timing import settle, time_ms
 from fusedmoe.tools.presets import PRESETS
-from fusedmoe.tools.roofline import (
-    ceilings_for,
-    distinct_experts,
-    floor_seconds,
-    fp8_block_scale_bytes,
-    moe_bytes,
-    moe_flops,
-)
+from fusedmoe.tools.roofline import ceilings_for, distinct_experts, moe_floor
+
+
+def fp8_floor_us(topk_ids, num_experts, hidden, inter, ceilings) -> float:
+    """The fp8_block layer's floor for this routing, in us (fusedmoe.tools.roofline)."""
+    m, k = topk_ids.shape
+    floor = moe_floor(
+        "fp8_block", num_distinct=distinct_experts(topk_ids, num_experts), num_tokens=m,
+        top_k=k, hidden_size=hidden, intermediate_size=inter, ceilings=ceilings,
+    )  # fmt: skip
+    return floor.seconds * 1e6
 
 
 def grid(shipped: MoEKernelConfig) -> list[MoEKernelConfig]:
@@ -95,9 +98,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         for m in args.tokens:
             r = make_routing(name, m, e, k, h, "uniform", torch.bfloat16, dev)
-            d = distinct_experts(r.topk_ids, e)
-            nbytes = moe_bytes(d, m, k, h, i, 1, 2, fp8_block_scale_bytes(d, h, i))
-            floor = floor_seconds(nbytes, moe_flops(m, k, h, i), ceilings, True) * 1e6
+            floor = fp8_floor_us(r.topk_ids, e, h, i, ceilings)
             run = functools.partial(
                 fused_experts, r.x, ex.w13, ex.w2, r.topk_weights, r.topk_ids, activation=act,
                 quant_config=ex.quant_config, backend="triton",

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fp8_backends import csv_list
+from probe_decode_tiles import fp8_floor_us
 
 from fusedmoe.experts import deep_gemm
 from fusedmoe.experts.deep_gemm import DeepGemmExperts
@@ -35,14 +36,7 @@ from fusedmoe.modular.types import ActivationSpec, ExpertWeights
 from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
 from fusedmoe.tools.bench.timing import settle, time_ms
 from fusedmoe.tools.presets import PRESETS
-from fusedmoe.tools.roofline import (
-    ceilings_for,
-    distinct_experts,
-    floor_seconds,
-    fp8_block_scale_bytes,
-    moe_bytes,
-    moe_flops,
-)
+from fusedmoe.tools.roofline import ceilings_for
 
 SHIPPED_ROWS64_MAX = deep_gemm.WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT
 
@@ -87,9 +81,7 @@ def main(argv=None) -> int:
         for routing in args.routing:
             for m in args.tokens:
                 r = make_routing(name, m, e, k, h, routing, torch.bfloat16, dev)
-                d = distinct_experts(r.topk_ids, e)
-                nbytes = moe_bytes(d, m, k, h, i, 1, 2, fp8_block_scale_bytes(d, h, i))
-                floor = floor_seconds(nbytes, moe_flops(m, k, h, i), ceilings, True) * 1e6
+                floor = fp8_floor_us(r.topk_ids, e, h, i, ceilings)
                 outs, cells = {}, []
                 for label, experts in contenders.items():
                     runs_of_128_only(label == "wgmma128")
