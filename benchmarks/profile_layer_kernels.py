@@ -7,7 +7,7 @@
 For each preset, M, routing and backend: the call's CUDA-graph median (as `fusedmoe bench`
 times it) and the mean device time of each kernel launch in the order the call makes them
 (torch.profiler over 20 eager calls; a kernel launched twice per call, such as the GEMM,
-appears twice), and for skewed routing the rows each touched expert receives.
+appears twice), and the rows each touched expert receives.
 """
 
 from __future__ import annotations

@@ -51,16 +51,63 @@ def test_the_launcher_refuses_other_alignments():
     t = torch.empty(256, 128, dtype=torch.bfloat16)
     w = torch.empty(2, 128, 128, dtype=torch.bfloat16)
     ids = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="runs must be of 128 rows"):
+    with pytest.raises(ValueError, match="runs must be of 128 rows"):  # bf16: no runs of 64
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 64)
-    with pytest.raises(ValueError, match="128 or 256 wide"):
+    with pytest.raises(ValueError, match="the tiles are 128 or 256 wide"):
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 128, block_n=64)
     with pytest.raises(ValueError, match="stages must be at least 2, got 1"):
         wgmma_gemm.wgmma_grouped_gemm(t, None, w, None, t, ids, ids[:1], 128, stages=1)
-    a = torch.empty(256, 128, dtype=FP8_DTYPE)  # FP8 on runs of 64 rows: 256-wide tiles only
-    with pytest.raises(ValueError, match=r"256 on runs of 64"):
-        wgmma_gemm.wgmma_grouped_gemm(a, a[:, :1].float(), a.view(2, 128, 128), None, t, ids,
-                                      ids[:1], 64, block_n=128)  # fmt: skip
+    a = torch.empty(256, 128, dtype=FP8_DTYPE)
+    fp8 = (a, torch.ones(256, 1), a.view(2, 128, 128), torch.ones(2, 1, 1), t, ids, ids[:1])
+    with pytest.raises(ValueError, match="runs of 64 rows take 256-wide tiles"):
+        wgmma_gemm.wgmma_grouped_gemm(*fp8, 64, block_n=128)
+    with pytest.raises(ValueError, match="runs must be of 128 rows"):
+        wgmma_gemm.wgmma_grouped_gemm(*fp8, 32)
+
+
+def test_fast_accum_refuses_runs_of_64_rows():
+    """The fast-accumulation tiles are 128 rows: a call on runs of 64 is refused before any
+    kernel runs (the backend never pairs them: fast_accum from 256 slots per expert, runs of
+    64 below 64)."""
+    from fusedmoe.experts.deep_gemm import (
+        FAST_ACCUM_MIN_SLOTS_PER_EXPERT,
+        WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT,
+    )
+    from fusedmoe.kernels.deep_gemm_moe import fused_experts_deep_gemm
+    from fusedmoe.modular.types import ActivationSpec
+
+    assert FAST_ACCUM_MIN_SLOTS_PER_EXPERT >= WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT
+    x, w13, w2, weights, ids, qc = _problem(8)
+    a1q = x.to(FP8_DTYPE)
+    a1s = torch.ones(8, H // 128)
+    ws = torch.empty(1 << 16)
+    with pytest.raises(ValueError, match="fast_accum needs runs of 128 rows, got runs of 64"):
+        fused_experts_deep_gemm(
+            torch.empty(8, H, dtype=torch.bfloat16), a1q, a1s, w13, w2, qc.w1.scale, qc.w2.scale,
+            weights, ids, scheme="fp8_block", activation=ActivationSpec(), workspace13=ws,
+            workspace2=ws, alignment=64, engine="wgmma", fast_accum=True,
+        )  # fmt: skip
+
+
+def test_the_launcher_takes_fp8_runs_of_64_rows(monkeypatch):
+    """FP8 on runs of 64 rows passes the checks: 64-row A blocks, 256-wide w blocks, each
+    warpgroup's [64, 128] of the output (the descriptors stand in; the third one stops it)."""
+    blocks = []
+
+    def descriptor(t, block, swizzle=None):
+        blocks.append(block)
+        if len(blocks) == 3:
+            raise RuntimeError("past the checks")
+        return object()
+
+    monkeypatch.setattr(wgmma_gemm, "_descriptor", descriptor)
+    a = torch.empty(256, 128, dtype=FP8_DTYPE)
+    ids = torch.zeros(4, dtype=torch.int32)
+    out = torch.empty(256, 256, dtype=torch.bfloat16)
+    w = torch.empty(2, 256, 128, dtype=FP8_DTYPE)
+    with pytest.raises(RuntimeError, match="past the checks"):
+        wgmma_gemm.wgmma_grouped_gemm(a, torch.ones(256, 1), w, None, out, ids, ids[:1], 64)
+    assert blocks == [[64, 128], [256, 128], [64, 128]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,8 +118,8 @@ H, I, E = 256, 128, 4
 
 
 def _stand_in(calls):
-    """The GEMM's contract in torch: rows of each 128-row run block times its expert's
-    dequantized weights; blocks past num_rows or of expert -1 untouched."""
+    """The GEMM's contract in torch: rows of each run block (`alignment` rows) times its
+    expert's dequantized weights; blocks past num_rows or of expert -1 untouched."""
 
     def gemm(a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment, *, block_n=None):
         calls.append((tuple(a.shape), block_n, alignment))
@@ -132,8 +179,9 @@ def _problem(num_tokens):
 def test_wgmma_engine_plumbing_matches_torch_backend(pretend_hopper, num_tokens):
     x, w13, w2, weights, ids, qc = _problem(num_tokens)
     out = run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)  # by name: any M
-    # runs of 64 rows below WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT (64) slots per expert, else 128
-    runs = 64 if num_tokens * 2 / E < 64 else 128
+    from fusedmoe.experts.deep_gemm import WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT
+
+    runs = 64 if num_tokens * 2 / E < WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT else 128
     assert [align for _, _, align in pretend_hopper] == [runs, runs]
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
@@ -272,6 +320,7 @@ CASES = {  # name: (M, E, k, N, K, routing)
     "odd_n_partial_k": (77, 5, 3, 320, 400, None),  # N % 256, K % 128 != 0
     "one_expert_takes_all": (260, 4, 1, 256, 256, "hot"),
     "empty_experts": (150, 9, 2, 512, 384, "empty"),
+    "n448": (90, 3, 2, 448, 256, None),  # runs of 64: the second half of the last tile part live
 }
 
 
@@ -307,6 +356,41 @@ def test_gpu_gemm_matches_reference(case, block_n, scaled, runs):
     out, ref, rows = _gemm_on_layout(x, x_s, ids, e, k, w, w_s, block_n, runs)
     assert rows.any()
     assert_close(out[rows], ref[rows], torch.bfloat16, what=case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_runs_of_64_rows_give_the_bits_of_runs_of_128(case):
+    """Every row's sums are formed alike in a 64 x 256 and a 128 x 128 tile: the same output
+    bits for every row in a run, whichever layout it sits in."""
+    _hopper()
+    from fusedmoe.kernels.deep_gemm_moe import compute_aligned_M_and_alignment, permute_contiguous
+
+    m, e, k, n, kk, routing = CASES[case]
+    torch.manual_seed(hash(case) % 1000 + 1)
+    _, ids = random_routing(m, e, k, device="cuda")
+    if routing == "hot":
+        ids = torch.full_like(ids, e - 1)
+    elif routing == "empty":
+        ids = ids % 3 * 3
+    groups = -(-kk // 128)
+    x = (torch.randn(m, kk, device="cuda") * 2).to(FP8_DTYPE)
+    x_s = torch.rand(m, groups, device="cuda") * 0.1 + 0.01
+    w = (torch.randn(e, n, kk, device="cuda") * 2).to(FP8_DTYPE)
+    w_s = torch.rand(e, -(-n // 128), groups, device="cuda") * 0.1 + 0.01
+    by_slot = {}
+    for runs, block_n in ((64, 256), (128, 128)):
+        m_sum, _ = compute_aligned_M_and_alignment(m, k, e, runs)
+        scale_out = torch.empty(groups, m_sum, device="cuda").t()
+        layout = permute_contiguous(x, x_s, ids, e, runs, m_sum, scale_out=scale_out)
+        out = poison_(torch.empty(m_sum, n, device="cuda", dtype=torch.bfloat16))
+        wgmma_gemm.wgmma_grouped_gemm(
+            layout.a, layout.a_scale, w, w_s, out, layout.expert_ids, layout.num_rows, runs,
+            block_n=block_n,
+        )  # fmt: skip
+        by_slot[runs] = out[layout.inv_perm.long()]  # one row per slot, in slot order
+    assert by_slot[64].isfinite().all()
+    assert torch.equal(by_slot[64], by_slot[128]), case
 
 
 @pytest.mark.gpu
@@ -372,9 +456,12 @@ def test_gpu_wgmma_engine_matches_torch_backend(preset, no_library, monkeypatch)
     from fusedmoe.kernels import deep_gemm_moe
 
     runs, real = [], deep_gemm_moe.wgmma_grouped_gemm
-    monkeypatch.setattr(
-        deep_gemm_moe, "wgmma_grouped_gemm", lambda *a, **k: runs.append(a[7]) or real(*a, **k)
-    )
+
+    def spy(a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment, **kwargs):
+        runs.append(alignment)
+        real(a, a_scale, w, w_scale, out, expert_ids, num_rows, alignment, **kwargs)
+
+    monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", spy)
     _, x, experts, weights, ids, qc = preset_problem(preset, 1030, "fp8_block")
     backend = DeepGemmExperts(strict=True, engine="wgmma")
     for num_tokens in (1, 129, 1030):
@@ -393,10 +480,10 @@ def test_gpu_wgmma_engine_runs_gpt_oss(no_library):
     _hopper()
     from fusedmoe.modular.types import ActivationSpec
 
-    spec, x, experts, weights, ids, qc = preset_problem("gpt-oss-120b", 1030, "fp8_block")
+    spec, x, experts, weights, ids, qc = preset_problem("gpt-oss-120b", 2048, "fp8_block")
     backend = DeepGemmExperts(strict=True, engine="wgmma")
     bias = dict(w13_bias=experts["w13_bias"], w2_bias=experts["w2_bias"])
-    for num_tokens in (129, 1030):
+    for num_tokens in (129, 1030, 2048):  # 4, 32 (runs of 64 rows) and 64 slots per expert
         sl = slice(num_tokens)
         args = (x[sl], experts["w13"], experts["w2"], weights[sl], ids[sl])
         out = run_experts(

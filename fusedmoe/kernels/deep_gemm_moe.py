@@ -3,7 +3,8 @@ GEMMs over it, the activation + quantization between them, unpermute with the we
 reduce.
 
     routing  = moe_align_block_size(topk_ids, ALIGN)      expert-sorted slots, runs padded to
-                                                          ALIGN rows (128 on Hopper)
+                                                          ALIGN rows (128 on Hopper; 64 for
+                                                          short runs on the wgmma engine)
     a1_perm  = permute(a1q, a1q_scale)                    row r holds slot sorted[r]'s token;
                                                           m_indices[r] its expert, -1 padding
     h        = a1_perm @ w13[m_indices].T                 grouped GEMM, bf16 out; FP8 128-block
@@ -612,6 +613,8 @@ def _run_fp8_block(
     (the layout both read coalesced)."""
     num_local, n, hidden = w13.shape
     num_tokens, top_k = topk_ids.shape
+    if engine == "wgmma" and fast_accum and alignment != 128:  # its tiles are 128 rows
+        raise ValueError(f"fast_accum needs runs of 128 rows, got runs of {alignment}")
     alpha, beta, limit, has_limit = resolve_params(act, params)
     act_quant = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)
     if engine in ("contiguous", "wgmma"):
@@ -815,7 +818,8 @@ def fused_experts_deep_gemm(
     assumed checked by the caller (the backend). Biases (w13_bias [E_l, N], w2_bias [E_l, H]):
     the activation pass adds GEMM1's to h, the unpermute-reduce GEMM2's to each slot's row, in
     fp32 (the GEMMs themselves take none). fast_accum: the wgmma engine runs its
-    fast-accumulation tiles (FusedMoEQuantConfig.fast_accum); the other engines promote.
+    fast-accumulation tiles (FusedMoEQuantConfig.fast_accum; runs of 128 rows only, a
+    ValueError on runs of 64); the other engines promote.
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:

@@ -5,7 +5,8 @@ engine, and a bf16 variant.
     out[r, :] = sum over K blocks kb of  (a[r, kb] @ w[e(r), :, kb].T) * a_scale[r, kb]
                                                                       * w_scale[e(r), n // 128, kb]
 
-a [M_sum, K] FP8 in runs of 128 rows of one expert (deep_gemm_moe's contiguous layout),
+a [M_sum, K] FP8 in runs of 128 rows of one expert (deep_gemm_moe's contiguous layout; FP8
+also runs of 64),
 w [E_l, N, K] FP8 with 128 x 128 block scales, a_scale [M_sum, K / 128] float32 (column-major,
 as the layout writes it: TMA reads a row block's scales as one line; other strides are copied
 to it first), out [M_sum, N] bf16 / fp16. Unscaled (bf16 / fp16 a and w): the same without
@@ -19,11 +20,14 @@ the scaling (the Triton GEMM stops at 40-55% of the FP8 peak). Here, per program
 one per SM, tiles in grouped order):
 
     producer warp        for each (tile, K block): wait until the stage is free, TMA-load the
-                         A and w tiles into it, and (FP8) the A tile's 128 row scales of the K
+                         A and w tiles into it, and (FP8) the A tile's row scales of the K
                          block as one line (a ring of STAGES stages, mbarrier-tracked)
     consumer warpgroups  two, rows [0, 64) and [64, 128) of the tile; per K block: wait for
     (4 warps each)       the stage, wgmma, acc += part * a_s[:, None] * w_s (FP8), release
                          the stage; then the tile through shared memory and a TMA store
+
+On runs of 64 rows (FP8, short runs: half the padding) a tile is 64 x 256 and the two consumers
+take its 64 rows, each 128 of the columns; each row's sums are formed as on 128-row tiles.
 
 The two consumers are not in lock step, so one's promotion overlaps the other's wgmma (a
 second accumulator in flight within one warpgroup makes ptxas serialize the wgmmas). The row
@@ -127,7 +131,7 @@ if gluon is not None:
     def _producer(a_desc, w_desc, as_desc, a_smem, w_smem, as_smem, full, empty, expert_ids_ptr,
                   num_rows_ptr, N, K, num_m_blocks):  # fmt: skip
         """One warp: TMA loads of every (tile, K block) of this program into the stage ring:
-        the A and w tiles and, FP8, the A tile's 128 row scales of the K block."""
+        the A and w tiles and, FP8, the A tile's row scales of the K block."""
         SCALED: gl.constexpr = a_desc.dtype.primitive_bitwidth == 8
         STAGE_BYTES: gl.constexpr = (
             a_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -198,7 +202,9 @@ if gluon is not None:
                   w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                   expert_ids_ptr, num_rows_ptr, N, K, num_m_blocks,
                   HALF: gl.constexpr):  # fmt: skip
-        """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile of this program.
+        """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every 128-row tile of this
+        program; of a 64-row tile (SPLIT), its 64 rows and columns [HALF * 128, HALF * 128 +
+        128).
 
         SCALED (FP8, 128-block scales), 128 wide: each K block's product is scaled into the
         accumulator (the promotion); 256 wide: two 128-wide halves, each one rescaled
@@ -221,7 +227,10 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, OUT_N, INSTR_K]
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        TWO: gl.constexpr = BLOCK_N // OUT_N == 2 and not SPLIT  # SCALED, a 256-wide tile
+        # SCALED, a 128-row tile 256 wide (fast_accum)
+        TWO: gl.constexpr = BLOCK_N // OUT_N == 2 and not SPLIT
+        # 64-row tiles are FP8 and two halves wide (the launcher's contract)
+        gl.static_assert(not SPLIT or (SCALED and BLOCK_N == 2 * OUT_N))
         num_n_blocks = gl.cdiv(N, BLOCK_N)
         num_k = gl.cdiv(K, BLOCK_K)
         num_rows = gl.load(num_rows_ptr)
@@ -322,10 +331,10 @@ if gluon is not None:
     def _grouped_gemm_kernel(
         a_desc,  # [M_sum, K], blocks [BLOCK_M, BLOCK_K]
         w_desc,  # [E_l * N, K], blocks [BLOCK_N, BLOCK_K]
-        out_desc,  # [M_sum, N], blocks [BLOCK_M / 2, BLOCK_N]
+        out_desc,  # [M_sum, N], blocks [64, OUT_N]: one warpgroup's part of a tile
         as_desc,  # a_scale.T [K / 128, M_sum] float32, blocks [1, BLOCK_M] (SCALED)
         w_scale_ptr, stride_wse, stride_wsn, stride_wsk,  # [E_l, N / 128, K / 128] (SCALED)
-        expert_ids_ptr,  # int32 [M_sum / 128]: expert of each run block, -1 past the end
+        expert_ids_ptr,  # int32 [M_sum / BLOCK_M]: expert of each run block, -1 past the end
         num_rows_ptr,  # int32 [1]: rows in use
         N, K, num_m_blocks,
         STAGES: gl.constexpr,
@@ -436,8 +445,9 @@ def wgmma_grouped_gemm(
     each K block promoted as DeepGEMM does; bf16 256 wide, 3 stages (5-10% faster than 128 on
     an H200). FP8 at block_n=256 (3 stages) is the fast-accumulation kernel (module
     docstring): -1% to +10% per GEMM against 128 at M = 16384 on an H100, less precise; its row
-    scales must be positive. At least 2 stages (a consumer holds a stage until the next one
-    has arrived)."""
+    scales must be positive. FP8 on runs of 64 rows (`alignment=64`): 64 x 256 tiles, each
+    warpgroup 128 of the columns, 4 stages, promoted. At least 2 stages (a consumer holds a
+    stage until the next one has arrived)."""
     m_sum, k = a.shape
     num_experts, n, _ = w.shape
     scaled = a_scale is not None
@@ -449,11 +459,14 @@ def wgmma_grouped_gemm(
     block_k = 128 if scaled else 64  # 128-byte rows: the widest swizzle
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
-    if alignment != block_m or block_n not in (128, 256) or (block_m == 64 and block_n != 256):
+    if alignment != block_m:
         raise ValueError(
-            f"alignment {alignment} / block_n {block_n}: the runs must be of 128 rows (FP8: "
-            "or 64), the tiles 128 or 256 wide (256 on runs of 64)"
+            f"alignment {alignment}: the runs must be of 128 rows (FP8 also of 64 rows)"
         )
+    if block_n not in (128, 256):
+        raise ValueError(f"block_n {block_n}: the tiles are 128 or 256 wide")
+    if block_m == 64 and block_n != 256:
+        raise ValueError(f"block_n {block_n}: runs of 64 rows take 256-wide tiles")
     a_desc = _descriptor(a, [block_m, block_k])
     w_desc = _descriptor(w.view(num_experts * n, k), [block_n, block_k])
     out_desc = _descriptor(out, [64, 128 if scaled else block_n])  # one warpgroup's part
