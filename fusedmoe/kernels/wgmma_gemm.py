@@ -247,13 +247,13 @@ if gluon is not None:
                 if SCALED and not TWO:
                     # 128 wide: each K block's product is promoted into the sum, as DeepGEMM
                     w_scale_0 = w_scale_ptr + expert * stride_wse + (col0 // 128) * stride_wsn
-                    live = col0 < N  # SPLIT: the last tile's second half may lie past N
                     for kb in range(num_k):
                         stage = it % STAGES
                         # the weight scale first: its latency hides behind the wait and the
                         # wgmma (the row scales came with the stage)
-                        if SPLIT:  # past N: no scale to read, the columns are never stored
-                            w_s0 = gl.load(w_scale_0 + kb * stride_wsk, mask=live, other=0.0)
+                        if SPLIT:  # the last tile's second half may lie past N: no scale to
+                            # read there, and its columns are never stored
+                            w_s0 = gl.load(w_scale_0 + kb * stride_wsk, mask=col0 < N, other=0.0)
                         else:
                             w_s0 = gl.load(w_scale_0 + kb * stride_wsk)
                         mbarrier.wait(full.index(stage), (it // STAGES) & 1)
