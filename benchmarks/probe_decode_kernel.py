@@ -41,14 +41,16 @@ from fusedmoe.tools.roofline import ceilings_for, distinct_experts, moe_floor
 
 def sweep(default: DecodeConfig) -> list[DecodeConfig]:
     out = [
-        DecodeConfig(n1, 128, n2, 128, warps, stages)
-        for n1, n2, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (3, 5))
+        DecodeConfig(n1, 128, n2, 128, warps, stages, per_sm)
+        for (n1, n2), warps, stages, per_sm in itertools.product(
+            ((16, 32), (16, 64), (16, 128), (32, 64), (32, 128)), (2, 4), (3,), (2, 3, 4)
+        )
     ]
     return [c for c in dict.fromkeys(out) if c != default]
 
 
 def short(c: DecodeConfig) -> str:
-    return f"n1 {c.block_n1} n2 {c.block_n2} w{c.num_warps} s{c.num_stages}"
+    return f"n1 {c.block_n1} n2 {c.block_n2} w{c.num_warps} s{c.num_stages} x{c.programs_per_sm}"
 
 
 def main(argv=None) -> int:
@@ -92,9 +94,13 @@ def main(argv=None) -> int:
             timed = {}
             for config in [default, *(sweep(default) if args.sweep else [])]:
                 with use_decode_config(config):
-                    out = run()
-                    err = rel_err(out, chain_out)
-                    us = time_ms(run, dev, rep_ms=args.rep_ms)[0] * 1e3
+                    try:
+                        out = run()
+                        err = rel_err(out, chain_out)
+                        us = time_ms(run, dev, rep_ms=args.rep_ms)[0] * 1e3
+                    except RuntimeError as exc:  # e.g. more programs than can be resident
+                        print(f"{name} {quant} {short(config)}: {exc!s:.80}", flush=True)
+                        continue
                 timed[short(config)] = (us, err)
                 tag = "default " if config == default else ""
                 print(f"{name} {quant} {tag}{short(config)}: {us:.1f} us ({100 * floor / us:.0f}%)"

@@ -63,6 +63,7 @@ class DecodeConfig:
     block_k2: int  # I per step of phase 2 (128 under FP8: one quantization group)
     num_warps: int = 4
     num_stages: int = 4
+    programs_per_sm: int = 1  # resident programs per SM (the grid must be resident as a whole)
 
     def __post_init__(self):
         for field in ("block_n1", "block_k1", "block_n2", "block_k2"):
@@ -74,6 +75,10 @@ class DecodeConfig:
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(
                 f"DecodeConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}"
+            )
+        if self.programs_per_sm not in (1, 2, 3, 4):
+            raise ValueError(
+                f"DecodeConfig.programs_per_sm must be 1 to 4, got {self.programs_per_sm!r}"
             )
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"DecodeConfig.num_stages must be >= 1, got {self.num_stages!r}")
@@ -111,27 +116,18 @@ def _decode_prologue_kernel(
     for c0 in range(0, num_cnt, BLOCK_C):
         tl.store(cnt_ptr + c0 + offs_c, tl.zeros((BLOCK_C,), tl.int32), mask=c0 + offs_c < num_cnt)
     if QUANT_X:
-        groups = tl.arange(0, GROUPS)
-        lane = tl.arange(0, _GROUP)
-        for g0 in range(0, G, GROUPS):
-            cols = (g0 + groups)[:, None] * _GROUP + lane[None, :]  # [GROUPS, 128]
-            mask = cols < K
-            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            y, scale = quantize_groups(x[None, :, :], SCALE_FORMAT, ROUND_IN_FP32)
-            q = y.to(xq_ptr.dtype.element_ty)
-            tl.store(xq_ptr + cols[None, :, :], q, mask=mask[None, :, :])
-            s_mask = (g0 + groups) < G
-            tl.store(xs_ptr + (g0 + groups)[None, :], scale, mask=s_mask[None, :])
+        _quantize_row(x_ptr, xq_ptr, xs_ptr, K, G, SCALE_FORMAT, GROUPS, ROUND_IN_FP32, "")
 
 
 @triton.jit
-def _a_row_tile(ptr, k0, K, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _a_row_tile(ptr, k0, K, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, CACHE: tl.constexpr = ""):
     """[16, BLOCK_K]: row 0 holds ptr[k0 : k0 + BLOCK_K] (zeros past K), the others zeros (the
     smallest tile a tensor-core dot takes)."""
     rows = tl.arange(0, 16)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] == 0) & (offs_k[None, :] < K)
-    a = tl.load(ptr + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0)
+    a = tl.load(ptr + offs_k[None, :] + 0 * rows[:, None], mask=mask, other=0.0,
+                cache_modifier=CACHE)  # fmt: skip
     if UPCAST:
         a = a.to(tl.float32)
     return a
@@ -162,7 +158,7 @@ def _gemv_rows(
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     blocks = rows // _GROUP
     for k0 in range(0, K, BLOCK_K):
-        a = _a_row_tile(a_ptr, k0, K, BLOCK_K, UPCAST)
+        a = _a_row_tile(a_ptr, k0, K, BLOCK_K, UPCAST, "")
         w = _w_tile(w_row_ptr, rows, row_mask, stride_wn, k0, K, BLOCK_K, UPCAST)
         if W_BLOCK:
             kb = k0 // _GROUP
@@ -176,36 +172,45 @@ def _gemv_rows(
 
 
 @triton.jit
-def _a2_chunk(
-    src_ptr, k0, I, A2_QUANT: tl.constexpr, A2_SCALE_FORMAT: tl.constexpr,  # noqa: E741
-    BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr, UPCAST: tl.constexpr,
+def _quantize_row(
+    src_ptr, q_ptr, s_ptr, n, num_groups, SCALE_FORMAT: tl.constexpr, GROUPS: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    """GEMM2's A tile for I columns k0 : k0 + BLOCK_K of one slot ([16, BLOCK_K], row 0) and its
-    group scale ([1]; 1 unquantized). Read past L1 (.cg): phase 1 wrote it from other SMs."""
-    offs = k0 + tl.arange(0, BLOCK_K)
-    mask = offs < I
-    v = tl.load(src_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    rows = tl.arange(0, 16)
-    if A2_QUANT:
-        y, scale = quantize_groups(tl.reshape(v, (1, 1, BLOCK_K)), A2_SCALE_FORMAT, ROUND_IN_FP32)
-        a = tl.where(rows[:, None] == 0, tl.reshape(y, (1, BLOCK_K)), 0.0)
-        s = tl.reshape(scale, (1,))
-        if not UPCAST:
-            a = a.to(tl.float8e4nv)
-    else:
-        a = tl.where(rows[:, None] == 0, v[None, :], 0.0)
-        s = tl.full((1,), 1.0, tl.float32)
-        if not UPCAST:
-            a = a.to(src_ptr.dtype.element_ty)
-    return a, s
+    """q[:n], s[:num_groups] = the 1 x 128 group FP8 quantization of src[:n] (quant.kernels'
+    arithmetic, GROUPS groups a step)."""
+    groups = tl.arange(0, GROUPS)
+    lane = tl.arange(0, _GROUP)
+    for g0 in range(0, num_groups, GROUPS):
+        cols = (g0 + groups)[:, None] * _GROUP + lane[None, :]  # [GROUPS, 128]
+        mask = cols < n
+        v = tl.load(src_ptr + cols, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        y, scale = quantize_groups(v[None, :, :], SCALE_FORMAT, ROUND_IN_FP32)
+        tl.store(q_ptr + cols[None, :, :], y.to(q_ptr.dtype.element_ty), mask=mask[None, :, :])
+        tl.store(s_ptr + (g0 + groups)[None, :], scale, mask=((g0 + groups) < num_groups)[None, :])
+
+
+@triton.jit
+def _wait_until(cnt_ptr, target):
+    """Spin until the counter reaches target: relaxed polls (no L1 invalidation each time), then
+    one acquire, and a barrier so that no thread reads what it guards before it."""
+    seen = tl.load(cnt_ptr, volatile=True)
+    while seen < target:
+        seen = tl.load(cnt_ptr, volatile=True)
+    # the acquire; its value is read (else the compiler drops it), and never below the polled
+    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
 def _gemm2_step(
-    acc, a, s_a, w, ws_ptr, stride_wsn, stride_wsk, blocks, col_mask, kb,
+    acc, a, a_scale_ptr, w, ws_ptr, stride_wsn, stride_wsk, blocks, col_mask, kb,
     W_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """acc + a @ w, the K block kb scaled (a's group scale, w's block scales) under FP8."""
     if W_BLOCK:
+        s_a = tl.load(a_scale_ptr + kb, cache_modifier=".cg")
         s = s_a * tl.load(ws_ptr + blocks * stride_wsn + kb * stride_wsk, mask=col_mask, other=0.0)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION) * s[None, :]
     else:
@@ -224,9 +229,10 @@ def _moe_decode_kernel(
     b2_ptr, stride_b2e,  # HAS_B2: [E_l, H]
     ids_ptr, map_ptr, tw_ptr,  # [k] ids, [E] global -> local (HAS_MAP), [k] fp32 router weights
     act_ptr,  # [k, I]: fp32 activations (A2_QUANT) or a2 in the activation dtype
+    a2_ptr, a2s_ptr,  # A2_QUANT: [k, I] e4m3 and [k, ceil(I / 128)] fp32, from act
     y_ptr,  # [k, H] activation dtype: each slot's output
     out_ptr,  # [H]
-    cnt_ptr,  # int32 [k + T2], zero: ready[j], then arrived[t]
+    cnt_ptr,  # int32 [2k + T2], zero: ready[j] (items done), quantized[j], arrived[t]
     K, I, H, num_ids, num_local,  # noqa: E741 (I: the intermediate size of the legend)
     alpha, beta, limit,
     TOP_K: tl.constexpr,
@@ -249,6 +255,7 @@ def _moe_decode_kernel(
     BLOCK_K1: tl.constexpr,
     BLOCK_N2: tl.constexpr,
     BLOCK_K2: tl.constexpr,
+    QUANT_GROUPS: tl.constexpr,  # groups per step of a slot's quantization
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -256,6 +263,7 @@ def _moe_decode_kernel(
     num_programs = tl.num_programs(0)
     t1 = tl.cdiv(I, BLOCK_N1)
     t2 = tl.cdiv(H, BLOCK_N2)
+    g2 = tl.cdiv(I, _GROUP)
 
     # phase 1: activation columns of each slot
     for item in range(pid, TOP_K * t1, num_programs):
@@ -272,30 +280,45 @@ def _moe_decode_kernel(
                 up_rows = offs_n + I
             w_row = w1_ptr + e.to(tl.int64) * stride_w1e
             ws = w1s_ptr + e.to(tl.int64) * stride_w1se
-            h_g = _gemv_rows(
-                a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk, gate_rows,
-                n_mask, K, W_BLOCK, BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
-            )  # fmt: skip
-            if HAS_B1:
-                b_row = b1_ptr + e.to(tl.int64) * stride_b1e
-                h_g += tl.load(b_row + gate_rows, mask=n_mask, other=0.0).to(tl.float32)
-            h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
-            h_u = h_g
-            if GATED:
-                h_u = _gemv_rows(
-                    a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk, up_rows,
-                    n_mask, K, W_BLOCK, BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
+            b_row = b1_ptr + e.to(tl.int64) * stride_b1e
+            if GATED:  # gate and up rows side by side in one tile: one dot, one K loop
+                rows = tl.reshape(tl.join(gate_rows, up_rows), (2 * BLOCK_N1,))
+                mask = tl.reshape(tl.join(n_mask, n_mask), (2 * BLOCK_N1,))
+                h = _gemv_rows(
+                    a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk, rows,
+                    mask, K, W_BLOCK, 2 * BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
                 )  # fmt: skip
                 if HAS_B1:
-                    h_u += tl.load(b_row + up_rows, mask=n_mask, other=0.0).to(tl.float32)
+                    h += tl.load(b_row + rows, mask=mask, other=0.0).to(tl.float32)
+                h_g, h_u = tl.split(tl.reshape(h, (BLOCK_N1, 2)))
+                h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
                 h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
+            else:
+                h_g = _gemv_rows(
+                    a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk,
+                    gate_rows, n_mask, K, W_BLOCK, BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
+                )  # fmt: skip
+                if HAS_B1:
+                    h_g += tl.load(b_row + gate_rows, mask=n_mask, other=0.0).to(tl.float32)
+                h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
+                h_u = h_g
             act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
             if not A2_QUANT:  # a2 itself: the activation rounded to the activation dtype
                 act = _round_to(act, H_DTYPE, ROUND_IN_FP32)
-            act_row = act_ptr + j.to(tl.int64) * I
-            tl.store(act_row + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
+            tl.store(act_ptr + j.to(tl.int64) * I + offs_n, act.to(act_ptr.dtype.element_ty),
+                     mask=n_mask)  # fmt: skip
         tl.debug_barrier()  # every thread's stores before the release
-        tl.atomic_add(cnt_ptr + j, 1, sem="release", scope="gpu")
+        done = tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu")
+        if A2_QUANT:  # noqa: SIM102 (a constexpr guard)
+            if (done == t1 - 1) & (e >= 0):  # the slot's last item: quantize its activations
+                tl.debug_barrier()
+                _quantize_row(
+                    act_ptr + j.to(tl.int64) * I, a2_ptr + j.to(tl.int64) * I,
+                    a2s_ptr + j.to(tl.int64) * g2, I, g2, A2_SCALE_FORMAT, QUANT_GROUPS,
+                    ROUND_IN_FP32, ".cg",
+                )  # fmt: skip
+                tl.debug_barrier()
+                tl.atomic_add(cnt_ptr + TOP_K + j, 1, sem="release", scope="gpu")
 
     # phase 2: output columns of each slot, then the top-k sum by the last slot to arrive
     for item in range(pid, TOP_K * t2, num_programs):
@@ -310,26 +333,24 @@ def _moe_decode_kernel(
             blocks = offs_h // _GROUP
             # the first K block of w2 is on its way before the wait
             w = _w_tile(w_row, offs_h, h_mask, stride_w2n, 0, I, BLOCK_K2, UPCAST)
-            ready = tl.atomic_add(cnt_ptr + j, 0, sem="acquire", scope="gpu")
-            while ready < t1:
-                ready = tl.atomic_add(cnt_ptr + j, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()  # no thread reads the activations before the acquire
-            act_row = act_ptr + j.to(tl.int64) * I
+            if A2_QUANT:
+                _wait_until(cnt_ptr + TOP_K + j, 1)
+                a_row = a2_ptr + j.to(tl.int64) * I
+            else:
+                _wait_until(cnt_ptr + j, t1)
+                a_row = act_ptr + j.to(tl.int64) * I
+            s_row = a2s_ptr + j.to(tl.int64) * g2
             acc = tl.zeros((16, BLOCK_N2), dtype=tl.float32)
-            a, s_a = _a2_chunk(
-                act_row, 0, I, A2_QUANT, A2_SCALE_FORMAT, BLOCK_K2, ROUND_IN_FP32, UPCAST
-            )
+            a = _a_row_tile(a_row, 0, I, BLOCK_K2, UPCAST, ".cg")
             acc = _gemm2_step(
-                acc, a, s_a, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask, 0, W_BLOCK,
+                acc, a, s_row, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask, 0, W_BLOCK,
                 DOT_PRECISION,
             )  # fmt: skip
             for k0 in range(BLOCK_K2, I, BLOCK_K2):
                 w = _w_tile(w_row, offs_h, h_mask, stride_w2n, k0, I, BLOCK_K2, UPCAST)
-                a, s_a = _a2_chunk(
-                    act_row, k0, I, A2_QUANT, A2_SCALE_FORMAT, BLOCK_K2, ROUND_IN_FP32, UPCAST
-                )
+                a = _a_row_tile(a_row, k0, I, BLOCK_K2, UPCAST, ".cg")
                 acc = _gemm2_step(
-                    acc, a, s_a, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask,
+                    acc, a, s_row, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask,
                     k0 // _GROUP, W_BLOCK, DOT_PRECISION,
                 )  # fmt: skip
             y = tl.sum(acc, axis=0)
@@ -341,7 +362,7 @@ def _moe_decode_kernel(
             y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
             tl.store(y_ptr + j.to(tl.int64) * H + offs_h, y.to(y_ptr.dtype.element_ty), mask=h_mask)
         tl.debug_barrier()  # every thread's stores before the release
-        arrived = tl.atomic_add(cnt_ptr + TOP_K + t, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(cnt_ptr + 2 * TOP_K + t, 1, sem="acq_rel", scope="gpu")
         if arrived == TOP_K - 1:  # the last of the tile's k slots: the top-k sum, in slot order
             tl.debug_barrier()
             total = tl.zeros((BLOCK_N2,), dtype=tl.float32)
@@ -432,9 +453,12 @@ def decode_workspace_bytes(
     elem = torch.empty((), dtype=act_dtype).element_size()
     act = top_k * intermediate * (4 if quantized else elem)
     y = top_k * hidden * elem
-    counters = 4 * (top_k + cdiv(hidden, _N2_WIDTHS[-1]))
-    xq = (k_dim + 4 * cdiv(k_dim, QUANT_GROUP)) if quantized else 0
-    return _aligned(act) + _aligned(y) + _aligned(counters) + _aligned(xq) + _ALIGN
+    counters = 4 * (2 * top_k + cdiv(hidden, _N2_WIDTHS[-1]))
+    parts = [act, y, counters]
+    if quantized:  # a2 and its scales; x's FP8 copy and its scales
+        parts += [top_k * intermediate, 4 * top_k * cdiv(intermediate, QUANT_GROUP)]
+        parts += [k_dim, 4 * cdiv(k_dim, QUANT_GROUP)]
+    return sum(_aligned(n) for n in parts) + _ALIGN
 
 
 def _carve(workspace: torch.Tensor, sizes: list[tuple[tuple[int, ...], torch.dtype]]):
@@ -501,20 +525,23 @@ def moe_decode(
             f"group), got {config.block_k1} and {config.block_k2}"
         )
     t2 = cdiv(hidden, config.block_n2)
-    num_cnt = top_k + t2
+    num_cnt = 2 * top_k + t2
     groups = cdiv(k_dim, QUANT_GROUP)
+    groups2 = cdiv(intermediate, QUANT_GROUP)
     act_dtype = torch.float32 if quantized else output.dtype
     parts = [
         ((top_k, intermediate), act_dtype),
         ((top_k, hidden), output.dtype),
-        ((top_k + cdiv(hidden, _N2_WIDTHS[-1]),), torch.int32),
+        ((2 * top_k + cdiv(hidden, _N2_WIDTHS[-1]),), torch.int32),
     ]
-    if x_scale_format is not None:
+    if quantized:
+        parts += [((top_k, intermediate), FP8_DTYPE), ((top_k, groups2), torch.float32)]
         parts += [((k_dim,), FP8_DTYPE), ((groups,), torch.float32)]
     views = _carve(workspace, parts)
     act, y, counters = views[:3]
+    a2, a2_scale = (views[3], views[4]) if quantized else (act, act)
     if x_scale_format is not None:
-        a, a_scale = views[3], views[4]
+        a, a_scale = views[5], views[6]
     else:
         a, a_scale = x.view(-1), (a1_scale.view(-1) if a1_scale is not None else x.view(-1))
     ids = topk_ids.view(-1)
@@ -538,7 +565,7 @@ def moe_decode(
     dummy = ids
     alpha, beta, limit, has_limit = params
     w_block = w13_scale is not None
-    grid_size = programs if on_gpu else _INTERPRETER_PROGRAMS
+    grid_size = programs * config.programs_per_sm if on_gpu else _INTERPRETER_PROGRAMS
     items = top_k * max(cdiv(intermediate, config.block_n1), t2)
     grid = (min(grid_size, items),)
     args = (
@@ -550,7 +577,7 @@ def moe_decode(
         *((w2_scale, *w2_scale.stride()) if w_block else (dummy, 0, 0, 0)),
         *((w2_bias, w2_bias.stride(0)) if w2_bias is not None else (dummy, 0)),
         ids, ids if expert_map is None else expert_map, topk_weights.view(-1),
-        act, y, output.view(-1), counters,
+        act, a2, a2_scale, y, output.view(-1), counters,
         k_dim, intermediate, hidden,
         num_local if expert_map is None else expert_map.shape[0], num_local,
         alpha, beta, limit,
@@ -576,6 +603,7 @@ def moe_decode(
         BLOCK_K1=config.block_k1,
         BLOCK_N2=config.block_n2,
         BLOCK_K2=config.block_k2,
+        QUANT_GROUPS=min(8, next_power_of_2(groups2)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl,
