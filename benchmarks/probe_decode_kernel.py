@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fp8_backends import csv_list
 
 from fusedmoe.functional import fused_experts
-from fusedmoe.kernels.moe_decode import DecodeConfig, _sm_count, decode_config, use_decode_config
+from fusedmoe.kernels.moe_decode import DecodeConfig, decode_config, use_decode_config
 from fusedmoe.tools.bench.inputs import (
     make_expert_biases,
     make_expert_weights,
@@ -41,16 +41,19 @@ from fusedmoe.tools.roofline import ceilings_for, distinct_experts, moe_floor
 
 def sweep(default: DecodeConfig) -> list[DecodeConfig]:
     out = [
-        DecodeConfig(n1, 128, n2, 128, warps, stages, per_sm)
-        for (n1, n2), warps, stages, per_sm in itertools.product(
-            ((16, 32), (16, 64), (16, 128), (32, 64), (32, 128)), (2, 4), (3,), (2, 3, 4)
+        DecodeConfig(n1, 128, n2, chunk, warps, stages, per_sm)
+        for (n1, n2), chunk, warps, stages, per_sm in itertools.product(
+            ((16, 64), (16, 128), (32, 64), (32, 128)), (128, 256, 512), (4,), (3,), (3, 4)
         )
     ]
     return [c for c in dict.fromkeys(out) if c != default]
 
 
 def short(c: DecodeConfig) -> str:
-    return f"n1 {c.block_n1} n2 {c.block_n2} w{c.num_warps} s{c.num_stages} x{c.programs_per_sm}"
+    return (
+        f"n1 {c.block_n1} n2 {c.block_n2} c{c.chunk} w{c.num_warps} s{c.num_stages} "
+        f"x{c.programs_per_sm}"
+    )
 
 
 def main(argv=None) -> int:
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
                 chain_out = run()
                 settle(run, dev)
                 chain_us = time_ms(run, dev, rep_ms=args.rep_ms)[0] * 1e3
-            default = decode_config(k, i, h, _sm_count(dev.index or 0))
+            default = decode_config(k, i, h, quant != "bf16")
             timed = {}
             for config in [default, *(sweep(default) if args.sweep else [])]:
                 with use_decode_config(config):
