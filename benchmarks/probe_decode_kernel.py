@@ -41,19 +41,16 @@ from fusedmoe.tools.roofline import ceilings_for, distinct_experts, moe_floor
 
 def sweep(default: DecodeConfig) -> list[DecodeConfig]:
     out = [
-        DecodeConfig(n1, 128, n2, chunk, warps, stages, per_sm)
-        for (n1, n2), chunk, warps, stages, per_sm in itertools.product(
-            ((16, 64), (16, 128), (32, 64), (32, 128)), (128, 256, 512), (4,), (3,), (3, 4)
+        DecodeConfig(n1, 128, n2, 128, warps, stages, per_sm)
+        for (n1, n2), warps, stages, per_sm in itertools.product(
+            ((16, 32), (16, 64), (16, 128), (32, 64), (32, 128)), (2, 4), (3, 4), (3, 4)
         )
     ]
     return [c for c in dict.fromkeys(out) if c != default]
 
 
 def short(c: DecodeConfig) -> str:
-    return (
-        f"n1 {c.block_n1} n2 {c.block_n2} c{c.chunk} w{c.num_warps} s{c.num_stages} "
-        f"x{c.programs_per_sm}"
-    )
+    return f"n1 {c.block_n1} n2 {c.block_n2} w{c.num_warps} s{c.num_stages} x{c.programs_per_sm}"
 
 
 def main(argv=None) -> int:

@@ -57,26 +57,21 @@ _ALIGN = 256  # byte alignment of each part of the workspace
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n1: int  # activation columns per GEMM1 item (gate and up rows: twice that, gated)
-    block_k1: int  # K per step of GEMM1 (128 under block-scaled FP8: one scale block)
-    block_n2: int  # output columns per GEMM2 item
-    chunk: int  # columns of I per chunk: GEMM2 items read one chunk (>= 128, whole groups)
+    block_n1: int  # activation columns per phase-1 item (gate and up rows: twice that)
+    block_k1: int  # K per step of phase 1 (128 under block-scaled FP8: one scale block)
+    block_n2: int  # output columns per phase-2 item
+    block_k2: int  # I per step of phase 2 (128 under FP8: one quantization group)
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4  # resident programs per SM at most (the grid is resident whole)
 
     def __post_init__(self):
-        for field in ("block_n1", "block_k1", "block_n2", "chunk"):
+        for field in ("block_n1", "block_k1", "block_n2", "block_k2"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(
                     f"DecodeConfig.{field} must be a power of two >= 16, got {value!r}"
                 )
-        if self.chunk < QUANT_GROUP or self.chunk < self.block_n1:
-            raise ValueError(
-                f"DecodeConfig.chunk must be >= 128 and >= block_n1, got {self.chunk} "
-                f"(block_n1 {self.block_n1})"
-            )
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(
                 f"DecodeConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}"
@@ -235,10 +230,9 @@ def _moe_decode_kernel(
     ids_ptr, map_ptr, tw_ptr,  # [k] ids, [E] global -> local (HAS_MAP), [k] fp32 router weights
     act_ptr,  # [k, I]: fp32 activations (A2_QUANT) or a2 in the activation dtype
     a2_ptr, a2s_ptr,  # A2_QUANT: [k, I] e4m3 and [k, ceil(I / 128)] fp32, from act
-    part_ptr,  # [k, C, H] fp32: GEMM2's sum over each chunk of I
     y_ptr,  # [k, H] activation dtype: each slot's output
     out_ptr,  # [H]
-    cnt_ptr,  # int32, zero: done[k * C], quantized[k * C], chunks[k * T2], slots[T2]
+    cnt_ptr,  # int32 [2k + T2], zero: ready[j] (items done), quantized[j], arrived[t]
     K, I, H, num_ids, num_local,  # noqa: E741 (I: the intermediate size of the legend)
     alpha, beta, limit,
     TOP_K: tl.constexpr,
@@ -257,185 +251,133 @@ def _moe_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     UPCAST: tl.constexpr,
-    BLOCK_N1: tl.constexpr,  # activation columns per GEMM1 item
+    BLOCK_N1: tl.constexpr,
     BLOCK_K1: tl.constexpr,
-    BLOCK_N2: tl.constexpr,  # output columns per GEMM2 item
-    CHUNK: tl.constexpr,  # columns of I per chunk (a multiple of BLOCK_N1, and of 128 for FP8)
-    QUANT_GROUPS: tl.constexpr,  # CHUNK / 128 under FP8 (a power of two), else 1
+    BLOCK_N2: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
+    QUANT_GROUPS: tl.constexpr,  # groups per step of a slot's quantization
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    PER_CHUNK1: tl.constexpr = CHUNK // BLOCK_N1  # GEMM1 items of a chunk
-    STEP2: tl.constexpr = _GROUP  # GEMM2's K step: one group
-    num_chunks = tl.cdiv(I, CHUNK)
+    t1 = tl.cdiv(I, BLOCK_N1)
     t2 = tl.cdiv(H, BLOCK_N2)
     g2 = tl.cdiv(I, _GROUP)
-    per_chunk = PER_CHUNK1 + t2
-    per_slot = num_chunks * per_chunk
-    done_ptr = cnt_ptr
-    quantized_ptr = cnt_ptr + TOP_K * num_chunks
-    chunks_ptr = quantized_ptr + TOP_K * num_chunks
-    slots_ptr = chunks_ptr + TOP_K * t2
-    # Items in schedule order: for each slot, for each chunk of I, the GEMM1 items that make the
-    # chunk's activations, then the GEMM2 items that read them. Every wait is on items earlier
-    # in this order, so the earliest unfinished item never waits (see the module docstring).
-    for item in range(pid, TOP_K * per_slot, num_programs):
-        j = item // per_slot
-        c = (item % per_slot) // per_chunk
-        u = item % per_chunk
+
+    # phase 1: activation columns of each slot
+    for item in range(pid, TOP_K * t1, num_programs):
+        j = item // t1
         e = _slot_expert(ids_ptr, map_ptr, j, num_ids, num_local, HAS_MAP)
-        jc = j * num_chunks + c
-        if u < PER_CHUNK1:  # GEMM1: activation columns of chunk c
-            offs_n = c * CHUNK + u * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+        if e >= 0:
+            offs_n = (item % t1) * BLOCK_N1 + tl.arange(0, BLOCK_N1)
             n_mask = offs_n < I
-            if (e >= 0) & (c * CHUNK + u * BLOCK_N1 < I):
-                _gemm1_item(
-                    a_ptr, a_scale_ptr, w1_ptr, stride_w1e, stride_w1n, w1s_ptr, stride_w1se,
-                    stride_w1sn, stride_w1sk, b1_ptr, stride_b1e, act_ptr, e, j, offs_n, n_mask,
-                    K, I, alpha, beta, limit, ACTIVATION, GATED, INTERLEAVED, HAS_LIMIT, W_BLOCK,
-                    A2_QUANT, HAS_B1, H_DTYPE, DOT_PRECISION, ROUND_IN_FP32, UPCAST, BLOCK_N1,
-                    BLOCK_K1,
+            if INTERLEAVED:
+                gate_rows = 2 * offs_n
+                up_rows = 2 * offs_n + 1
+            else:
+                gate_rows = offs_n
+                up_rows = offs_n + I
+            w_row = w1_ptr + e.to(tl.int64) * stride_w1e
+            ws = w1s_ptr + e.to(tl.int64) * stride_w1se
+            b_row = b1_ptr + e.to(tl.int64) * stride_b1e
+            if GATED:  # gate and up rows side by side in one tile: one dot, one K loop
+                rows = tl.reshape(tl.join(gate_rows, up_rows), (2 * BLOCK_N1,))
+                mask = tl.reshape(tl.join(n_mask, n_mask), (2 * BLOCK_N1,))
+                h = _gemv_rows(
+                    a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk, rows,
+                    mask, K, W_BLOCK, 2 * BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
                 )  # fmt: skip
-            tl.debug_barrier()  # every thread's stores before the release
-            done = tl.atomic_add(done_ptr + jc, 1, sem="acq_rel", scope="gpu")
-            if A2_QUANT:  # noqa: SIM102 (a constexpr guard)
-                if (done == PER_CHUNK1 - 1) & (e >= 0):  # the chunk's last: quantize it
-                    tl.debug_barrier()
-                    first = c * CHUNK
-                    _quantize_row(
-                        act_ptr + j.to(tl.int64) * I + first, a2_ptr + j.to(tl.int64) * I + first,
-                        a2s_ptr + j.to(tl.int64) * g2 + first // _GROUP, I - first,
-                        tl.minimum(g2 - first // _GROUP, QUANT_GROUPS), A2_SCALE_FORMAT,
-                        QUANT_GROUPS, ROUND_IN_FP32, ".cg",
-                    )  # fmt: skip
-                    tl.debug_barrier()
-                    tl.atomic_add(quantized_ptr + jc, 1, sem="release", scope="gpu")
-        else:  # GEMM2: output columns t of slot j, over chunk c of I
-            t = u - PER_CHUNK1
-            offs_h = t * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-            h_mask = offs_h < H
-            if e >= 0:
-                w_row = w2_ptr + e.to(tl.int64) * stride_w2e
-                ws = w2s_ptr + e.to(tl.int64) * stride_w2se
-                blocks = offs_h // _GROUP
-                # the chunk's first K step of w2 is on its way before the wait
-                w = _w_tile(w_row, offs_h, h_mask, stride_w2n, c * CHUNK, I, STEP2, UPCAST)
-                if A2_QUANT:
-                    _wait_until(quantized_ptr + jc, 1)
-                    a_row = a2_ptr + j.to(tl.int64) * I
-                else:
-                    _wait_until(done_ptr + jc, PER_CHUNK1)
-                    a_row = act_ptr + j.to(tl.int64) * I
-                s_row = a2s_ptr + j.to(tl.int64) * g2
-                acc = tl.zeros((16, BLOCK_N2), dtype=tl.float32)
-                k0 = c * CHUNK
-                a = _a_row_tile(a_row, k0, I, STEP2, UPCAST, ".cg")
+                if HAS_B1:
+                    h += tl.load(b_row + rows, mask=mask, other=0.0).to(tl.float32)
+                h_g, h_u = tl.split(tl.reshape(h, (BLOCK_N1, 2)))
+                h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
+                h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
+            else:
+                h_g = _gemv_rows(
+                    a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk,
+                    gate_rows, n_mask, K, W_BLOCK, BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
+                )  # fmt: skip
+                if HAS_B1:
+                    h_g += tl.load(b_row + gate_rows, mask=n_mask, other=0.0).to(tl.float32)
+                h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
+                h_u = h_g
+            act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+            if not A2_QUANT:  # a2 itself: the activation rounded to the activation dtype
+                act = _round_to(act, H_DTYPE, ROUND_IN_FP32)
+            tl.store(act_ptr + j.to(tl.int64) * I + offs_n, act.to(act_ptr.dtype.element_ty),
+                     mask=n_mask)  # fmt: skip
+        tl.debug_barrier()  # every thread's stores before the release
+        done = tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu")
+        if A2_QUANT:  # noqa: SIM102 (a constexpr guard)
+            if (done == t1 - 1) & (e >= 0):  # the slot's last item: quantize its activations
+                tl.debug_barrier()
+                _quantize_row(
+                    act_ptr + j.to(tl.int64) * I, a2_ptr + j.to(tl.int64) * I,
+                    a2s_ptr + j.to(tl.int64) * g2, I, g2, A2_SCALE_FORMAT, QUANT_GROUPS,
+                    ROUND_IN_FP32, ".cg",
+                )  # fmt: skip
+                tl.debug_barrier()
+                tl.atomic_add(cnt_ptr + TOP_K + j, 1, sem="release", scope="gpu")
+
+    # phase 2: output columns of each slot, then the top-k sum by the last slot to arrive
+    # the items continue one count over both phases, dealt round robin: the programs left
+    # without a GEMM1 item take the first GEMM2 items and load their weights while GEMM1 runs
+    n1 = TOP_K * t1
+    first = pid + tl.cdiv(tl.maximum(n1 - pid, 0), num_programs) * num_programs - n1
+    for item in range(first, TOP_K * t2, num_programs):
+        j = item % TOP_K
+        t = item // TOP_K
+        e = _slot_expert(ids_ptr, map_ptr, j, num_ids, num_local, HAS_MAP)
+        offs_h = t * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+        h_mask = offs_h < H
+        if e >= 0:
+            w_row = w2_ptr + e.to(tl.int64) * stride_w2e
+            ws = w2s_ptr + e.to(tl.int64) * stride_w2se
+            blocks = offs_h // _GROUP
+            # the first K block of w2 is on its way before the wait
+            w = _w_tile(w_row, offs_h, h_mask, stride_w2n, 0, I, BLOCK_K2, UPCAST)
+            if A2_QUANT:
+                _wait_until(cnt_ptr + TOP_K + j, 1)
+                a_row = a2_ptr + j.to(tl.int64) * I
+            else:
+                _wait_until(cnt_ptr + j, t1)
+                a_row = act_ptr + j.to(tl.int64) * I
+            s_row = a2s_ptr + j.to(tl.int64) * g2
+            acc = tl.zeros((16, BLOCK_N2), dtype=tl.float32)
+            a = _a_row_tile(a_row, 0, I, BLOCK_K2, UPCAST, ".cg")
+            acc = _gemm2_step(
+                acc, a, s_row, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask, 0, W_BLOCK,
+                DOT_PRECISION,
+            )  # fmt: skip
+            for k0 in range(BLOCK_K2, I, BLOCK_K2):
+                w = _w_tile(w_row, offs_h, h_mask, stride_w2n, k0, I, BLOCK_K2, UPCAST)
+                a = _a_row_tile(a_row, k0, I, BLOCK_K2, UPCAST, ".cg")
                 acc = _gemm2_step(
-                    acc, a, s_row, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask, k0 // _GROUP,
-                    W_BLOCK, DOT_PRECISION,
+                    acc, a, s_row, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask,
+                    k0 // _GROUP, W_BLOCK, DOT_PRECISION,
                 )  # fmt: skip
-                for k0 in range(c * CHUNK + STEP2, tl.minimum(c * CHUNK + CHUNK, I), STEP2):
-                    w = _w_tile(w_row, offs_h, h_mask, stride_w2n, k0, I, STEP2, UPCAST)
-                    a = _a_row_tile(a_row, k0, I, STEP2, UPCAST, ".cg")
-                    acc = _gemm2_step(
-                        acc, a, s_row, w, ws, stride_w2sn, stride_w2sk, blocks, h_mask,
-                        k0 // _GROUP, W_BLOCK, DOT_PRECISION,
-                    )  # fmt: skip
-                part = part_ptr + (j.to(tl.int64) * num_chunks + c) * H
-                tl.store(part + offs_h, tl.sum(acc, axis=0), mask=h_mask)
-            tl.debug_barrier()  # every thread's stores before the release
-            arrived = tl.atomic_add(chunks_ptr + j * t2 + t, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_chunks - 1:  # the last chunk of (j, t): the slot's output
-                tl.debug_barrier()
-                if e >= 0:
-                    y = tl.zeros((BLOCK_N2,), dtype=tl.float32)
-                    part = part_ptr + j.to(tl.int64) * num_chunks * H
-                    for cc in range(0, num_chunks):  # in order: the chain's sum over K
-                        y += tl.load(part + cc * H + offs_h, mask=h_mask, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
-                    if HAS_B2:
-                        b_row = b2_ptr + e.to(tl.int64) * stride_b2e
-                        y += tl.load(b_row + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-                    if MUL_WEIGHT:
-                        y = y * tl.load(tw_ptr + j)
-                    y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
-                    tl.store(y_ptr + j.to(tl.int64) * H + offs_h, y.to(y_ptr.dtype.element_ty),
-                             mask=h_mask)  # fmt: skip
-                tl.debug_barrier()
-                arrived = tl.atomic_add(slots_ptr + t, 1, sem="acq_rel", scope="gpu")
-                if arrived == TOP_K - 1:  # the last slot of tile t: the top-k sum, in order
-                    tl.debug_barrier()
-                    _top_k_sum(
-                        y_ptr, out_ptr, ids_ptr, map_ptr, offs_h, h_mask, H, num_ids, num_local,
-                        TOP_K, HAS_MAP, BLOCK_N2, ROUND_IN_FP32,
-                    )  # fmt: skip
-
-
-@triton.jit
-def _gemm1_item(
-    a_ptr, a_scale_ptr, w1_ptr, stride_w1e, stride_w1n, w1s_ptr, stride_w1se, stride_w1sn,
-    stride_w1sk, b1_ptr, stride_b1e, act_ptr, e, j, offs_n, n_mask, K, I, alpha, beta, limit,  # noqa: E741
-    ACTIVATION: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, W_BLOCK: tl.constexpr, A2_QUANT: tl.constexpr, HAS_B1: tl.constexpr,
-    H_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr,
-):  # fmt: skip
-    """act[j, offs_n] = act(round(x @ w13[e][gate rows].T + b), round(x @ w13[e][up rows].T + b)),
-    in fp32 under FP8 (quantized per group later), else rounded to the activation dtype."""
-    if INTERLEAVED:
-        gate_rows = 2 * offs_n
-        up_rows = 2 * offs_n + 1
-    else:
-        gate_rows = offs_n
-        up_rows = offs_n + I
-    w_row = w1_ptr + e.to(tl.int64) * stride_w1e
-    ws = w1s_ptr + e.to(tl.int64) * stride_w1se
-    b_row = b1_ptr + e.to(tl.int64) * stride_b1e
-    if GATED:  # gate and up rows side by side in one tile: one dot, one K loop
-        rows = tl.reshape(tl.join(gate_rows, up_rows), (2 * BLOCK_N1,))
-        mask = tl.reshape(tl.join(n_mask, n_mask), (2 * BLOCK_N1,))
-        h = _gemv_rows(
-            a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk, rows, mask, K,
-            W_BLOCK, 2 * BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
-        )  # fmt: skip
-        if HAS_B1:
-            h += tl.load(b_row + rows, mask=mask, other=0.0).to(tl.float32)
-        h_g, h_u = tl.split(tl.reshape(h, (BLOCK_N1, 2)))
-        h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
-        h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
-    else:
-        h_g = _gemv_rows(
-            a_ptr, a_scale_ptr, w_row, ws, stride_w1n, stride_w1sn, stride_w1sk, gate_rows,
-            n_mask, K, W_BLOCK, BLOCK_N1, BLOCK_K1, DOT_PRECISION, UPCAST,
-        )  # fmt: skip
-        if HAS_B1:
-            h_g += tl.load(b_row + gate_rows, mask=n_mask, other=0.0).to(tl.float32)
-        h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
-        h_u = h_g
-    act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
-    if not A2_QUANT:  # a2 itself: the activation rounded to the activation dtype
-        act = _round_to(act, H_DTYPE, ROUND_IN_FP32)
-    tl.store(act_ptr + j.to(tl.int64) * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _top_k_sum(
-    y_ptr, out_ptr, ids_ptr, map_ptr, offs_h, h_mask, H, num_ids, num_local,
-    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N2: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
-):  # fmt: skip
-    """out[offs_h] = the sum of the routed slots' y rows, in slot order, in fp32 (moe_sum's)."""
-    total = tl.zeros((BLOCK_N2,), dtype=tl.float32)
-    for jj in tl.static_range(TOP_K):
-        routed = _slot_expert(ids_ptr, map_ptr, jj, num_ids, num_local, HAS_MAP) >= 0
-        # (a scalar mask broadcast through int32: the interpreter's masks are vectors)
-        mask = h_mask & ((tl.zeros((BLOCK_N2,), tl.int32) + routed.to(tl.int32)) != 0)
-        v = tl.load(y_ptr + jj * H + offs_h, mask=mask, other=0.0, cache_modifier=".cg")
-        total += v.to(tl.float32)
-    total = _round_to(total, out_ptr.dtype.element_ty, ROUND_IN_FP32)
-    tl.store(out_ptr + offs_h, total.to(out_ptr.dtype.element_ty), mask=h_mask)
+            y = tl.sum(acc, axis=0)
+            if HAS_B2:
+                b_row = b2_ptr + e.to(tl.int64) * stride_b2e
+                y += tl.load(b_row + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+            if MUL_WEIGHT:
+                y = y * tl.load(tw_ptr + j)
+            y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
+            tl.store(y_ptr + j.to(tl.int64) * H + offs_h, y.to(y_ptr.dtype.element_ty), mask=h_mask)
+        tl.debug_barrier()  # every thread's stores before the release
+        arrived = tl.atomic_add(cnt_ptr + 2 * TOP_K + t, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:  # the last of the tile's k slots: the top-k sum, in slot order
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_N2,), dtype=tl.float32)
+            for jj in tl.static_range(TOP_K):
+                routed = _slot_expert(ids_ptr, map_ptr, jj, num_ids, num_local, HAS_MAP) >= 0
+                # (a scalar mask broadcast through int32: the interpreter's masks are vectors)
+                mask = h_mask & ((tl.zeros((BLOCK_N2,), tl.int32) + routed.to(tl.int32)) != 0)
+                v = tl.load(y_ptr + jj * H + offs_h, mask=mask, other=0.0, cache_modifier=".cg")
+                total += v.to(tl.float32)
+            total = _round_to(total, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+            tl.store(out_ptr + offs_h, total.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,57 +419,40 @@ def _sm_count(index: int) -> int:
 
 
 def decode_config(top_k: int, intermediate: int, hidden: int, quantized: bool) -> DecodeConfig:
-    """The default config (see benchmarks/probe_decode_kernel.py)."""
-    return DecodeConfig(block_n1=16, block_k1=QUANT_GROUP, block_n2=64, chunk=QUANT_GROUP)
+    """The default config (benchmarks/probe_decode_kernel.py)."""
+    return DecodeConfig(block_n1=16, block_k1=QUANT_GROUP, block_n2=64, block_k2=QUANT_GROUP)
 
 
 def _aligned(n: int) -> int:
     return cdiv(n, _ALIGN) * _ALIGN
 
 
-def _layout(top_k, intermediate, hidden, k_dim, act_dtype, out_dtype, quantized, chunk, n2):
-    """(shape, dtype) of each part of the scratch, in order: activations, each slot's output,
-    the counters, GEMM2's per-chunk sums; under FP8 a2, its scales, x's FP8 copy, its scales."""
-    num_chunks = cdiv(intermediate, chunk)
-    t2 = cdiv(hidden, n2)
-    parts = [
-        ((top_k, intermediate), torch.float32 if quantized else act_dtype),
-        ((top_k, hidden), out_dtype),
-        ((2 * top_k * num_chunks + top_k * t2 + t2,), torch.int32),
-        ((top_k, num_chunks, hidden), torch.float32),
-    ]
-    if quantized:
-        groups2 = cdiv(intermediate, QUANT_GROUP)
-        parts += [((top_k, intermediate), FP8_DTYPE), ((top_k, groups2), torch.float32)]
-        parts += [((k_dim,), FP8_DTYPE), ((cdiv(k_dim, QUANT_GROUP),), torch.float32)]
-    return parts
-
-
-def _nbytes(shape, dtype) -> int:
-    numel = 1
-    for s in shape:
-        numel *= s
-    return numel * torch.empty((), dtype=dtype).element_size()
-
-
 def decode_workspace_bytes(
     top_k: int, intermediate: int, hidden: int, k_dim: int, act_dtype: torch.dtype, quantized: bool
 ) -> int:
-    """Bytes of scratch the one-launch decode needs with any config (the narrowest chunks and
-    output items)."""
-    parts = _layout(
-        top_k, intermediate, hidden, k_dim, act_dtype, act_dtype, quantized, QUANT_GROUP, 16
-    )
-    return sum(_aligned(_nbytes(*p)) for p in parts) + _ALIGN
+    """Bytes of scratch the one-launch decode needs: each slot's activations (fp32 under FP8),
+    each slot's output, the counters (for the narrowest output items) and x's FP8 copy."""
+    elem = torch.empty((), dtype=act_dtype).element_size()
+    act = top_k * intermediate * (4 if quantized else elem)
+    y = top_k * hidden * elem
+    counters = 4 * (2 * top_k + cdiv(hidden, 16))
+    parts = [act, y, counters]
+    if quantized:  # a2 and its scales; x's FP8 copy and its scales
+        parts += [top_k * intermediate, 4 * top_k * cdiv(intermediate, QUANT_GROUP)]
+        parts += [k_dim, 4 * cdiv(k_dim, QUANT_GROUP)]
+    return sum(_aligned(n) for n in parts) + _ALIGN
 
 
-def _carve(workspace: torch.Tensor, parts: list) -> list[torch.Tensor]:
+def _carve(workspace: torch.Tensor, sizes: list[tuple[tuple[int, ...], torch.dtype]]):
     """Views of the given shapes and dtypes over the workspace's bytes, each 256-byte aligned."""
     raw = workspace.view(-1).view(torch.uint8)
     start = (-raw.data_ptr()) % _ALIGN
     views = []
-    for shape, dtype in parts:
-        nbytes = _nbytes(shape, dtype)
+    for shape, dtype in sizes:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         views.append(raw[start : start + nbytes].view(dtype).view(shape))
         start += _aligned(nbytes)
     return views
@@ -541,6 +466,7 @@ def _resident_per_sm(kernel, grid, args, constexprs, index: int) -> int:
     """How many programs of this compiled kernel one SM holds at once (registers, shared memory,
     threads), from the binary: the cooperative launch is refused beyond it."""
     compiled = kernel.warmup(*args, grid=grid, **constexprs)
+    compiled._init_handles()  # loads the binary: n_regs is known from then on
     props = torch.cuda.get_device_properties(index)
     threads = 32 * compiled.metadata.num_warps
     regs = max(compiled.n_regs, 1)
@@ -588,43 +514,50 @@ def moe_decode(
     hidden, intermediate = w2.shape[1], w2.shape[2]
     quantized = a2_scale_format is not None
     on_gpu = x.is_cuda
+    programs = _sm_count(x.device.index or 0) if on_gpu else _INTERPRETER_PROGRAMS
     if config is None:
         override = _override.get()
-        config = (
-            override
-            if isinstance(override, DecodeConfig)
-            else decode_config(top_k, intermediate, hidden, quantized)
-        )
-    if quantized and config.block_k1 != QUANT_GROUP:
+        if isinstance(override, DecodeConfig):
+            config = override
+        else:
+            config = decode_config(top_k, intermediate, hidden, quantized)
+    if quantized and (config.block_k1, config.block_k2) != (QUANT_GROUP, QUANT_GROUP):
         raise ValueError(
-            f"block-scaled FP8 takes block_k1 = 128 (a weight block), got {config.block_k1}"
+            "block-scaled FP8 takes block_k1 = block_k2 = 128 (a weight block, an activation "
+            f"group), got {config.block_k1} and {config.block_k2}"
         )
-    num_chunks = cdiv(intermediate, config.chunk)
     t2 = cdiv(hidden, config.block_n2)
-    parts = _layout(
-        top_k, intermediate, hidden, k_dim, output.dtype, output.dtype, quantized, config.chunk,
-        config.block_n2,
-    )  # fmt: skip
+    num_cnt = 2 * top_k + t2
+    groups = cdiv(k_dim, QUANT_GROUP)
+    groups2 = cdiv(intermediate, QUANT_GROUP)
+    act_dtype = torch.float32 if quantized else output.dtype
+    parts = [
+        ((top_k, intermediate), act_dtype),
+        ((top_k, hidden), output.dtype),
+        ((2 * top_k + cdiv(hidden, 16),), torch.int32),
+    ]
+    if quantized:
+        parts += [((top_k, intermediate), FP8_DTYPE), ((top_k, groups2), torch.float32)]
+        parts += [((k_dim,), FP8_DTYPE), ((groups,), torch.float32)]
     views = _carve(workspace, parts)
-    act, y, counters, partial = views[:4]
-    a2, a2_scale = (views[4], views[5]) if quantized else (act, act)
+    act, y, counters = views[:3]
+    a2, a2_scale = (views[3], views[4]) if quantized else (act, act)
     if x_scale_format is not None:
-        a, a_scale = views[6], views[7]
+        a, a_scale = views[5], views[6]
     else:
         a, a_scale = x.view(-1), (a1_scale.view(-1) if a1_scale is not None else x.view(-1))
     ids = topk_ids.view(-1)
     round_in_fp32 = not on_gpu
     pdl = pdl_args(x)
-    groups = cdiv(k_dim, QUANT_GROUP)
     launch(
         _decode_prologue_kernel,
         (1,),
-        (x.view(-1), a, a_scale, counters, counters.numel(), k_dim, groups),
+        (x.view(-1), a, a_scale, counters, num_cnt, k_dim, groups),
         dict(
             QUANT_X=x_scale_format is not None,
             SCALE_FORMAT=0 if x_scale_format is None else x_scale_format,
             GROUPS=min(8, next_power_of_2(groups)),
-            BLOCK_C=min(1024, next_power_of_2(counters.numel())),
+            BLOCK_C=min(1024, next_power_of_2(num_cnt)),
             ROUND_IN_FP32=round_in_fp32,
             num_warps=4,
             **pdl,
@@ -634,6 +567,7 @@ def moe_decode(
     dummy = ids
     alpha, beta, limit, has_limit = params
     w_block = w13_scale is not None
+    items = top_k * (cdiv(intermediate, config.block_n1) + t2)
     args = (
         a, a_scale,
         w13, w13.stride(0), w13.stride(1),
@@ -643,7 +577,7 @@ def moe_decode(
         *((w2_scale, *w2_scale.stride()) if w_block else (dummy, 0, 0, 0)),
         *((w2_bias, w2_bias.stride(0)) if w2_bias is not None else (dummy, 0)),
         ids, ids if expert_map is None else expert_map, topk_weights.view(-1),
-        act, a2, a2_scale, partial, y, output.view(-1), counters,
+        act, a2, a2_scale, y, output.view(-1), counters,
         k_dim, intermediate, hidden,
         num_local if expert_map is None else expert_map.shape[0], num_local,
         alpha, beta, limit,
@@ -668,13 +602,12 @@ def moe_decode(
         BLOCK_N1=config.block_n1,
         BLOCK_K1=config.block_k1,
         BLOCK_N2=config.block_n2,
-        CHUNK=config.chunk,
-        QUANT_GROUPS=config.chunk // QUANT_GROUP if quantized else 1,
+        BLOCK_K2=config.block_k2,
+        QUANT_GROUPS=min(8, next_power_of_2(groups2)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl,
     )
-    items = top_k * num_chunks * (config.chunk // config.block_n1 + t2)
     if not on_gpu:
         launch(_moe_decode_kernel, (_INTERPRETER_PROGRAMS,), args, constexprs, False)
         return
@@ -685,8 +618,8 @@ def moe_decode(
     if per_sm is None:
         per_sm = _resident_per_sm(_moe_decode_kernel, (1,), args, constexprs, index)
         _RESIDENT[key] = per_sm
-    programs = _sm_count(index) * min(per_sm, config.programs_per_sm)
-    launch(_moe_decode_kernel, (min(programs, items),), args, constexprs, True)
+    grid = (min(programs * min(per_sm, config.programs_per_sm), items),)
+    launch(_moe_decode_kernel, grid, args, constexprs, True)
 
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
