@@ -48,7 +48,6 @@ _ACT_MODES = {
     keys.INT8_DYNAMIC_TOKEN: ("row", "int8_dynamic_token"),
 }
 _DTYPE_KEY = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_GROUP_KEYS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 
 
 def _modes(quant_config: FusedMoEQuantConfig | None) -> tuple[str, str, str, str] | None:
@@ -102,32 +101,14 @@ class TritonExperts(Experts):
     def supports_autograd(cls, quant_config=None):
         return quant_config is None
 
-    def quantizes_input(self, num_tokens, quant_config):
-        # One token under 1 x 128 group FP8: the one-launch decode's prologue quantizes x, and
-        # prepare's launch is saved. The op quantizes x itself wherever it arrives unquantized.
-        from fusedmoe.kernels.moe_decode import decode_enabled
-
-        return (
-            num_tokens == 1
-            and quant_config is not None
-            and quant_config.a1.key in _GROUP_KEYS
-            and _modes(quant_config) is not None
-            and decode_enabled()
-        )
-
     def workspace_shapes(self, M, N, K, top_k, global_num_experts, local_num_experts, activation):
         # workspace13: GEMM2's per-slot output; workspace2: a2 (GEMM1's activation output,
-        # or its FP8 bytes and group scales). GEMM1's h never leaves the registers. One token:
-        # workspace2 also holds the one-launch decode's scratch (fusedmoe.kernels.moe_decode),
-        # sized here for FP8 and 2-byte activations, its largest.
-        width = activation.output_size(N)
-        workspace2 = (M * top_k, width)
-        if M == 1:
-            from fusedmoe.kernels.moe_decode import decode_workspace_bytes
-
-            need = decode_workspace_bytes(top_k, width, K, K, torch.bfloat16, True)
-            workspace2 = (max(top_k * width, -(-need // 2)),)
-        return WorkspaceShapes(workspace13=(M * top_k, K), workspace2=workspace2, output=(M, K))
+        # or its FP8 bytes and group scales). GEMM1's h never leaves the registers.
+        return WorkspaceShapes(
+            workspace13=(M * top_k, K),
+            workspace2=(M * top_k, activation.output_size(N)),
+            output=(M, K),
+        )
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()

@@ -29,9 +29,8 @@ from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import moe_gemm as g
 from fusedmoe.kernels.moe_align import AlignedRouting, moe_align_block_size
 from fusedmoe.kernels.moe_config import moe_kernel_config
-from fusedmoe.kernels.moe_decode import decode_enabled, decode_workspace_bytes, moe_decode
 from fusedmoe.quant import keys
-from fusedmoe.quant.activation import per_token_group_quant_fp8, quantize_activation
+from fusedmoe.quant.activation import quantize_activation
 from fusedmoe.quant.config import OperandQuant
 from fusedmoe.quant.formats import FP8_DTYPE
 from fusedmoe.quant.kernels import (
@@ -273,45 +272,6 @@ def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
     return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in ACTIVATION_CODE
 
 
-_A2_SCALE_FORMAT = {"fp8_group": 0, "fp8_group_ue8m0": 1}  # quant.kernels' scale format codes
-
-
-def _decode_applies(x, w13, w2, w13_scale, w_mode, a2_mode) -> bool:
-    """Whether a call of one token takes the one-launch decode (fusedmoe.kernels.moe_decode):
-    unquantized, or 128 x 128 block FP8 weights with 1 x 128 group FP8 activations; weights
-    contiguous along K and I."""
-    if not decode_enabled():
-        return False
-    if (w_mode, a2_mode) != ("none", "none") and not (
-        w_mode == "block" and a2_mode in _A2_SCALE_FORMAT and w13_scale.dim() == 3
-    ):
-        return False
-    return w13.stride(2) == 1 and w2.stride(2) == 1 and x.dtype != torch.float64
-
-
-def _decode(output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, topk_weights,
-            topk_ids, expert_map, workspace2, act, params, a2_mode, mul_routed_weight):  # fmt: skip
-    top_k = topk_ids.shape[1]
-    quantized = a2_mode != "none"
-    need = decode_workspace_bytes(
-        top_k, w2.shape[2], w2.shape[1], w13.shape[2], output.dtype, quantized
-    )
-    if workspace2.numel() * workspace2.element_size() < need:  # a caller's own, sized for the chain
-        workspace2 = torch.empty(need, dtype=torch.uint8, device=x.device)
-    scale_format = _A2_SCALE_FORMAT.get(a2_mode)
-    quantize_x = quantized and x.dtype != FP8_DTYPE
-    moe_decode(
-        output, x, w13, w2, topk_weights, topk_ids, workspace2,
-        activation_code=_ACT_CODES[act], gated=act.is_gated,
-        interleaved=act is MoEActivation.SWIGLUOAI, params=params,
-        a1_scale=None if quantize_x else a1_scale,
-        x_scale_format=scale_format if quantize_x else None,
-        w13_scale=w13_scale if quantized else None, w2_scale=w2_scale if quantized else None,
-        w13_bias=w13_bias, w2_bias=w2_bias, expert_map=expert_map, a2_scale_format=scale_format,
-        mul_routed_weight=mul_routed_weight,
-    )  # fmt: skip
-
-
 def gemm_rows(topk_ids, expert_map, block_m, num_local) -> GemmRows:
     ids = topk_ids.reshape(-1)
     if topk_ids.shape[0] == 1:
@@ -354,22 +314,10 @@ def _fused_experts_triton_impl(
     width = act.output_size(gemm1_rows)
     if num_tokens == 0:
         return
-    if num_tokens == 1 and _decode_applies(x, w13, w2, w13_scale, w_mode, a2_mode):
-        with device_guard(x):
-            _decode(
-                output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,
-                topk_weights, topk_ids, expert_map, workspace2, act, (alpha, beta, limit,
-                has_limit), a2_mode, mul_routed_weight,
-            )  # fmt: skip
-        return
     config = moe_kernel_config(
         num_tokens, top_k, num_local, gemm1_rows, hidden, width, dtype_key, device_name(x)
     )
     with device_guard(x):
-        if a_mode == "group" and x.dtype != FP8_DTYPE:  # prepare left x to the op
-            x, a1_scale = per_token_group_quant_fp8(
-                x, g.QUANT_GROUP, False, a2_mode == "fp8_group_ue8m0"
-            )
         rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)

@@ -194,14 +194,6 @@ class Experts(abc.ABC):
         """True when the backend quantizes activations itself (prepare must not)."""
         return False
 
-    def quantizes_input(self, num_tokens: int, quant_config) -> bool:
-        """Whether prepare leaves the input of this call (num_tokens rows, before any dispatch)
-        unquantized, for the backend to quantize itself. Default: wants_unquantized_input(),
-        whatever the call; a backend that quantizes inside only where it pays (TritonExperts:
-        one token, in the one-launch decode's prologue) decides per call, and must take
-        unquantized input wherever it says so (after an EP dispatch its M may be larger)."""
-        return self.wants_unquantized_input()
-
     @abc.abstractmethod
     def workspace_shapes(
         self,

@@ -218,7 +218,7 @@ class FusedMoEModularKernel:
             expert_map,
             apply_router_weight_on_input,
             quant_config,
-            defer_input_quant=experts.quantizes_input(hidden_states.shape[0], quant_config),
+            defer_input_quant=experts.wants_unquantized_input(),
             # only when set: a PrepareFinalize written before this keyword still runs inference
             **({"requires_grad": True} if recorded else {}),
         )

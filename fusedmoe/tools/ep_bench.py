@@ -213,7 +213,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     t0 = timer.mark()
     prepared = pf.prepare(
         x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
-        defer_input_quant=experts.quantizes_input(x.shape[0], qc),
+        defer_input_quant=experts.wants_unquantized_input(),
     )  # fmt: skip
     t1 = timer.mark()
     num_tokens, top_k = prepared.topk_ids.shape
