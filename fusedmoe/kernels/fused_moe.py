@@ -136,7 +136,6 @@ class GemmRows:
     ids: torch.Tensor  # int [S] topk_ids, read when direct
     expert_map: torch.Tensor | None
     num_local: int  # E_l
-    direct_slots: int = 0  # direct, > 1 token: a power of two >= S (the kernel groups slots)
 
     def kernel_args(self) -> tuple:
         """(sorted ids, expert ids, num post padded, ids, map, num_ids, num_local)."""
@@ -246,7 +245,6 @@ def launch_gemm(
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         DIRECT=rows.routing is None,
-        DIRECT_SLOTS=rows.direct_slots,
         CONTIGUOUS=contiguous,
         A_IN_ORDER=variant.a_in_order,
         OUT_IN_ORDER=variant.out_in_order,
@@ -274,17 +272,10 @@ def _unfused_ok(a2_mode: str, act: MoEActivation) -> bool:
     return a2_mode in ("fp8_group", "fp8_group_ue8m0") and act in ACTIVATION_CODE
 
 
-# Tokens up to which the GEMMs find their rows without the alignment launch (direct rows): each
-# program scans the slots' ids for those of its expert (one token: one slot per block)
-DIRECT_MAX_TOKENS = 1
-
-
 def gemm_rows(topk_ids, expert_map, block_m, num_local) -> GemmRows:
     ids = topk_ids.reshape(-1)
-    num_tokens = topk_ids.shape[0]
-    if num_tokens <= DIRECT_MAX_TOKENS:
-        slots = 0 if num_tokens == 1 else next_power_of_2(ids.numel())
-        return GemmRows(block_m, ids.numel(), None, ids, expert_map, num_local, slots)
+    if topk_ids.shape[0] == 1:
+        return GemmRows(block_m, ids.numel(), None, ids, expert_map, num_local)
     routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
     return GemmRows(block_m, routing.expert_ids.shape[0], routing, ids, expert_map, num_local)
 

@@ -126,23 +126,6 @@ def _activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMI
 
 
 @triton.jit
-def _direct_group(ids_ptr, slot, num_slots, DIRECT_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The row block of `slot` without an alignment: the slots with its expert id, in slot order,
-    from its rank among them r to r + BLOCK_M - 1 (num_slots past the last), when r is a
-    multiple of BLOCK_M; a block whose first slot is not `slot` belongs to an earlier program."""
-    offs = tl.arange(0, DIRECT_SLOTS)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-    same = (ids == tl.load(ids_ptr + slot)) & (offs < num_slots)
-    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1  # each same-expert slot's place among them
-    mine = tl.sum(tl.where(offs == slot, rank, 0), axis=0)
-    first = mine - mine % BLOCK_M  # the rank that starts this slot's block
-    rows = first + tl.arange(0, BLOCK_M)
-    pick = same[None, :] & (rank[None, :] == rows[:, None])  # [BLOCK_M, DIRECT_SLOTS]
-    found = tl.sum(pick.to(tl.int32), axis=1) > 0
-    return tl.where(found, tl.sum(tl.where(pick, offs[None, :], 0), axis=1), num_slots)
-
-
-@triton.jit
 def _round_to(x, DTYPE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. The interpreter's fp32 -> bf16
     cast truncates, so there the rounding is done on the bits (then the cast is exact)."""
@@ -373,9 +356,7 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    DIRECT: tl.constexpr,  # no alignment: a row block per slot (M = 1: k distinct experts)
-    DIRECT_SLOTS: tl.constexpr,  # DIRECT, > 0: a power of two >= S; slots of one expert share
-    # the row block of the first of them (the others return), found by scanning the S ids
+    DIRECT: tl.constexpr,  # one block per slot, no alignment (M = 1: k distinct experts)
     CONTIGUOUS: tl.constexpr,  # A permuted into expert-aligned runs (rows = block rows)
     A_IN_ORDER: tl.constexpr,  # aligned layout: A's rows in expert order (row_map), not slots
     OUT_IN_ORDER: tl.constexpr,  # aligned layout: the output's rows in expert order (row_map)
@@ -408,12 +389,7 @@ def _moe_gemm_kernel(
         if (expert < 0) | (expert >= num_local):
             return
         e = expert.to(tl.int64)
-        if DIRECT_SLOTS > 0:
-            slots = _direct_group(ids_ptr, pid_m, num_slots, DIRECT_SLOTS, BLOCK_M)
-            if tl.min(slots) < pid_m:  # a later slot of an earlier block's expert
-                return
-        else:
-            slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
+        slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
     elif CONTIGUOUS:  # rows of A are the aligned layout's rows; padding rows compute garbage
         num_post = tl.load(num_post_ptr)
         if pid_m * BLOCK_M >= num_post:
