@@ -188,20 +188,22 @@ def test_wgmma_engine_plumbing_matches_torch_backend(pretend_hopper, num_tokens)
 
 
 @pytest.mark.parametrize("num_tokens", [255, 256])  # 63.75 and 64 slots per expert
-def test_wgmma_engine_runs_of_64_under_ep(pretend_hopper, num_tokens):
-    """Under EP (rank 1 of 2: half of 2E experts here) the choice of 64-row runs reads the mean
-    slots per expert over all experts, as on one rank: runs of 64 below 64, 128 from it; the
+def test_wgmma_engine_runs_of_64_with_an_expert_map(pretend_hopper, num_tokens):
+    """With an expert map (this rank: E of 2E experts) and no dispatch counts, the choice of
+    64-row runs reads the mean slots per expert over all 2E experts, as on one rank: runs of 64
+    below 64 (over the E local experts the mean would be 127.5: runs of 128), 128 from it; the
     result is the torch backend's on this rank's experts."""
-    from fusedmoe.experts.deep_gemm import WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT
+    from fusedmoe.quant import quantize_experts
+    from tests.reference import random_experts
 
-    x, w13, w2, _, _, qc = _problem(1)
+    experts = random_experts(E, H, I, "silu", dtype=torch.bfloat16)
+    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
     weights, ids = random_routing(num_tokens, 2 * E, 2, empty=0.05)
     x = torch.randn(num_tokens, H, dtype=torch.bfloat16)
     expert_map = torch.cat([torch.full((E,), -1), torch.arange(E)]).int()
     kwargs = dict(expert_map=expert_map, global_num_experts=2 * E)
     out = run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc, **kwargs)
-    runs = 64 if num_tokens * 2 / (2 * E) < WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT else 128
-    assert runs == (64 if num_tokens == 255 else 128)
+    runs = 64 if num_tokens == 255 else 128
     assert [align for _, _, align in pretend_hopper] == [runs, runs]
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch", **kwargs)
     assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
