@@ -57,6 +57,7 @@ Requested by name, such a call raises a ValueError.
 from __future__ import annotations
 
 import logging
+import os
 from typing import ClassVar
 
 import torch
@@ -106,6 +107,18 @@ FAST_ACCUM_MIN_SLOTS_PER_EXPERT = 256
 #: tile reads less per flop). Chosen by the oracle such calls run on triton (faster under
 #: uniform routing); this is what deep_gemm by name runs
 WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
+#: below the minimum above, a call with at least this many slots per expert it touches (slots
+#: over the experts with any) runs on the library or wgmma engine all the same: skewed routing
+#: puts hundreds of slots on a few experts where the mean over all experts is small. On an H100
+#: (benchmarks/probe_engine_by_load.py: five fp8_block presets, M = 128 to 2048, skew strengths
+#: 0 to 4, 103 calls) choosing the engine from this many on took 0.93x of triton's time on the
+#: geometric mean, 0.41x at best (gpt-oss-120b M = 512) and 1.03x at worst (qwen3-30b-a3b
+#: M = 1024); from 128 on, 1.05x at worst. The ids are on the GPU: the choice is made there,
+#: inside a CUDA graph (conditional nodes, `_device_choice_graph`), or on the host where EP
+#: dispatch has counted each expert's slots there
+ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT = 140
+#: FUSEDMOE_LOAD_CHOICE=0 turns the choice on the GPU off (the host's choice from the mean)
+LOAD_CHOICE_ENV = "FUSEDMOE_LOAD_CHOICE"
 
 
 class DeepGemmExperts(Experts):
@@ -307,19 +320,12 @@ class DeepGemmExperts(Experts):
         return TopKWeightAndReduceNoOp()
 
     def apply(self, call):
-        from fusedmoe.kernels.deep_gemm_moe import (
-            compute_aligned_M_and_alignment,
-            fused_experts_deep_gemm,
-            library_layout,
-        )
-
         qc, weights = call.quant_config, call.weights
         if not self.supports_quant_config(qc):
             raise ValueError(f"the {self.name} backend does not support {qc!r}")
         if call.a1q_scale is None:
             raise ValueError(f"the {self.name} backend needs a1 quantized by prepare")
         num_tokens, top_k = call.topk_ids.shape
-        engine = "triton"
         not_library = self.library_reason(
             num_tokens, weights, qc, call.hidden_states, call.output.dtype
         )
@@ -329,10 +335,14 @@ class DeepGemmExperts(Experts):
                 weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
             )
         slots_per_expert = num_tokens * top_k / call.global_num_experts
+        touched_mean = None  # slots per expert touched, where the host knows the counts
         meta = call.expert_tokens_meta
         if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
-            slots_per_expert = int(meta.expert_num_tokens_cpu.sum()) / weights.num_local_experts
-        # chosen by the oracle, small calls run faster on the triton backend
+            counts = meta.expert_num_tokens_cpu
+            slots_per_expert = int(counts.sum()) / weights.num_local_experts
+            touched_mean = int(counts.sum()) / max(1, int((counts > 0).sum()))
+        # chosen by the oracle, small calls run faster on the triton backend, unless their
+        # slots sit on few experts (ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT)
         fewest = LIBRARY_MIN_SLOTS_PER_EXPERT if not_library is None else WGMMA_MIN_SLOTS_PER_EXPERT
         if (
             (not_library is None or not_wgmma is None)
@@ -341,8 +351,55 @@ class DeepGemmExperts(Experts):
             and slots_per_expert < fewest
             and TritonExperts.supports_quant_config(qc)
         ):
-            TritonExperts().apply(call)
-            return
+            if touched_mean is None:  # the counts are on the GPU
+                if not self._branch_on_device(call, not_library, not_wgmma, slots_per_expert):
+                    TritonExperts().apply(call)
+                return
+            if touched_mean < ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT:
+                TritonExperts().apply(call)
+                return
+        self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
+
+    def _branch_on_device(self, call, not_library, not_wgmma, slots_per_expert) -> bool:
+        """Where the call is being captured into a CUDA graph that can branch (and could hold
+        ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT slots on one expert): capture both paths, each in
+        a conditional node, and the kernel that picks one from the ids (kernels.load_choice).
+        False where it cannot: the caller then runs the host's choice."""
+        from fusedmoe.kernels.load_choice import engine_flags
+
+        graph = _device_choice_graph(call.hidden_states)
+        if graph is None or call.topk_ids.shape[0] < ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT:
+            return False  # a token takes an expert once: M is the most slots any expert holds
+        weights = call.weights
+        flags = engine_flags(
+            call.topk_ids,
+            weights.num_local_experts,
+            ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT,
+            call.expert_map,
+        ).view(torch.bool)
+        for flag, on_engine in ((flags[0], True), (flags[1], False)):
+            graph.begin_capture_to_if_node(flag)
+            try:
+                if on_engine:
+                    self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
+                else:
+                    TritonExperts().apply(call)
+            finally:
+                graph.end_capture_to_conditional_node()
+        return True
+
+    def _run_contiguous(self, call, not_library, not_wgmma, slots_per_expert) -> None:
+        """The call on the contiguous layout: the library's GEMMs where not_library is None,
+        else ours (wgmma where not_wgmma is None, else the Triton grouped GEMMs)."""
+        from fusedmoe.kernels.deep_gemm_moe import (
+            compute_aligned_M_and_alignment,
+            fused_experts_deep_gemm,
+            library_layout,
+        )
+
+        qc, weights = call.quant_config, call.weights
+        num_tokens, top_k = call.topk_ids.shape
+        engine = "triton"
         if not_library is None:
             engine, _ = library_layout(num_tokens, top_k, weights.num_local_experts, self.alignment)
             if engine == "masked":  # holds M rows per expert: a token's ids must be distinct
@@ -401,6 +458,26 @@ class DeepGemmExperts(Experts):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strict={self.strict}, engine={self.engine!r})"
+
+
+def _device_choice_graph(x: torch.Tensor):
+    """The torch.cuda.CUDAGraph being captured on x's device's current stream, where it can
+    hold conditional nodes (CUDA >= 12.4, a torch with CUDAGraph.begin_capture_to_if_node);
+    None where it cannot, where no capture runs (eager calls: the host chooses), where the
+    capture is not a torch.cuda.CUDAGraph's, or where FUSEDMOE_LOAD_CHOICE=0."""
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    if os.environ.get(LOAD_CHOICE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return None
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if cuda < (12, 4):
+        return None
+    try:
+        return torch.cuda.CUDAGraph.get_currently_capturing_graph()
+    except RuntimeError:  # a capture begun outside torch.cuda.CUDAGraph
+        return None
 
 
 class DeepGemmFP4Experts(DeepGemmExperts):

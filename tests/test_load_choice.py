@@ -1,0 +1,236 @@
+"""The choice between the triton backend and deep_gemm's contiguous-layout engines made from
+the routing: kernels.load_choice (the flags, against their torch twin), DeepGemmExperts.apply
+branching on them inside a CUDA graph, and on the host where EP dispatch counted each expert.
+
+On the CPU: the flags kernel on the interpreter, and the branching with a stand-in graph (both
+branches are captured, so both run there: what is checked is which flag guards which path). On
+a Hopper GPU (`gpu` marker): one captured graph replayed with spread and concentrated routings
+gives the triton backend's output, then the wgmma engine's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedmoe import fused_experts
+from fusedmoe.experts import deep_gemm
+from fusedmoe.experts.deep_gemm import (
+    ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT,
+    WGMMA_MIN_SLOTS_PER_EXPERT,
+    DeepGemmExperts,
+)
+from fusedmoe.experts.triton import TritonExperts
+from fusedmoe.kernels.load_choice import engine_flags, engine_flags_torch
+from tests.helpers import assert_close, assert_equal, quant_tol, random_routing, run_experts
+from tests.test_wgmma_gemm import E, _problem, no_library, pretend_hopper  # noqa: F401
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on padding
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _concentrated(num_tokens, num_experts, top_k, hot_experts, device=DEVICE):
+    """ids [M, k]: each token's k distinct experts drawn among the first `hot_experts`."""
+    ids = torch.rand(num_tokens, hot_experts).argsort(dim=1)[:, :top_k]
+    perm = torch.randperm(num_experts)[:hot_experts]  # which experts are hot
+    return perm[ids].to(torch.int32).to(device)
+
+
+# (tokens, k, local experts, hot experts or None for spread, with an expert map)
+FLAG_CASES = [
+    (1, 1, 4, None, False),
+    (37, 3, 8, None, False),
+    (37, 3, 8, 3, True),
+    (300, 8, 64, None, False),  # 2400 slots: the counting launch, then the choice
+    (300, 8, 64, 8, False),
+    (1030, 2, 16, 2, True),
+    (513, 4, 256, 6, False),
+]
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_local", "hot", "use_map"), FLAG_CASES)
+@pytest.mark.parametrize("min_per_expert", [1, 40, 140])
+def test_engine_flags_match_twin(num_tokens, top_k, num_local, hot, use_map, min_per_expert):
+    num_ids = 2 * num_local if use_map else num_local
+    if hot is None:
+        _, ids = random_routing(num_tokens, num_ids, top_k, empty=0.1, device=DEVICE)
+    else:
+        ids = _concentrated(num_tokens, num_ids, top_k, hot)
+    ids[0, 0] = num_ids + 3  # out of range: counts nowhere, as in the alignment
+    expert_map = None
+    if use_map:  # this rank holds every other expert
+        local = torch.full((num_ids,), -1, dtype=torch.int32)
+        local[1::2] = torch.arange(num_local, dtype=torch.int32)
+        expert_map = local.to(DEVICE)
+    got = engine_flags(ids, num_local, min_per_expert, expert_map)
+    want = engine_flags_torch(ids, num_local, min_per_expert, expert_map)
+    assert_equal(got, want, what="flags")
+    assert int(got[0]) + int(got[1]) == 1
+
+
+def test_engine_flags_at_the_threshold():
+    """routed >= min * touched, exactly: two experts holding 2 * 140 slots -> engine; one slot
+    fewer -> not; no slot routed here -> not (nothing touched)."""
+    t = ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT
+    ids = torch.tensor([[0, 3]] * t, dtype=torch.int32, device=DEVICE)
+    assert engine_flags(ids, 8, t).tolist() == [1, 0]
+    ids[-1, 1] = -1
+    assert engine_flags(ids, 8, t).tolist() == [0, 1]
+    assert engine_flags(torch.full_like(ids, -1), 8, t).tolist() == [0, 1]
+
+
+class _StandInGraph:
+    """What DeepGemmExperts asks of a capturing torch.cuda.CUDAGraph, recorded."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def begin_capture_to_if_node(self, flag):
+        assert flag.dtype == torch.bool and flag.dim() == 0
+        self.log.append(("if", bool(flag)))
+
+    def end_capture_to_conditional_node(self):
+        self.log.append(("end",))
+
+
+@pytest.fixture
+def branch_log(monkeypatch, pretend_hopper):  # noqa: F811
+    """The calls of auto's deep_gemm seen as if captured into a graph that can branch: the
+    flags guarding each branch, the engine's GEMMs (the stand-in's calls) and triton's runs."""
+    log = []
+    monkeypatch.setattr(deep_gemm, "_device_choice_graph", lambda x: _StandInGraph(log))
+    real_apply = TritonExperts.apply
+    monkeypatch.setattr(
+        TritonExperts, "apply", lambda self, call: log.append(("triton",)) or real_apply(self, call)
+    )
+    return log, pretend_hopper
+
+
+@pytest.mark.parametrize("concentrated", [False, True], ids=["spread", "concentrated"])
+def test_auto_branches_on_the_flags(branch_log, concentrated):
+    """Below WGMMA_MIN_SLOTS_PER_EXPERT on the mean, a captured call holds both paths: the
+    engine's behind the first flag, triton's behind the second, the flags those of the ids."""
+    log, calls = branch_log
+    tokens = 200  # k = 2, E = 4: 100 slots per expert on the mean
+    assert tokens * 2 / E < WGMMA_MIN_SLOTS_PER_EXPERT
+    x, w13, w2, weights, ids, qc = _problem(tokens)
+    if concentrated:
+        ids = _concentrated(tokens, E, 2, 2, device="cpu")  # 200 slots on each of 2 experts
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    engine = concentrated  # spread: 100 per expert touched, < 140
+    assert log == [("if", engine), ("end",), ("if", not engine), ("triton",), ("end",)]
+    assert len(calls) == 2  # the engine's two GEMMs, captured in the first branch
+
+
+def test_auto_does_not_branch_where_no_expert_can_reach_the_threshold(branch_log):
+    """A token takes an expert once: below ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT tokens no
+    expert can hold that many slots, and the call runs on triton without a branch."""
+    log, calls = branch_log
+    tokens = ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT - 1
+    x, w13, w2, weights, _, qc = _problem(tokens)
+    ids = _concentrated(tokens, E, 2, 2, device="cpu")
+    out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert log == [("triton",)] and calls == []
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+
+def test_by_name_and_forced_engines_never_branch(branch_log):
+    log, calls = branch_log
+    x, w13, w2, weights, ids, qc = _problem(200)
+    run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)
+    assert log == [] and len(calls) == 2
+    run_experts(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)
+    assert ("if", True) not in log and ("if", False) not in log
+
+
+@pytest.mark.parametrize("concentrated", [False, True], ids=["spread", "concentrated"])
+def test_dispatch_counts_choose_on_the_host(pretend_hopper, concentrated):  # noqa: F811
+    """With EP dispatch's per-expert counts on the host the same rule runs there: slots over
+    the experts touched >= ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT -> the engine, else triton."""
+    from fusedmoe.modular.types import ActivationSpec, ExpertsCall, ExpertTokensMeta, ExpertWeights
+    from fusedmoe.quant.kernels import per_token_group_quant_fp8_triton
+
+    tokens = 200
+    x, w13, w2, weights, ids, qc = _problem(tokens)
+    if concentrated:
+        ids = _concentrated(tokens, E, 2, 2, device="cpu")
+    counts = torch.bincount(ids.flatten().long(), minlength=E).to(torch.int32)
+    experts = DeepGemmExperts()
+    act = ActivationSpec()
+    shapes = experts.workspace_shapes(tokens, w13.shape[1], w13.shape[2], 2, E, E, act.kind)
+    a1q, a1s = per_token_group_quant_fp8_triton(x, 128)
+    out = torch.empty(tokens, w13.shape[2], dtype=torch.bfloat16)
+    call = ExpertsCall(
+        output=out, hidden_states=a1q, weights=ExpertWeights(w13, w2), topk_weights=weights,
+        topk_ids=ids, activation=act, global_num_experts=E,
+        workspace13=torch.empty(shapes.workspace13, dtype=torch.bfloat16),
+        workspace2=torch.empty(shapes.workspace2, dtype=torch.bfloat16), quant_config=qc,
+        a1q_scale=a1s, expert_tokens_meta=ExpertTokensMeta(counts, counts),
+    )  # fmt: skip
+    experts.apply(call)
+    assert len(pretend_hopper) == (2 if concentrated else 0)
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+def _hopper_graph_branches():
+    from fusedmoe.kernels import wgmma_gemm
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    why = wgmma_gemm.gluon_unusable_reason(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        pytest.skip("this torch has no conditional CUDA graph nodes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load_choice", ["1", "0"])
+def test_gpu_one_graph_follows_the_load(monkeypatch, no_library, load_choice):  # noqa: F811
+    """fused_experts (auto: deep_gemm, handing small calls to triton) captured once, replayed
+    with a spread routing (100 slots per expert touched: triton) and a concentrated one (400 on
+    each of 4 experts: the wgmma engine): each replay is that backend's output by name, bit for
+    bit, and near the torch backend. FUSEDMOE_LOAD_CHOICE=0: triton for both."""
+    _hopper_graph_branches()
+    from fusedmoe.quant import quantize_experts
+    from tests.reference import random_experts
+
+    monkeypatch.setenv(deep_gemm.LOAD_CHOICE_ENV, load_choice)
+    num_experts, top_k, tokens, hidden, inter = 16, 4, 400, 512, 384
+    experts = random_experts(num_experts, hidden, inter, "silu", dtype=torch.bfloat16)
+    experts = {k: v.cuda() for k, v in experts.items() if v is not None}
+    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    weights, spread = random_routing(tokens, num_experts, top_k, device="cuda")
+    hot = _concentrated(tokens, num_experts, top_k, 4)
+    assert engine_flags(spread, num_experts, ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT).tolist() == [0, 1]
+    assert engine_flags(hot, num_experts, ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT).tolist() == [1, 0]
+    static_ids = spread.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: the host's choice (triton) compiles
+        fused_experts(x, w13, w2, weights, static_ids, quant_config=qc)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the engine's kernels may first compile here
+        out = fused_experts(x, w13, w2, weights, static_ids, quant_config=qc)
+    by_name = {
+        "triton": lambda ids: fused_experts(x, w13, w2, weights, ids, quant_config=qc,
+                                            backend="triton"),
+        "wgmma": lambda ids: run_experts(DeepGemmExperts(strict=True, engine="wgmma"), x, w13,
+                                         w2, weights, ids, qc),
+    }  # fmt: skip
+    for ids in (spread, hot, spread):
+        engine = "wgmma" if ids is hot and load_choice == "1" else "triton"
+        static_ids.copy_(ids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal(out, by_name[engine](ids), what=engine)
+        ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+        assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
