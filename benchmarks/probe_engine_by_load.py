@@ -81,6 +81,11 @@ def main(argv=None) -> int:
     contenders = {"triton": TritonExperts(), "wgmma": DeepGemmExperts(strict=True, engine="wgmma")}
     if args.auto:
         contenders.update(auto=DeepGemmExperts(), auto_host=DeepGemmExperts())
+        if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):  # torch < 2.12
+            import cond_node_shim
+
+            cond_node_shim.install()
+            print(cond_node_shim.self_test(), flush=True)
     rows = []
     for name in args.presets:
         pr = PRESETS[name]

@@ -17,7 +17,9 @@ or else where our wgmma GEMMs run it (DeepGemmExperts.wgmma_runs: Hopper, Triton
 deep_gemm goes first. Its library GEMMs are 1.1x to 1.6x faster than triton from 128 slots per
 expert (M * k / E) on an H200, its wgmma GEMMs 1.06x to 1.4x from 128, and an auto-chosen
 deep_gemm hands smaller calls to triton (LIBRARY_MIN_SLOTS_PER_EXPERT,
-WGMMA_MIN_SLOTS_PER_EXPERT), so the layer gets the faster path at every size. On our own
+WGMMA_MIN_SLOTS_PER_EXPERT), so the layer gets the faster path at every size (under skewed
+routing, inside a CUDA graph, the wgmma engine can take such a call all the same: the choice
+is made on the GPU, DeepGemmExperts._branch_on_device). On our own
 Triton GEMMs deep_gemm is faster only from M ~ 16384 (1.03x to 1.08x) and 1.1x to 1.6x
 slower from 256 to 4096 tokens; hpc is faster only with static per-tensor FP8 scales at M <= 64
 and trails triton with 128-block scales. The oracle picks per layer, not per call size, so
@@ -187,7 +189,8 @@ def select_backend(
                     "; ahead of triton where the DeepGEMM library (or, without it, the wgmma "
                     "GEMMs on Hopper) runs fp8_block; calls of fewer than "
                     f"{LIBRARY_MIN_SLOTS_PER_EXPERT} (wgmma: {WGMMA_MIN_SLOTS_PER_EXPERT}) "
-                    "slots per expert run on triton"
+                    "slots per expert run on triton, unless, captured into a CUDA graph, their "
+                    "ids put enough slots on the experts they touch (chosen on the GPU)"
                 )
             others = {
                 n: r if r is not None else f"supported, but {cls.name} is preferred"

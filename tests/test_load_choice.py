@@ -79,6 +79,13 @@ def test_engine_flags_at_the_threshold():
     assert engine_flags(torch.full_like(ids, -1), 8, t).tolist() == [0, 1]
 
 
+def _small_gates(monkeypatch):
+    """The branch for the tests' small experts and calls (the shipped gates are for the
+    presets': DEVICE_CHOICE_MIN_TOKENS, DEVICE_CHOICE_MIN_EXPERT_WEIGHTS)."""
+    monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_TOKENS", ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT)
+    monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_EXPERT_WEIGHTS", 0)
+
+
 class _StandInGraph:
     """What DeepGemmExperts asks of a capturing torch.cuda.CUDAGraph, recorded."""
 
@@ -99,6 +106,7 @@ def branch_log(monkeypatch, pretend_hopper):  # noqa: F811
     flags guarding each branch, the engine's GEMMs (the stand-in's calls) and triton's runs."""
     log = []
     monkeypatch.setattr(deep_gemm, "_device_choice_graph", lambda x: _StandInGraph(log))
+    _small_gates(monkeypatch)
     real_apply = TritonExperts.apply
     monkeypatch.setattr(
         TritonExperts, "apply", lambda self, call: log.append(("triton",)) or real_apply(self, call)
@@ -122,17 +130,52 @@ def test_auto_branches_on_the_flags(branch_log, concentrated):
     assert len(calls) == 2  # the engine's two GEMMs, captured in the first branch
 
 
-def test_auto_does_not_branch_where_no_expert_can_reach_the_threshold(branch_log):
-    """A token takes an expert once: below ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT tokens no
-    expert can hold that many slots, and the call runs on triton without a branch."""
+@pytest.mark.parametrize("gate", ["tokens", "expert_weights"])
+def test_auto_does_not_branch_below_its_gates(branch_log, monkeypatch, gate):
+    """Fewer tokens than DEVICE_CHOICE_MIN_TOKENS, or experts smaller than
+    DEVICE_CHOICE_MIN_EXPERT_WEIGHTS: the call runs on triton without a branch (the branch
+    would cost more than the engine could win), however concentrated its routing."""
     log, calls = branch_log
-    tokens = ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT - 1
+    tokens = 200
     x, w13, w2, weights, _, qc = _problem(tokens)
+    if gate == "tokens":
+        monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_TOKENS", tokens + 1)
+    else:
+        per_expert = w13[0].numel() + w2[0].numel()
+        monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_EXPERT_WEIGHTS", per_expert + 1)
     ids = _concentrated(tokens, E, 2, 2, device="cpu")
     out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
     assert log == [("triton",)] and calls == []
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+
+def test_no_branch_where_the_library_runs(branch_log, monkeypatch):
+    """Where the DeepGEMM library runs the call, the host's choice stands (no branch): the
+    library's kernels are never captured in a conditional node's body."""
+    log, calls = branch_log
+    monkeypatch.setattr(DeepGemmExperts, "library_reason", lambda self, *args: None)
+    x, w13, w2, weights, _, qc = _problem(200)
+    ids = _concentrated(200, E, 2, 2, device="cpu")
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert log == [("triton",)] and calls == []
+
+
+def test_the_shipped_gates_keep_the_large_expert_presets_only():
+    """DEVICE_CHOICE_MIN_EXPERT_WEIGHTS sits between the presets measured with and without a
+    gain from the branch (the constant's comment)."""
+    from fusedmoe.activation import MoEActivation
+    from fusedmoe.tools.presets import PRESETS
+
+    def weights(name):
+        p = PRESETS[name]
+        return p.hidden_size * p.intermediate_size + p.hidden_size * MoEActivation(
+            p.activation
+        ).gemm1_out_size(p.intermediate_size)
+
+    gate = deep_gemm.DEVICE_CHOICE_MIN_EXPERT_WEIGHTS
+    assert weights("deepseek-v3") >= gate and weights("gpt-oss-120b") >= gate
+    assert weights("qwen3-235b-a22b") < gate and weights("qwen3-30b-a3b") < gate
 
 
 def test_by_name_and_forced_engines_never_branch(branch_log):
@@ -190,21 +233,41 @@ def _hopper_graph_branches():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("load_choice", ["1", "0"])
-def test_gpu_one_graph_follows_the_load(monkeypatch, no_library, load_choice):  # noqa: F811
+@pytest.mark.parametrize(
+    ("engine", "load_choice"), [("wgmma", "1"), ("wgmma", "0"), ("library", "1")]
+)
+def test_gpu_one_graph_follows_the_load(monkeypatch, engine, load_choice):
     """fused_experts (auto: deep_gemm, handing small calls to triton) captured once, replayed
     with a spread routing (100 slots per expert touched: triton) and a concentrated one (400 on
-    each of 4 experts: the wgmma engine): each replay is that backend's output by name, bit for
-    bit, and near the torch backend. FUSEDMOE_LOAD_CHOICE=0: triton for both."""
+    each of 4 experts: the wgmma engine):
+    each replay is that backend's output by name, bit for bit, and near the torch backend.
+    FUSEDMOE_LOAD_CHOICE=0, or the DeepGEMM library importable: triton for both (no branch)."""
     _hopper_graph_branches()
+    from fusedmoe.kernels import deep_gemm_lib
+
+    if engine == "wgmma":
+        monkeypatch.setenv("FUSEDMOE_DEEP_GEMM", "0")
+    deep_gemm_lib.find_library(refresh=True)
+    try:
+        _one_graph_follows_the_load(monkeypatch, engine, load_choice)
+    finally:
+        monkeypatch.delenv("FUSEDMOE_DEEP_GEMM", raising=False)
+        deep_gemm_lib.find_library(refresh=True)
+
+
+def _one_graph_follows_the_load(monkeypatch, engine, load_choice):
+    from fusedmoe.kernels import deep_gemm_lib
     from fusedmoe.quant import quantize_experts
     from tests.reference import random_experts
 
+    why = deep_gemm_lib.library_unusable_reason(torch.device("cuda"))
+    if engine == "library" and why is not None:
+        pytest.skip(why)
     monkeypatch.setenv(deep_gemm.LOAD_CHOICE_ENV, load_choice)
+    _small_gates(monkeypatch)
     num_experts, top_k, tokens, hidden, inter = 16, 4, 400, 512, 384
     experts = random_experts(num_experts, hidden, inter, "silu", dtype=torch.bfloat16)
-    experts = {k: v.cuda() for k, v in experts.items() if v is not None}
-    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "fp8_block")
+    w13, w2, qc = quantize_experts(experts["w13"].cuda(), experts["w2"].cuda(), "fp8_block")
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     weights, spread = random_routing(tokens, num_experts, top_k, device="cuda")
     hot = _concentrated(tokens, num_experts, top_k, 4)
@@ -222,15 +285,44 @@ def test_gpu_one_graph_follows_the_load(monkeypatch, no_library, load_choice):  
     by_name = {
         "triton": lambda ids: fused_experts(x, w13, w2, weights, ids, quant_config=qc,
                                             backend="triton"),
-        "wgmma": lambda ids: run_experts(DeepGemmExperts(strict=True, engine="wgmma"), x, w13,
-                                         w2, weights, ids, qc),
+        "engine": lambda ids: run_experts(DeepGemmExperts(strict=True, engine=engine), x, w13,
+                                          w2, weights, ids, qc),
     }  # fmt: skip
-    for ids in (spread, hot, spread):
-        engine = "wgmma" if ids is hot and load_choice == "1" else "triton"
+    for ids in (spread, hot, spread):  # the library's kernels are never captured in a branch
+        chosen = "engine" if ids is hot and load_choice == "1" and engine == "wgmma" else "triton"
         static_ids.copy_(ids)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert_equal(out, by_name[engine](ids), what=engine)
+        assert_equal(out, by_name[chosen](ids), what=chosen)
         ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
         assert_close(out, ref, torch.bfloat16, **quant_tol("cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_many_branching_calls_in_one_graph(monkeypatch, no_library):  # noqa: F811
+    """20 calls captured into one graph (40 conditional nodes: more bodies than torch's pool
+    has streams, so the pool comes round to the capture's own stream): each call's output is
+    the engine's for a concentrated routing."""
+    _hopper_graph_branches()
+    _small_gates(monkeypatch)
+    from fusedmoe.quant import quantize_experts
+    from tests.reference import random_experts
+
+    num_experts, top_k, tokens, hidden, inter = 16, 4, 400, 256, 256
+    experts = random_experts(num_experts, hidden, inter, "silu", dtype=torch.bfloat16)
+    w13, w2, qc = quantize_experts(experts["w13"].cuda(), experts["w2"].cuda(), "fp8_block")
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    weights, _ = random_routing(tokens, num_experts, top_k, device="cuda")
+    hot = _concentrated(tokens, num_experts, top_k, 4)
+    fused_experts(x, w13, w2, weights, hot, quant_config=qc)  # compiles the host's choice
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fused_experts(x, w13, w2, weights, hot, quant_config=qc) for _ in range(20)]
+    for out in outs:
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = run_experts(DeepGemmExperts(strict=True, engine="wgmma"), x, w13, w2, weights, hot, qc)
+    for out in outs:
+        assert_equal(out, want, what="a branching call of the graph")

@@ -40,6 +40,13 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
 `engine="auto"` (the default) takes the library where it runs the call, else wgmma where it
 runs, else triton; "library" and "wgmma" raise where that engine cannot run the call; "triton"
 uses neither.
+
+Chosen by the oracle (not by name), a call of fewer slots per expert than the engine's minimum
+runs on the triton backend, unless its slots sit on few experts (skewed routing): with torch's
+conditional CUDA graph nodes (CUDAGraph.begin_capture_to_if_node), a call captured into a graph
+holds both paths, and a kernel picks one on the GPU from the ids
+(ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT, fusedmoe.kernels.load_choice); eager calls and torches
+without the nodes keep the host's choice from the mean.
 FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
@@ -114,11 +121,24 @@ WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
 #: 0 to 4, 103 calls) choosing the engine from this many on took 0.93x of triton's time on the
 #: geometric mean, 0.41x at best (gpt-oss-120b M = 512) and 1.03x at worst (qwen3-30b-a3b
 #: M = 1024); from 128 on, 1.05x at worst. The ids are on the GPU: the choice is made there,
-#: inside a CUDA graph (conditional nodes, `_device_choice_graph`), or on the host where EP
+#: inside a CUDA graph (conditional nodes, `_branch_on_device`), or on the host where EP
 #: dispatch has counted each expert's slots there
 ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT = 140
+#: the choice on the GPU costs ~20 us a call whatever it picks (its kernel, then two
+#: conditional nodes, each after a kernel that sets its condition: H100, through
+#: benchmarks/cond_node_shim.py), so it is captured only where the engine can win more: from
+#: this many tokens, and experts of DEVICE_CHOICE_MIN_EXPERT_WEIGHTS weights or more (the
+#: engine wins by reading a hot expert's weights once, where triton's short row blocks read
+#: them again). On the H100 that keeps deepseek-v3 (44 M weights an expert) and gpt-oss-120b
+#: (25 M): under uniform routing +0.3% to +0.6% and +1.1% to +1.7% at M = 512 to 2048, under
+#: skewed routing (strength 2 to 4) 0.78x to 0.95x and 0.45x to 0.80x of the time; it leaves
+#: out qwen3-235b-a22b (19 M: +1.8% to +4.0% where the engine is not taken, 0.84x to 0.98x
+#: where it is) and qwen3-30b-a3b (5 M: no call faster)
+DEVICE_CHOICE_MIN_TOKENS = 512
+DEVICE_CHOICE_MIN_EXPERT_WEIGHTS = 20_000_000
 #: FUSEDMOE_LOAD_CHOICE=0 turns the choice on the GPU off (the host's choice from the mean)
 LOAD_CHOICE_ENV = "FUSEDMOE_LOAD_CHOICE"
+_STREAM_POOL_SIZE = 32  # streams per device and priority in torch's pool (c10 kStreamsPerPool)
 
 
 class DeepGemmExperts(Experts):
@@ -361,16 +381,24 @@ class DeepGemmExperts(Experts):
         self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
 
     def _branch_on_device(self, call, not_library, not_wgmma, slots_per_expert) -> bool:
-        """Where the call is being captured into a CUDA graph that can branch (and could hold
-        ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT slots on one expert): capture both paths, each in
-        a conditional node, and the kernel that picks one from the ids (kernels.load_choice).
-        False where it cannot: the caller then runs the host's choice."""
+        """Where the call is being captured into a CUDA graph that can branch, and the wgmma
+        engine can win more than the branch costs (DEVICE_CHOICE_MIN_TOKENS and
+        _EXPERT_WEIGHTS): capture both paths, each in a conditional node, after the kernel
+        that picks one from the ids (kernels.load_choice). False where not, and where the
+        DeepGEMM library runs the call (its kernels captured in a conditional node's body made
+        the capture crash, on an H100 with CUDA 13): the caller runs the host's choice."""
         from fusedmoe.kernels.load_choice import engine_flags
 
-        graph = _device_choice_graph(call.hidden_states)
-        if graph is None or call.topk_ids.shape[0] < ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT:
-            return False  # a token takes an expert once: M is the most slots any expert holds
         weights = call.weights
+        if (
+            not_library is None  # its kernels in a conditional body crashed the capture (H100)
+            or call.topk_ids.shape[0] < max(DEVICE_CHOICE_MIN_TOKENS, 1)
+            or weights.w13[0].numel() + weights.w2[0].numel() < DEVICE_CHOICE_MIN_EXPERT_WEIGHTS
+        ):
+            return False
+        graph = _device_choice_graph(call.hidden_states)
+        if graph is None:
+            return False
         flags = engine_flags(
             call.topk_ids,
             weights.num_local_experts,
@@ -378,6 +406,7 @@ class DeepGemmExperts(Experts):
             call.expert_map,
         ).view(torch.bool)
         for flag, on_engine in ((flags[0], True), (flags[1], False)):
+            _draw_past_capture_stream(call.hidden_states.device)
             graph.begin_capture_to_if_node(flag)
             try:
                 if on_engine:
@@ -478,6 +507,22 @@ def _device_choice_graph(x: torch.Tensor):
         return torch.cuda.CUDAGraph.get_currently_capturing_graph()
     except RuntimeError:  # a capture begun outside torch.cuda.CUDAGraph
         return None
+
+
+def _draw_past_capture_stream(device: torch.device) -> None:
+    """torch captures a conditional node's body on the next stream of its pool (32 streams
+    per device and priority, handed out in turn, as torch.cuda.Stream() hands them), and the
+    stream being captured may be one of them (torch.cuda.graph's and the graph cache's come
+    from there): the body's capture would then begin on a stream already capturing, which CUDA
+    refuses (one graph of ~16 layers' calls is enough to hit it). Draw from the pool until the
+    capture's own stream comes out, so that the next one is another; a stream from outside
+    the pool never comes out, and nothing needs drawing."""
+    if device.type != "cuda":
+        return
+    current = torch.cuda.current_stream(device)
+    for _ in range(2 * _STREAM_POOL_SIZE):
+        if torch.cuda.Stream(device=current.device) == current:
+            return
 
 
 class DeepGemmFP4Experts(DeepGemmExperts):
