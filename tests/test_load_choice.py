@@ -178,6 +178,23 @@ def test_the_shipped_gates_keep_the_large_expert_presets_only():
     assert weights("qwen3-235b-a22b") < gate and weights("qwen3-30b-a3b") < gate
 
 
+def test_a_refused_conditional_node_falls_back_to_the_hosts_choice(branch_log, monkeypatch):
+    """torch refuses a conditional node before adding any (an allocator setting it does not
+    support): the call runs on the host's choice, in the same capture."""
+    log, calls = branch_log
+
+    def refuse(self, flag):
+        raise RuntimeError("not with this allocator config")
+
+    monkeypatch.setattr(_StandInGraph, "begin_capture_to_if_node", refuse)
+    x, w13, w2, weights, _, qc = _problem(200)
+    ids = _concentrated(200, E, 2, 2, device="cpu")
+    out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert log == [("triton",)] and calls == []
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+
 def test_by_name_and_forced_engines_never_branch(branch_log):
     log, calls = branch_log
     x, w13, w2, weights, ids, qc = _problem(200)

@@ -407,7 +407,13 @@ class DeepGemmExperts(Experts):
         ).view(torch.bool)
         for flag, on_engine in ((flags[0], True), (flags[1], False)):
             _draw_past_capture_stream(call.hidden_states.device)
-            graph.begin_capture_to_if_node(flag)
+            try:
+                graph.begin_capture_to_if_node(flag)
+            except RuntimeError as exc:  # refused before any node (an allocator setting)
+                if not on_engine:
+                    raise  # the engine's branch is captured: too late to go back
+                self._log_once(f"{self.name}: no conditional node here ({exc}); host's choice")
+                return False
             try:
                 if on_engine:
                     self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
