@@ -2,6 +2,7 @@
 begin_capture_to_if_node), for measuring fusedmoe's choice on the GPU on such a torch.
 
     import cond_node_shim; cond_node_shim.install()    # needs nvcc (CUDA >= 12.4)
+    python3 -m pytest -p cond_node_shim ...             # the same for a test run
 
 `install` builds a small library with nvcc (a kernel that sets a conditional handle from a
 bool on the device, which only device code can do, and the host calls that add an IF node to
@@ -33,43 +34,50 @@ __global__ void fm_set_cond(cudaGraphConditionalHandle handle, const unsigned ch
 }
 
 static int fm_stale = 0;
-extern "C" int fm_stale_error() { return fm_stale; }
+static cudaGraph_t fm_bodies[2];
 
-extern "C" int fm_begin_if(void* parent_ptr, const void* pred, void* child_ptr) {
+extern "C" int fm_stale_error() { return fm_stale; }
+extern "C" const char* fm_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
+
+static cudaError_t capture_info(cudaStream_t s, cudaGraph_t* graph, const cudaGraphNode_t** deps,
+                                const cudaGraphEdgeData** edges, size_t* num_deps) {
+    cudaStreamCaptureStatus status;
+#if CUDART_VERSION >= 13000
+    cudaError_t err = cudaStreamGetCaptureInfo(s, &status, nullptr, graph, deps, edges, num_deps);
+#else
+    cudaError_t err = cudaStreamGetCaptureInfo_v3(s, &status, nullptr, graph, deps, edges,
+                                                  num_deps);
+#endif
+    if (err == cudaSuccess && status != cudaStreamCaptureStatusActive) return cudaErrorIllegalState;
+    return err;
+}
+
+// After the work captured so far on `parent`: a kernel that sets a new condition from *pred,
+// then a conditional node of `size` bodies (1: IF; 2: IF / ELSE, CUDA >= 12.8), which the
+// rest of the capture follows. The bodies' graphs are kept for fm_begin_body.
+extern "C" int fm_add_if(void* parent_ptr, const void* pred, int size) {
     cudaStream_t parent = (cudaStream_t)parent_ptr;
     cudaError_t stale = cudaGetLastError();  // an error left by an earlier call: kept, cleared
     if (stale != cudaSuccess) fm_stale = stale;
-    cudaStreamCaptureStatus status;
     cudaGraph_t graph;
     const cudaGraphNode_t* deps = nullptr;
     const cudaGraphEdgeData* edges = nullptr;
     size_t num_deps = 0;
-#if CUDART_VERSION >= 13000
-    cudaError_t err = cudaStreamGetCaptureInfo(parent, &status, nullptr, &graph, &deps, &edges,
-                                               &num_deps);
-#else
-    cudaError_t err = cudaStreamGetCaptureInfo_v3(parent, &status, nullptr, &graph, &deps,
-                                                  &edges, &num_deps);
-#endif
+    cudaError_t err = capture_info(parent, &graph, &deps, &edges, &num_deps);
     if (err != cudaSuccess) return 1000 + err;
-    if (status != cudaStreamCaptureStatusActive) return 999;
     cudaGraphConditionalHandle handle;
     err = cudaGraphConditionalHandleCreate(&handle, graph, 0, 0);
     if (err != cudaSuccess) return 2000 + err;
     fm_set_cond<<<1, 1, 0, parent>>>(handle, (const unsigned char*)pred);
     err = cudaGetLastError();
     if (err != cudaSuccess) return 3000 + err;
-#if CUDART_VERSION >= 13000
-    err = cudaStreamGetCaptureInfo(parent, &status, nullptr, &graph, &deps, &edges, &num_deps);
-#else
-    err = cudaStreamGetCaptureInfo_v3(parent, &status, nullptr, &graph, &deps, &edges, &num_deps);
-#endif
+    err = capture_info(parent, &graph, &deps, &edges, &num_deps);
     if (err != cudaSuccess) return 4000 + err;
     cudaGraphNodeParams params = {};
     params.type = cudaGraphNodeTypeConditional;
     params.conditional.handle = handle;
     params.conditional.type = cudaGraphCondTypeIf;
-    params.conditional.size = 1;
+    params.conditional.size = size;
     cudaGraphNode_t node;
 #if CUDART_VERSION >= 13000
     err = cudaGraphAddNode(&node, graph, deps, edges, num_deps, &params);
@@ -85,15 +93,18 @@ extern "C" int fm_begin_if(void* parent_ptr, const void* pred, void* child_ptr) 
                                                  cudaStreamSetCaptureDependencies);
 #endif
     if (err != cudaSuccess) return 6000 + err;
-    err = cudaStreamBeginCaptureToGraph((cudaStream_t)child_ptr, params.conditional.phGraph_out[0],
-                                        nullptr, nullptr, 0, cudaStreamCaptureModeThreadLocal);
-    if (err != cudaSuccess) return 7000 + err;
+    for (int i = 0; i < size && i < 2; ++i) fm_bodies[i] = params.conditional.phGraph_out[i];
     return 0;
 }
 
-extern "C" const char* fm_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
+extern "C" int fm_begin_body(void* child_ptr, int index) {
+    cudaError_t err = cudaStreamBeginCaptureToGraph(
+        (cudaStream_t)child_ptr, fm_bodies[index], nullptr, nullptr, 0,
+        cudaStreamCaptureModeThreadLocal);
+    return err == cudaSuccess ? 0 : 7000 + err;
+}
 
-extern "C" int fm_end_if(void* child_ptr) {
+extern "C" int fm_end_body(void* child_ptr) {
     cudaGraph_t body;
     cudaError_t err = cudaStreamEndCapture((cudaStream_t)child_ptr, &body);
     return err == cudaSuccess ? 0 : 8000 + err;
@@ -122,14 +133,30 @@ def _build() -> ctypes.CDLL:
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
     handle = ctypes.CDLL(str(lib))
-    for name in ("fm_begin_if", "fm_end_if"):
+    for name, args in (
+        ("fm_add_if", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),
+        ("fm_begin_body", [ctypes.c_void_p, ctypes.c_int]),
+        ("fm_end_body", [ctypes.c_void_p]),
+        ("fm_stale_error", []),
+        ("fm_error_string", [ctypes.c_int]),
+    ):
+        getattr(handle, name).argtypes = args
         getattr(handle, name).restype = ctypes.c_int
-    handle.fm_begin_if.argtypes = [ctypes.c_void_p] * 3
-    handle.fm_end_if.argtypes = [ctypes.c_void_p]
-    handle.fm_stale_error.restype = ctypes.c_int
     handle.fm_error_string.restype = ctypes.c_char_p
-    handle.fm_error_string.argtypes = [ctypes.c_int]
     return handle
+
+
+def check(rc: int, what: str) -> None:
+    """Raise for a nonzero code of the library: 1000 * step + the CUDA error."""
+    if rc:
+        error = _LIB.fm_error_string(rc % 1000).decode()
+        raise RuntimeError(f"{what} failed at step {rc // 1000}: {error} ({rc % 1000})")
+
+
+def library() -> ctypes.CDLL:
+    """The built library (fm_add_if, fm_begin_body, fm_end_body), for probes of its own."""
+    install()
+    return _LIB
 
 
 class _Capturing:
@@ -138,11 +165,9 @@ class _Capturing:
     def begin_capture_to_if_node(self, pred: torch.Tensor) -> None:
         device = torch.cuda.current_device()
         parent = torch.cuda.current_stream()
-        child = torch.cuda.Stream()
-        rc = _LIB.fm_begin_if(parent.cuda_stream, pred.data_ptr(), child.cuda_stream)
-        if rc:
-            what = _LIB.fm_error_string(rc % 1000).decode()
-            raise RuntimeError(f"fm_begin_if failed: {rc} ({what}; step {rc // 1000})")
+        child = torch.cuda.Stream()  # from torch's pool, as torch's own version takes it
+        check(_LIB.fm_add_if(parent.cuda_stream, pred.data_ptr(), 1), "fm_add_if")
+        check(_LIB.fm_begin_body(child.cuda_stream, 0), "fm_begin_body")
         # the body's allocations: from the capture's pool, whatever stream asks
         torch._C._cuda_endAllocateToPool(device, _POOL)
         torch._C._cuda_beginAllocateCurrentThreadToPool(device, _POOL)
@@ -155,9 +180,7 @@ class _Capturing:
     def end_capture_to_conditional_node(self) -> None:
         device, parent, child, guard = _BODIES.stack.pop()
         guard.__exit__(None, None, None)
-        rc = _LIB.fm_end_if(child.cuda_stream)
-        if rc:
-            raise RuntimeError(f"fm_end_if failed: {rc}")
+        check(_LIB.fm_end_body(child.cuda_stream), "fm_end_body")
         torch._C._cuda_endAllocateToPool(device, _POOL)
         with torch.cuda.stream(parent):  # the rest of the capture: the parent stream's
             torch._C._cuda_beginAllocateCurrentStreamToPool(device, _POOL)
@@ -210,3 +233,10 @@ def self_test() -> str:
     if results != [7.0, 10.0]:
         raise RuntimeError(f"conditional nodes: got {results}, expected [7.0, 10.0]")
     return "conditional nodes through the shim: ok"
+
+
+def pytest_configure(config) -> None:
+    """`python3 -m pytest -p cond_node_shim` (benchmarks/ on PYTHONPATH): the GPU tests of the
+    choice on the GPU, on a torch without conditional nodes."""
+    if torch.cuda.is_available() and not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        print(self_test())

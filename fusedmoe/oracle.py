@@ -189,8 +189,9 @@ def select_backend(
                     "; ahead of triton where the DeepGEMM library (or, without it, the wgmma "
                     "GEMMs on Hopper) runs fp8_block; calls of fewer than "
                     f"{LIBRARY_MIN_SLOTS_PER_EXPERT} (wgmma: {WGMMA_MIN_SLOTS_PER_EXPERT}) "
-                    "slots per expert run on triton, unless, captured into a CUDA graph, their "
-                    "ids put enough slots on the experts they touch (chosen on the GPU)"
+                    "slots per expert run on triton, unless, on the wgmma GEMMs and captured "
+                    "into a CUDA graph, their ids put enough slots on the experts they touch "
+                    "(chosen on the GPU)"
                 )
             others = {
                 n: r if r is not None else f"supported, but {cls.name} is preferred"

@@ -38,7 +38,10 @@ def _concentrated(num_tokens, num_experts, top_k, hot_experts, device=DEVICE):
 
 # (tokens, k, local experts, hot experts or None for spread, with an expert map)
 FLAG_CASES = [
+    (0, 2, 4, None, False),  # no token: nothing touched
     (1, 1, 4, None, False),
+    (50, 1, 1, None, False),  # one local expert
+    (40, 6, 6, 6, True),  # k = E: every token on every expert
     (37, 3, 8, None, False),
     (37, 3, 8, 3, True),
     (300, 8, 64, None, False),  # 2400 slots: the counting launch, then the choice
@@ -56,7 +59,8 @@ def test_engine_flags_match_twin(num_tokens, top_k, num_local, hot, use_map, min
         _, ids = random_routing(num_tokens, num_ids, top_k, empty=0.1, device=DEVICE)
     else:
         ids = _concentrated(num_tokens, num_ids, top_k, hot)
-    ids[0, 0] = num_ids + 3  # out of range: counts nowhere, as in the alignment
+    if ids.numel():
+        ids[0, 0] = num_ids + 3  # out of range: counts nowhere, as in the alignment
     expert_map = None
     if use_map:  # this rank holds every other expert
         local = torch.full((num_ids,), -1, dtype=torch.int32)
@@ -73,16 +77,17 @@ def test_engine_flags_at_the_threshold():
     fewer -> not; no slot routed here -> not (nothing touched)."""
     t = ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT
     ids = torch.tensor([[0, 3]] * t, dtype=torch.int32, device=DEVICE)
-    assert engine_flags(ids, 8, t).tolist() == [1, 0]
+    engine, triton = (torch.tensor(v, dtype=torch.uint8, device=DEVICE) for v in ([1, 0], [0, 1]))
+    assert_equal(engine_flags(ids, 8, t), engine, what="2 x 140 slots")
     ids[-1, 1] = -1
-    assert engine_flags(ids, 8, t).tolist() == [0, 1]
-    assert engine_flags(torch.full_like(ids, -1), 8, t).tolist() == [0, 1]
+    assert_equal(engine_flags(ids, 8, t), triton, what="one slot fewer")
+    assert_equal(engine_flags(torch.full_like(ids, -1), 8, t), triton, what="nothing touched")
 
 
 def _small_gates(monkeypatch):
-    """The branch for the tests' small experts and calls (the shipped gates are for the
-    presets': DEVICE_CHOICE_MIN_TOKENS, DEVICE_CHOICE_MIN_EXPERT_WEIGHTS)."""
-    monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_TOKENS", ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT)
+    """No gate: the branch for the tests' small experts and calls (the shipped gates,
+    DEVICE_CHOICE_MIN_TOKENS and DEVICE_CHOICE_MIN_EXPERT_WEIGHTS, are for the presets')."""
+    monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_TOKENS", 1)
     monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_EXPERT_WEIGHTS", 0)
 
 
@@ -134,16 +139,22 @@ def test_auto_branches_on_the_flags(branch_log, concentrated):
 def test_auto_does_not_branch_below_its_gates(branch_log, monkeypatch, gate):
     """Fewer tokens than DEVICE_CHOICE_MIN_TOKENS, or experts smaller than
     DEVICE_CHOICE_MIN_EXPERT_WEIGHTS: the call runs on triton without a branch (the branch
-    would cost more than the engine could win), however concentrated its routing."""
+    would cost more than the engine could win), however concentrated its routing; at the
+    gate, the branch."""
     log, calls = branch_log
     tokens = 200
     x, w13, w2, weights, _, qc = _problem(tokens)
-    if gate == "tokens":
-        monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_TOKENS", tokens + 1)
-    else:
-        per_expert = w13[0].numel() + w2[0].numel()
-        monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_EXPERT_WEIGHTS", per_expert + 1)
+    per_expert = w13[0].numel() + w2[0].numel()
+    name, at_gate = {
+        "tokens": ("DEVICE_CHOICE_MIN_TOKENS", tokens),
+        "expert_weights": ("DEVICE_CHOICE_MIN_EXPERT_WEIGHTS", per_expert),
+    }[gate]
     ids = _concentrated(tokens, E, 2, 2, device="cpu")
+    monkeypatch.setattr(deep_gemm, name, at_gate)  # at the gate: the branch
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert log[0] == ("if", True) and len(calls) == 2
+    log.clear(), calls.clear()
+    monkeypatch.setattr(deep_gemm, name, at_gate + 1)  # one below it: none
     out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
     assert log == [("triton",)] and calls == []
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
@@ -178,21 +189,49 @@ def test_the_shipped_gates_keep_the_large_expert_presets_only():
     assert weights("qwen3-235b-a22b") < gate and weights("qwen3-30b-a3b") < gate
 
 
-def test_a_refused_conditional_node_falls_back_to_the_hosts_choice(branch_log, monkeypatch):
-    """torch refuses a conditional node before adding any (an allocator setting it does not
-    support): the call runs on the host's choice, in the same capture."""
-    log, calls = branch_log
-
-    def refuse(self, flag):
-        raise RuntimeError("not with this allocator config")
-
-    monkeypatch.setattr(_StandInGraph, "begin_capture_to_if_node", refuse)
+def test_a_failing_branch_is_not_swallowed(branch_log, monkeypatch):
+    """A body that raises still closes its conditional node (the capture can end), and the
+    error reaches the caller; so does a conditional node refused: no silent fallback once a
+    branch is captured."""
+    log, _ = branch_log
     x, w13, w2, weights, _, qc = _problem(200)
     ids = _concentrated(200, E, 2, 2, device="cpu")
-    out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
-    assert log == [("triton",)] and calls == []
-    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
-    assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+    def broken(self, call):
+        log.append(("triton",))
+        raise RuntimeError("a kernel refused")
+
+    monkeypatch.setattr(TritonExperts, "apply", broken)
+    with pytest.raises(RuntimeError, match="a kernel refused"):
+        run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert log == [("if", True), ("end",), ("if", False), ("triton",), ("end",)]
+
+    def refuse_second(self, flag):
+        if any(entry[0] == "if" for entry in log):
+            raise RuntimeError("no second node")
+        log.append(("if", bool(flag)))
+
+    log.clear()
+    monkeypatch.setattr(_StandInGraph, "begin_capture_to_if_node", refuse_second)
+    with pytest.raises(RuntimeError, match="no second node"):
+        run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert log == [("if", True), ("end",)]
+
+
+def test_the_branch_reads_the_expert_map(branch_log):
+    """Under EP (this rank: experts E..2E-1 of 2E) the flags count this rank's experts only:
+    slots concentrated on them -> the engine; the same slots on the other rank's -> nothing
+    touched here, triton."""
+    log, _ = branch_log
+    x, w13, w2, weights, _, qc = _problem(200)
+    expert_map = torch.cat([torch.full((E,), -1), torch.arange(E)]).int()
+    kwargs = dict(expert_map=expert_map, global_num_experts=2 * E)
+    here = _concentrated(200, E, 2, 2, device="cpu") + E
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, here, qc, **kwargs)
+    assert log[0] == ("if", True)
+    log.clear()
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, here - E, qc, **kwargs)
+    assert log[0] == ("if", False)
 
 
 def test_by_name_and_forced_engines_never_branch(branch_log):
@@ -200,27 +239,34 @@ def test_by_name_and_forced_engines_never_branch(branch_log):
     x, w13, w2, weights, ids, qc = _problem(200)
     run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)
     assert log == [] and len(calls) == 2
+    run_experts(DeepGemmExperts(engine="wgmma"), x, w13, w2, weights, ids, qc)
+    assert log == [] and len(calls) == 4  # the engine named: no hand-off, no branch
     run_experts(DeepGemmExperts(engine="triton"), x, w13, w2, weights, ids, qc)
     assert ("if", True) not in log and ("if", False) not in log
 
 
-@pytest.mark.parametrize("concentrated", [False, True], ids=["spread", "concentrated"])
-def test_dispatch_counts_choose_on_the_host(pretend_hopper, concentrated):  # noqa: F811
-    """With EP dispatch's per-expert counts on the host the same rule runs there: slots over
-    the experts touched >= ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT -> the engine, else triton."""
+@pytest.mark.parametrize("per_expert", [ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT - 1,
+                                        ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT])  # fmt: skip
+@pytest.mark.parametrize("library", [False, True], ids=["wgmma", "library"])
+def test_dispatch_counts_choose_on_the_host(pretend_hopper, monkeypatch, per_expert, library):  # noqa: F811
+    """With EP dispatch's per-expert counts on the host the same rule runs there: tokens
+    each on experts 0 and 1, so that the slots per expert touched are `per_expert`: the engine
+    from ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT, triton below (and wherever the library would
+    run the call: the rule was measured on the wgmma engine)."""
     from fusedmoe.modular.types import ActivationSpec, ExpertsCall, ExpertTokensMeta, ExpertWeights
     from fusedmoe.quant.kernels import per_token_group_quant_fp8_triton
 
-    tokens = 200
-    x, w13, w2, weights, ids, qc = _problem(tokens)
-    if concentrated:
-        ids = _concentrated(tokens, E, 2, 2, device="cpu")
+    tokens = per_expert
+    x, w13, w2, weights, _, qc = _problem(tokens)
+    ids = torch.tensor([[0, 1]] * tokens, dtype=torch.int32)
+    if library:
+        monkeypatch.setattr(DeepGemmExperts, "library_reason", lambda self, *args: None)
     counts = torch.bincount(ids.flatten().long(), minlength=E).to(torch.int32)
     experts = DeepGemmExperts()
     act = ActivationSpec()
     shapes = experts.workspace_shapes(tokens, w13.shape[1], w13.shape[2], 2, E, E, act.kind)
     a1q, a1s = per_token_group_quant_fp8_triton(x, 128)
-    out = torch.empty(tokens, w13.shape[2], dtype=torch.bfloat16)
+    out = torch.full((tokens, w13.shape[2]), float("nan"), dtype=torch.bfloat16)
     call = ExpertsCall(
         output=out, hidden_states=a1q, weights=ExpertWeights(w13, w2), topk_weights=weights,
         topk_ids=ids, activation=act, global_num_experts=E,
@@ -229,7 +275,8 @@ def test_dispatch_counts_choose_on_the_host(pretend_hopper, concentrated):  # no
         a1q_scale=a1s, expert_tokens_meta=ExpertTokensMeta(counts, counts),
     )  # fmt: skip
     experts.apply(call)
-    assert len(pretend_hopper) == (2 if concentrated else 0)
+    engine = per_expert >= ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT and not library
+    assert len(pretend_hopper) == (2 if engine else 0)
     ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
 
@@ -251,14 +298,16 @@ def _hopper_graph_branches():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("engine", "load_choice"), [("wgmma", "1"), ("wgmma", "0"), ("library", "1")]
+    ("engine", "load_choice"),
+    [("wgmma", "1"), ("wgmma", "0"), ("wgmma", "alloc_conf"), ("library", "1")],
 )
 def test_gpu_one_graph_follows_the_load(monkeypatch, engine, load_choice):
     """fused_experts (auto: deep_gemm, handing small calls to triton) captured once, replayed
     with a spread routing (100 slots per expert touched: triton) and a concentrated one (400 on
     each of 4 experts: the wgmma engine):
     each replay is that backend's output by name, bit for bit, and near the torch backend.
-    FUSEDMOE_LOAD_CHOICE=0, or the DeepGEMM library importable: triton for both (no branch)."""
+    FUSEDMOE_LOAD_CHOICE=0, the allocator setting torch refuses conditional nodes under, or the
+    DeepGEMM library importable: triton for both (no branch)."""
     _hopper_graph_branches()
     from fusedmoe.kernels import deep_gemm_lib
 
@@ -272,24 +321,36 @@ def test_gpu_one_graph_follows_the_load(monkeypatch, engine, load_choice):
         deep_gemm_lib.find_library(refresh=True)
 
 
-def _one_graph_follows_the_load(monkeypatch, engine, load_choice):
-    from fusedmoe.kernels import deep_gemm_lib
+def _gpu_problem(hidden, inter):
+    """16 experts of fp8_block weights, 400 tokens of top-4: x, w13, w2, the quant config,
+    router weights, a spread routing (100 slots per expert touched) and a concentrated one
+    (400 on each of 4 experts)."""
     from fusedmoe.quant import quantize_experts
     from tests.reference import random_experts
 
-    why = deep_gemm_lib.library_unusable_reason(torch.device("cuda"))
-    if engine == "library" and why is not None:
-        pytest.skip(why)
-    monkeypatch.setenv(deep_gemm.LOAD_CHOICE_ENV, load_choice)
-    _small_gates(monkeypatch)
-    num_experts, top_k, tokens, hidden, inter = 16, 4, 400, 512, 384
+    num_experts, top_k, tokens = 16, 4, 400
     experts = random_experts(num_experts, hidden, inter, "silu", dtype=torch.bfloat16)
     w13, w2, qc = quantize_experts(experts["w13"].cuda(), experts["w2"].cuda(), "fp8_block")
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     weights, spread = random_routing(tokens, num_experts, top_k, device="cuda")
     hot = _concentrated(tokens, num_experts, top_k, 4)
-    assert engine_flags(spread, num_experts, ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT).tolist() == [0, 1]
-    assert engine_flags(hot, num_experts, ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT).tolist() == [1, 0]
+    return x, w13, w2, qc, weights, spread, hot
+
+
+def _one_graph_follows_the_load(monkeypatch, engine, load_choice):
+    from fusedmoe.kernels import deep_gemm_lib
+
+    why = deep_gemm_lib.library_unusable_reason(torch.device("cuda"))
+    if engine == "library" and why is not None:
+        pytest.skip(why)
+    if load_choice == "alloc_conf":  # torch refuses conditional nodes with it: no branch
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "graph_capture_record_stream_reuse:True")
+    else:
+        monkeypatch.setenv(deep_gemm.LOAD_CHOICE_ENV, load_choice)
+    _small_gates(monkeypatch)
+    x, w13, w2, qc, weights, spread, hot = _gpu_problem(512, 384)
+    assert engine_flags(spread, 16, ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT).tolist() == [0, 1]
+    assert engine_flags(hot, 16, ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT).tolist() == [1, 0]
     static_ids = spread.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -323,15 +384,7 @@ def test_gpu_many_branching_calls_in_one_graph(monkeypatch, no_library):  # noqa
     the engine's for a concentrated routing."""
     _hopper_graph_branches()
     _small_gates(monkeypatch)
-    from fusedmoe.quant import quantize_experts
-    from tests.reference import random_experts
-
-    num_experts, top_k, tokens, hidden, inter = 16, 4, 400, 256, 256
-    experts = random_experts(num_experts, hidden, inter, "silu", dtype=torch.bfloat16)
-    w13, w2, qc = quantize_experts(experts["w13"].cuda(), experts["w2"].cuda(), "fp8_block")
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-    weights, _ = random_routing(tokens, num_experts, top_k, device="cuda")
-    hot = _concentrated(tokens, num_experts, top_k, 4)
+    x, w13, w2, qc, weights, _, hot = _gpu_problem(256, 256)
     fused_experts(x, w13, w2, weights, hot, quant_config=qc)  # compiles the host's choice
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -42,11 +42,16 @@ runs, else triton; "library" and "wgmma" raise where that engine cannot run the 
 uses neither.
 
 Chosen by the oracle (not by name), a call of fewer slots per expert than the engine's minimum
-runs on the triton backend, unless its slots sit on few experts (skewed routing): with torch's
-conditional CUDA graph nodes (CUDAGraph.begin_capture_to_if_node), a call captured into a graph
-holds both paths, and a kernel picks one on the GPU from the ids
-(ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT, fusedmoe.kernels.load_choice); eager calls and torches
-without the nodes keep the host's choice from the mean.
+runs on the triton backend, unless its slots sit on few experts (skewed routing) and the wgmma
+engine runs it (not the library): with torch's conditional CUDA graph nodes
+(CUDAGraph.begin_capture_to_if_node), a call captured into a graph (a caller's, or the layer's
+own graphs of its eager calls) holds both paths and a kernel picks one on the GPU from the ids
+(ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT, fusedmoe.kernels.load_choice), from
+DEVICE_CHOICE_MIN_TOKENS and for experts of DEVICE_CHOICE_MIN_EXPERT_WEIGHTS or more (the
+branch costs ~20 us). Where a prepare has counted each expert's slots on the host
+(ExpertTokensMeta.expert_num_tokens_cpu: none of fusedmoe's prepares does yet) the same rule
+runs there, at no cost, so without the gates. Elsewhere (calls not captured, torches without
+the nodes) the host's choice from the mean stands.
 FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
@@ -118,11 +123,12 @@ WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
 #: over the experts with any) runs on the library or wgmma engine all the same: skewed routing
 #: puts hundreds of slots on a few experts where the mean over all experts is small. On an H100
 #: (benchmarks/probe_engine_by_load.py: five fp8_block presets, M = 128 to 2048, skew strengths
-#: 0 to 4, 103 calls) choosing the engine from this many on took 0.93x of triton's time on the
+#: 0 to 4, 100 calls) choosing the engine from this many on took 0.93x of triton's time on the
 #: geometric mean, 0.41x at best (gpt-oss-120b M = 512) and 1.03x at worst (qwen3-30b-a3b
 #: M = 1024); from 128 on, 1.05x at worst. The ids are on the GPU: the choice is made there,
 #: inside a CUDA graph (conditional nodes, `_branch_on_device`), or on the host where EP
-#: dispatch has counted each expert's slots there
+#: dispatch has counted each expert's slots there. Measured with the wgmma engine only: the
+#: library's calls keep the host's choice from the mean
 ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT = 140
 #: the choice on the GPU costs ~20 us a call whatever it picks (its kernel, then two
 #: conditional nodes, each after a kernel that sets its condition: H100, through
@@ -132,8 +138,8 @@ ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT = 140
 #: them again). On the H100 that keeps deepseek-v3 (44 M weights an expert) and gpt-oss-120b
 #: (25 M): under uniform routing +0.3% to +0.6% and +1.1% to +1.7% at M = 512 to 2048, under
 #: skewed routing (strength 2 to 4) 0.78x to 0.95x and 0.45x to 0.80x of the time; it leaves
-#: out qwen3-235b-a22b (19 M: +1.8% to +4.0% where the engine is not taken, 0.84x to 0.98x
-#: where it is) and qwen3-30b-a3b (5 M: no call faster)
+#: out qwen3-235b-a22b (19 M: +1.7% to +13% where the engine is not taken, 0.84x to 0.98x
+#: where it is) and qwen3-30b-a3b (5 M: +7% to +30% where not taken, 1.04x to 1.15x where it is)
 DEVICE_CHOICE_MIN_TOKENS = 512
 DEVICE_CHOICE_MIN_EXPERT_WEIGHTS = 20_000_000
 #: FUSEDMOE_LOAD_CHOICE=0 turns the choice on the GPU off (the host's choice from the mean)
@@ -360,7 +366,8 @@ class DeepGemmExperts(Experts):
         if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
             counts = meta.expert_num_tokens_cpu
             slots_per_expert = int(counts.sum()) / weights.num_local_experts
-            touched_mean = int(counts.sum()) / max(1, int((counts > 0).sum()))
+            if not_library is not None:  # the rule was measured on the wgmma engine only
+                touched_mean = int(counts.sum()) / max(1, int((counts > 0).sum()))
         # chosen by the oracle, small calls run faster on the triton backend, unless their
         # slots sit on few experts (ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT)
         fewest = LIBRARY_MIN_SLOTS_PER_EXPERT if not_library is None else WGMMA_MIN_SLOTS_PER_EXPERT
@@ -371,12 +378,14 @@ class DeepGemmExperts(Experts):
             and slots_per_expert < fewest
             and TritonExperts.supports_quant_config(qc)
         ):
-            if touched_mean is None:  # the counts are on the GPU
-                if not self._branch_on_device(call, not_library, not_wgmma, slots_per_expert):
+            if touched_mean is not None:  # counted on the host
+                if touched_mean < ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT:
                     TritonExperts().apply(call)
-                return
-            if touched_mean < ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT:
+                    return
+            elif not self._branch_on_device(call, not_library, not_wgmma, slots_per_expert):
                 TritonExperts().apply(call)
+                return
+            else:
                 return
         self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
 
@@ -386,7 +395,9 @@ class DeepGemmExperts(Experts):
         _EXPERT_WEIGHTS): capture both paths, each in a conditional node, after the kernel
         that picks one from the ids (kernels.load_choice). False where not, and where the
         DeepGEMM library runs the call (its kernels captured in a conditional node's body made
-        the capture crash, on an H100 with CUDA 13): the caller runs the host's choice."""
+        the capture crash, on an H100 with CUDA 13, through benchmarks/cond_node_shim.py: the
+        stand-in may be the cause, but nothing else was tried): the caller runs the host's
+        choice."""
         from fusedmoe.kernels.load_choice import engine_flags
 
         weights = call.weights
@@ -407,13 +418,7 @@ class DeepGemmExperts(Experts):
         ).view(torch.bool)
         for flag, on_engine in ((flags[0], True), (flags[1], False)):
             _draw_past_capture_stream(call.hidden_states.device)
-            try:
-                graph.begin_capture_to_if_node(flag)
-            except RuntimeError as exc:  # refused before any node (an allocator setting)
-                if not on_engine:
-                    raise  # the engine's branch is captured: too late to go back
-                self._log_once(f"{self.name}: no conditional node here ({exc}); host's choice")
-                return False
+            graph.begin_capture_to_if_node(flag)
             try:
                 if on_engine:
                     self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
@@ -495,24 +500,36 @@ class DeepGemmExperts(Experts):
         return f"{type(self).__name__}(strict={self.strict}, engine={self.engine!r})"
 
 
+def _alloc_conf() -> str:
+    """The CUDA allocator settings, lower case, without spaces."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return conf.replace(" ", "").lower()
+
+
 def _device_choice_graph(x: torch.Tensor):
     """The torch.cuda.CUDAGraph being captured on x's device's current stream, where it can
     hold conditional nodes (CUDA >= 12.4, a torch with CUDAGraph.begin_capture_to_if_node);
     None where it cannot, where no capture runs (eager calls: the host chooses), where the
     capture is not a torch.cuda.CUDAGraph's, or where FUSEDMOE_LOAD_CHOICE=0."""
-    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not x.is_cuda:
         return None
+    with torch.cuda.device(x.device):
+        if not torch.cuda.is_current_stream_capturing():
+            return None
     if os.environ.get(LOAD_CHOICE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
         return None
+    if "graph_capture_record_stream_reuse:true" in _alloc_conf():
+        return None  # torch refuses conditional nodes under this allocator setting
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if cuda < (12, 4):
         return None
-    try:
-        return torch.cuda.CUDAGraph.get_currently_capturing_graph()
-    except RuntimeError:  # a capture begun outside torch.cuda.CUDAGraph
-        return None
+    with torch.cuda.device(x.device):
+        try:
+            return torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        except RuntimeError:  # a capture begun outside torch.cuda.CUDAGraph
+            return None
 
 
 def _draw_past_capture_stream(device: torch.device) -> None:
@@ -521,8 +538,9 @@ def _draw_past_capture_stream(device: torch.device) -> None:
     stream being captured may be one of them (torch.cuda.graph's and the graph cache's come
     from there): the body's capture would then begin on a stream already capturing, which CUDA
     refuses (one graph of ~16 layers' calls is enough to hit it). Draw from the pool until the
-    capture's own stream comes out, so that the next one is another; a stream from outside
-    the pool never comes out, and nothing needs drawing."""
+    capture's own stream comes out, so that the next one is another; a capture stream from
+    outside the pool never comes out, and every draw (twice the pool, at capture time only)
+    is then a harmless one."""
     if device.type != "cuda":
         return
     current = torch.cuda.current_stream(device)
