@@ -84,6 +84,9 @@ def test_engine_flags_at_the_threshold():
     assert_equal(engine_flags(torch.full_like(ids, -1), 8, t), triton, what="nothing touched")
 
 
+_TOKENS, _BRANCH_MIN = 40, 30
+
+
 def _small_gates(monkeypatch):
     """No gate: the branch for the tests' small experts and calls (the shipped gates,
     DEVICE_CHOICE_MIN_TOKENS and DEVICE_CHOICE_MIN_EXPERT_WEIGHTS, are for the presets')."""
@@ -112,6 +115,9 @@ def branch_log(monkeypatch, pretend_hopper):  # noqa: F811
     log = []
     monkeypatch.setattr(deep_gemm, "_device_choice_graph", lambda x: _StandInGraph(log))
     _small_gates(monkeypatch)
+    # small calls on the interpreter: 40 tokens of top-2 over E = 4, the engine from 30 slots
+    # per expert touched (spread: 20; on 2 experts: 40)
+    monkeypatch.setattr(deep_gemm, "ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT", _BRANCH_MIN)
     real_apply = TritonExperts.apply
     monkeypatch.setattr(
         TritonExperts, "apply", lambda self, call: log.append(("triton",)) or real_apply(self, call)
@@ -124,13 +130,13 @@ def test_auto_branches_on_the_flags(branch_log, concentrated):
     """Below WGMMA_MIN_SLOTS_PER_EXPERT on the mean, a captured call holds both paths: the
     engine's behind the first flag, triton's behind the second, the flags those of the ids."""
     log, calls = branch_log
-    tokens = 200  # k = 2, E = 4: 100 slots per expert on the mean
-    assert tokens * 2 / E < WGMMA_MIN_SLOTS_PER_EXPERT
+    tokens = _TOKENS  # k = 2, E = 4: 20 slots per expert on the mean
+    assert tokens * 2 / E < min(WGMMA_MIN_SLOTS_PER_EXPERT, _BRANCH_MIN)
     x, w13, w2, weights, ids, qc = _problem(tokens)
     if concentrated:
-        ids = _concentrated(tokens, E, 2, 2, device="cpu")  # 200 slots on each of 2 experts
+        ids = _concentrated(tokens, E, 2, 2, device="cpu")  # 40 slots on each of 2 experts
     run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
-    engine = concentrated  # spread: 100 per expert touched, < 140
+    engine = concentrated  # spread: 20 per expert touched, < 30
     assert log == [("if", engine), ("end",), ("if", not engine), ("triton",), ("end",)]
     assert len(calls) == 2  # the engine's two GEMMs, captured in the first branch
 
@@ -142,7 +148,7 @@ def test_auto_does_not_branch_below_its_gates(branch_log, monkeypatch, gate):
     would cost more than the engine could win), however concentrated its routing; at the
     gate, the branch."""
     log, calls = branch_log
-    tokens = 200
+    tokens = _TOKENS
     x, w13, w2, weights, _, qc = _problem(tokens)
     per_expert = w13[0].numel() + w2[0].numel()
     name, at_gate = {
@@ -166,8 +172,8 @@ def test_no_branch_where_the_library_runs(branch_log, monkeypatch):
     library's kernels are never captured in a conditional node's body."""
     log, calls = branch_log
     monkeypatch.setattr(DeepGemmExperts, "library_reason", lambda self, *args: None)
-    x, w13, w2, weights, _, qc = _problem(200)
-    ids = _concentrated(200, E, 2, 2, device="cpu")
+    x, w13, w2, weights, _, qc = _problem(_TOKENS)
+    ids = _concentrated(_TOKENS, E, 2, 2, device="cpu")
     run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
     assert log == [("triton",)] and calls == []
 
@@ -194,8 +200,8 @@ def test_a_failing_branch_is_not_swallowed(branch_log, monkeypatch):
     error reaches the caller; so does a conditional node refused: no silent fallback once a
     branch is captured."""
     log, _ = branch_log
-    x, w13, w2, weights, _, qc = _problem(200)
-    ids = _concentrated(200, E, 2, 2, device="cpu")
+    x, w13, w2, weights, _, qc = _problem(_TOKENS)
+    ids = _concentrated(_TOKENS, E, 2, 2, device="cpu")
 
     def broken(self, call):
         log.append(("triton",))
@@ -223,10 +229,10 @@ def test_the_branch_reads_the_expert_map(branch_log):
     slots concentrated on them -> the engine; the same slots on the other rank's -> nothing
     touched here, triton."""
     log, _ = branch_log
-    x, w13, w2, weights, _, qc = _problem(200)
+    x, w13, w2, weights, _, qc = _problem(_TOKENS)
     expert_map = torch.cat([torch.full((E,), -1), torch.arange(E)]).int()
     kwargs = dict(expert_map=expert_map, global_num_experts=2 * E)
-    here = _concentrated(200, E, 2, 2, device="cpu") + E
+    here = _concentrated(_TOKENS, E, 2, 2, device="cpu") + E
     run_experts(DeepGemmExperts(), x, w13, w2, weights, here, qc, **kwargs)
     assert log[0] == ("if", True)
     log.clear()
@@ -236,7 +242,7 @@ def test_the_branch_reads_the_expert_map(branch_log):
 
 def test_by_name_and_forced_engines_never_branch(branch_log):
     log, calls = branch_log
-    x, w13, w2, weights, ids, qc = _problem(200)
+    x, w13, w2, weights, ids, qc = _problem(_TOKENS)
     run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)
     assert log == [] and len(calls) == 2
     run_experts(DeepGemmExperts(engine="wgmma"), x, w13, w2, weights, ids, qc)
