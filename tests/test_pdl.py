@@ -20,7 +20,7 @@ from fusedmoe import _pdl as pdl
 
 
 def _pdl_kernels():
-    from fusedmoe.kernels import moe_align, moe_gemm
+    from fusedmoe.kernels import load_choice, moe_align, moe_gemm
     from fusedmoe.quant import kernels as quant_kernels
     from fusedmoe.router import fused
 
@@ -34,6 +34,8 @@ def _pdl_kernels():
         "group_quant": quant_kernels._group_quant_fp8_kernel,
         "act_mul_group_quant": quant_kernels._act_mul_group_quant_fp8_kernel,
         "route": fused._route_kernel,
+        "load_count": load_choice._count_kernel,
+        "load_choose": load_choice._choose_kernel,
     }
 
 

@@ -120,7 +120,7 @@ FAST_ACCUM_MIN_SLOTS_PER_EXPERT = 256
 #: uniform routing); this is what deep_gemm by name runs
 WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
 #: below the minimum above, a call with at least this many slots per expert it touches (slots
-#: over the experts with any) runs on the library or wgmma engine all the same: skewed routing
+#: over the experts with any) runs on the wgmma engine all the same: skewed routing
 #: puts hundreds of slots on a few experts where the mean over all experts is small. On an H100
 #: (benchmarks/probe_engine_by_load.py: five fp8_block presets, M = 128 to 2048, skew strengths
 #: 0 to 4, 100 calls) choosing the engine from this many on took 0.93x of triton's time on the
@@ -378,14 +378,12 @@ class DeepGemmExperts(Experts):
             and slots_per_expert < fewest
             and TritonExperts.supports_quant_config(qc)
         ):
-            if touched_mean is not None:  # counted on the host
-                if touched_mean < ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT:
+            if touched_mean is None:  # the counts are on the GPU: choose there, or triton
+                if not self._branch_on_device(call, not_library, not_wgmma, slots_per_expert):
                     TritonExperts().apply(call)
-                    return
-            elif not self._branch_on_device(call, not_library, not_wgmma, slots_per_expert):
-                TritonExperts().apply(call)
                 return
-            else:
+            if touched_mean < ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT:  # counted on the host
+                TritonExperts().apply(call)
                 return
         self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
 

@@ -1,5 +1,5 @@
 """How concentrated a call's routing is, read on the GPU: whether its slots sit on few enough
-experts for the contiguous-layout GEMMs (deep_gemm's wgmma or library engine) to beat the
+experts for the contiguous-layout GEMMs (deep_gemm's wgmma engine) to beat the
 triton backend's gather GEMMs.
 
 Legend: S slots (M tokens x k), E_l local experts, count[e] the slots routed to local expert
