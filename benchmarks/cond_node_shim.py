@@ -10,14 +10,13 @@ the graph being captured), then gives torch.cuda.CUDAGraph what fusedmoe.experts
 of it: `get_currently_capturing_graph`, `begin_capture_to_if_node(pred)` and
 `end_capture_to_conditional_node()`. As torch's own version does, a body is captured on a
 stream of its own into the node's graph, with the thread's allocations sent to the capture's
-memory pool; so that the pool is known, captures given no pool take the shim's (`graph`'s
-default pool is replaced). A measuring aid, not part of the package.
+memory pool (torch.cuda.graph is wrapped to note which: a capture given none gets a new pool
+of its own, as its private one would be). A measuring aid, not part of the package.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 import tempfile
@@ -112,7 +111,7 @@ extern "C" int fm_end_body(void* child_ptr) {
 """
 
 _LIB = None
-_POOL = None
+_CAPTURES = threading.local()  # .pools: the memory pools of the captures under way, innermost last
 _BODIES = threading.local()
 
 
@@ -169,8 +168,9 @@ class _Capturing:
         check(_LIB.fm_add_if(parent.cuda_stream, pred.data_ptr(), 1), "fm_add_if")
         check(_LIB.fm_begin_body(child.cuda_stream, 0), "fm_begin_body")
         # the body's allocations: from the capture's pool, whatever stream asks
-        torch._C._cuda_endAllocateToPool(device, _POOL)
-        torch._C._cuda_beginAllocateCurrentThreadToPool(device, _POOL)
+        pool = _CAPTURES.pools[-1]
+        torch._C._cuda_endAllocateToPool(device, pool)
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
         guard = torch.cuda.stream(child)
         guard.__enter__()
         stack = getattr(_BODIES, "stack", None) or []
@@ -181,28 +181,42 @@ class _Capturing:
         device, parent, child, guard = _BODIES.stack.pop()
         guard.__exit__(None, None, None)
         check(_LIB.fm_end_body(child.cuda_stream), "fm_end_body")
-        torch._C._cuda_endAllocateToPool(device, _POOL)
+        pool = _CAPTURES.pools[-1]
+        torch._C._cuda_endAllocateToPool(device, pool)
         with torch.cuda.stream(parent):  # the rest of the capture: the parent stream's
-            torch._C._cuda_beginAllocateCurrentStreamToPool(device, _POOL)
+            torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool)
 
 
 def install() -> None:
     """Build the library and patch torch.cuda (idempotent)."""
-    global _LIB, _POOL
+    global _LIB
     if _LIB is not None:
         return
     _LIB = _build()
-    _POOL = torch.cuda.graph_pool_handle()
     capturing = _Capturing()
     torch.cuda.CUDAGraph.get_currently_capturing_graph = staticmethod(lambda: capturing)
     torch.cuda.CUDAGraph.begin_capture_to_if_node = _Capturing.begin_capture_to_if_node
-    real_init = torch.cuda.graph.__init__
+    real_init, real_enter = torch.cuda.graph.__init__, torch.cuda.graph.__enter__
+    real_exit = torch.cuda.graph.__exit__
 
     def init(self, cuda_graph, pool=None, *args, **kwargs):
-        real_init(self, cuda_graph, _POOL if pool is None else pool, *args, **kwargs)
+        # a capture given no pool gets a new one of its own (as its private pool would be),
+        # whose id is then known
+        self.shim_pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        real_init(self, cuda_graph, self.shim_pool, *args, **kwargs)
+
+    def enter(self):
+        real_enter(self)
+        pools = getattr(_CAPTURES, "pools", None) or []
+        pools.append(self.shim_pool)
+        _CAPTURES.pools = pools
+
+    def exit(self, *exc):
+        _CAPTURES.pools.pop()
+        return real_exit(self, *exc)
 
     torch.cuda.graph.__init__ = init
-    os.environ.setdefault("FUSEDMOE_COND_SHIM", "1")
+    torch.cuda.graph.__enter__, torch.cuda.graph.__exit__ = enter, exit
 
 
 def self_test() -> str:

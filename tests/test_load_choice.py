@@ -402,3 +402,32 @@ def test_gpu_many_branching_calls_in_one_graph(monkeypatch, no_library):  # noqa
     want = run_experts(DeepGemmExperts(strict=True, engine="wgmma"), x, w13, w2, weights, hot, qc)
     for out in outs:
         assert_equal(out, want, what="a branching call of the graph")
+
+
+@pytest.mark.gpu
+def test_gpu_the_layers_own_graphs_follow_the_load(monkeypatch, no_library):  # noqa: F811
+    """The layer replays its eager calls from CUDA graphs of its own (one per token bucket):
+    the graph of bucket 256 holds the branch, and its replays run triton for spread router
+    logits and the engine for logits that send every token to experts 0-3 (rows 200-255 of the
+    bucket keep the first call's concentrated inputs)."""
+    _hopper_graph_branches()
+    _small_gates(monkeypatch)
+    from fusedmoe import FusedMoE
+
+    layer = FusedMoE(16, 4, 512, 384, params_dtype=torch.bfloat16, device="cuda")
+    layer.quantize_("fp8_block")
+    x = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda")
+    spread = torch.randn(256, 16, device="cuda")
+    hot = spread.clone()
+    hot[:, :4] += 30.0
+    with torch.inference_mode():
+        layer(x, hot)  # captures bucket 256; its rows 200-255 stay concentrated
+        graphed = {"spread": layer(x[:200], spread[:200]), "hot": layer(x[:200], hot[:200])}
+        assert layer._graph_state is not None and layer._graph_state[1].replays >= 2
+        layer.cuda_graph_max_tokens = 0  # eager, each backend by name
+        layer.set_backend("triton")
+        spread_triton = layer(x[:200], spread[:200])
+        layer.set_backend("deep_gemm")
+        hot_engine = layer(x[:200], hot[:200])
+    assert_close(graphed["spread"], spread_triton, torch.bfloat16, **quant_tol("cuda"))
+    assert_equal(graphed["hot"], hot_engine, what="the engine, from the layer's graph")
