@@ -37,7 +37,12 @@ from fusedmoe.kernels.moe_config import (
     moe_kernel_config,
     use_moe_kernel_config,
 )
-from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.tools.bench.inputs import (
+    ExpertSet,
+    make_expert_weights,
+    make_routing,
+    quantize_expert_set,
+)
 from fusedmoe.tools.bench.timing import settle, time_ms
 from fusedmoe.tools.presets import PRESETS
 from fusedmoe.tools.roofline import ceilings_for, distinct_experts, moe_floor
@@ -51,6 +56,20 @@ def fp8_floor_us(topk_ids, num_experts, hidden, inter, ceilings) -> float:
         top_k=k, hidden_size=hidden, intermediate_size=inter, ceilings=ceilings,
     )  # fmt: skip
     return floor.seconds * 1e6
+
+
+def fp8_block_experts(name: str, device: torch.device) -> ExpertSet:
+    """The preset's experts (tools.bench.inputs' weights), quantized to fp8_block; the bf16
+    weights are freed before it returns."""
+    p = PRESETS[name]
+    w13, w2 = make_expert_weights(
+        name, p.num_experts, p.hidden_size, p.intermediate_size, p.activation, torch.bfloat16,
+        device,
+    )  # fmt: skip
+    experts = quantize_expert_set(w13, w2, "fp8_block", with_plain=False)
+    del w13, w2
+    torch.cuda.empty_cache()
+    return experts
 
 
 def grid(shipped: MoEKernelConfig) -> list[MoEKernelConfig]:
@@ -92,10 +111,7 @@ def main(argv=None) -> int:
         preset = PRESETS[name]
         e, k, h, i = preset.num_experts, preset.top_k, preset.hidden_size, preset.intermediate_size
         act = preset.activation
-        w13, w2 = make_expert_weights(name, e, h, i, act, torch.bfloat16, dev)
-        ex = quantize_expert_set(w13, w2, "fp8_block", with_plain=False)
-        del w13, w2
-        torch.cuda.empty_cache()
+        ex = fp8_block_experts(name, dev)
         for m in args.tokens:
             r = make_routing(name, m, e, k, h, "uniform", torch.bfloat16, dev)
             floor = fp8_floor_us(r.topk_ids, e, h, i, ceilings)

@@ -29,13 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fp8_backends import csv_list
+from probe_decode_tiles import fp8_block_experts
 
 from fusedmoe.experts.deep_gemm import LOAD_CHOICE_ENV, DeepGemmExperts
 from fusedmoe.experts.triton import TritonExperts
 from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights
-from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.tools.bench.inputs import make_routing
 from fusedmoe.tools.bench.timing import settle, time_ms
 from fusedmoe.tools.presets import PRESETS
 
@@ -89,11 +90,8 @@ def main(argv=None) -> int:
     rows = []
     for name in args.presets:
         pr = PRESETS[name]
-        e, k, h, i = pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size
-        w13, w2 = make_expert_weights(name, e, h, i, pr.activation, torch.bfloat16, dev)
-        ex = quantize_expert_set(w13, w2, "fp8_block", with_plain=False)
-        del w13, w2
-        torch.cuda.empty_cache()
+        e, k, h = pr.num_experts, pr.top_k, pr.hidden_size
+        ex = fp8_block_experts(name, dev)
         weights = ExpertWeights(ex.w13, ex.w2, w13_bias=ex.w13_bias, w2_bias=ex.w2_bias)
         for m in args.tokens:
             if m * k / e >= 128:

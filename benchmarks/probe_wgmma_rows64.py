@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fp8_backends import csv_list
-from probe_decode_tiles import fp8_floor_us
+from probe_decode_tiles import fp8_block_experts, fp8_floor_us
 
 from fusedmoe.experts import deep_gemm
 from fusedmoe.experts.deep_gemm import DeepGemmExperts
@@ -33,7 +33,7 @@ from fusedmoe.experts.triton import TritonExperts
 from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
 from fusedmoe.modular.types import ActivationSpec, ExpertWeights
-from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+from fusedmoe.tools.bench.inputs import make_routing
 from fusedmoe.tools.bench.timing import settle, time_ms
 from fusedmoe.tools.presets import PRESETS
 from fusedmoe.tools.roofline import ceilings_for
@@ -73,10 +73,7 @@ def main(argv=None) -> int:
     for name in args.presets:
         pr = PRESETS[name]
         e, k, h, i = pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size
-        w13, w2 = make_expert_weights(name, e, h, i, pr.activation, torch.bfloat16, dev)
-        ex = quantize_expert_set(w13, w2, "fp8_block", with_plain=False)
-        del w13, w2
-        torch.cuda.empty_cache()
+        ex = fp8_block_experts(name, dev)
         weights = ExpertWeights(ex.w13, ex.w2, w13_bias=ex.w13_bias, w2_bias=ex.w2_bias)
         for routing in args.routing:
             for m in args.tokens:

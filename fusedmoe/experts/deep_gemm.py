@@ -365,9 +365,10 @@ class DeepGemmExperts(Experts):
         meta = call.expert_tokens_meta
         if meta is not None and meta.expert_num_tokens_cpu is not None:  # EP dispatch counted
             counts = meta.expert_num_tokens_cpu
-            slots_per_expert = int(counts.sum()) / weights.num_local_experts
+            routed = int(counts.sum())
+            slots_per_expert = routed / weights.num_local_experts
             if not_library is not None:  # the rule was measured on the wgmma engine only
-                touched_mean = int(counts.sum()) / max(1, int((counts > 0).sum()))
+                touched_mean = routed / max(1, int((counts > 0).sum()))
         # chosen by the oracle, small calls run faster on the triton backend, unless their
         # slots sit on few experts (ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT)
         fewest = LIBRARY_MIN_SLOTS_PER_EXPERT if not_library is None else WGMMA_MIN_SLOTS_PER_EXPERT
