@@ -136,6 +136,11 @@ def test_tune_candidates_are_valid_configs():
                 if dtype == "fp8_block":
                     assert all(128 % g.block_k == 0 for g in (c.gemm1, c.gemm2))
             assert any(c.gemm1.num_warps == 2 for c in around) == (base.gemm1.num_warps == 4)
+            for which in ("gemm1", "gemm2"):  # every launch order, columns first included
+                orders = {getattr(c, which).group_m for c in around} | {
+                    getattr(base, which).group_m
+                }
+                assert orders >= {1, 8, 16, 32, 64, 1024}, (which, orders)
             if dtype == "fp8_block":
                 assert any(not c.fuse_activation for c in around)
                 narrow = {c.gemm1.block_n for c in around if not c.fuse_activation}

@@ -37,6 +37,7 @@ from fusedmoe.kernels.moe_config import (
     table_path,
     use_moe_kernel_config,
 )
+from fusedmoe.modular.kernel import shared_workspaces
 from fusedmoe.modular.types import MoEProblem
 from fusedmoe.quant import make_quant_config, quantize_experts
 from fusedmoe.quant.kernels import resolve_params
@@ -712,6 +713,51 @@ def test_override_is_checked():
     bad = MoEKernelConfig(24, GemmConfig(32, 32, 1, 4, 2), GemmConfig(32, 32, 1, 4, 2))
     with pytest.raises(ValueError, match="powers of two"), use_moe_kernel_config(bad):
         pass
+    # group_m 0 would divide by zero in the launch order; no stages, no pipeline
+    for gemm1, gemm2 in ((GemmConfig(32, 32, 0, 4, 2), GemmConfig(32, 32, 1, 4, 2)),
+                         (GemmConfig(32, 32, 1, 4, 2), GemmConfig(32, 32, 8, 4, 0))):  # fmt: skip
+        bad = MoEKernelConfig(32, gemm1, gemm2)
+        with pytest.raises(ValueError, match="group_m and num_stages"):
+            bad.check()
+        with pytest.raises(ValueError, match=r"table \[64\]: gemm. group_m"):
+            MoEKernelConfig.from_json(bad.to_json(), "table [64]")
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8_block"])
+def test_launch_order_changes_no_bit(scheme):
+    """group_m only orders the programs: 1, a group that leaves a partial last group, the
+    shipped 8 and the columns-first 1024 give the same bits, under a routing where one expert
+    takes every token (its rows span many row blocks) and under a spread one."""
+    num_tokens, num_experts, hidden, inter = 37, 6, 256, 128
+    experts = _experts(num_experts, hidden, inter, dtype=torch.bfloat16)
+    kwargs, w13, w2 = {}, experts["w13"], experts["w2"]
+    if scheme is not None:
+        w13, w2, kwargs["quant_config"] = quantize_experts(w13.float(), w2.float(), scheme)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+    weights, spread = _routing(num_tokens, num_experts, 2)
+    other = torch.randint(0, num_experts - 1, (num_tokens,), device=DEVICE)
+    hot = torch.stack([torch.full_like(other, 2), other + (other >= 2)], 1).to(torch.int32)
+    gemm2_n = 64 if scheme is None else 128
+    outs = {}
+    for routing_ids in (hot, spread):  # expert 2 in every token's top 2; spread
+        for group_m in (1, 3, 8, 1024):  # 11 row blocks of 16: groups of 3 leave 2
+            config = MoEKernelConfig(
+                16, GemmConfig(128, 128 if scheme else 64, group_m, 4, 2),
+                GemmConfig(gemm2_n, 128 if scheme else 64, group_m, 4, 2),
+            )  # fmt: skip
+            for retain in (False, True):  # a tile never computed must not read as stale
+                for buf in shared_workspaces(retain).buffers.values():
+                    if buf.is_floating_point():
+                        poison_(buf)
+            with use_moe_kernel_config(config):
+                outs[group_m] = fused_experts(
+                    x, w13, w2, weights, routing_ids, backend="triton", **kwargs
+                )
+        for group_m, out in outs.items():
+            assert_equal(out, outs[8], what=f"group_m {group_m}")
+        ref = fused_experts(x, w13, w2, weights, routing_ids, backend="torch", **kwargs)
+        tol = {} if scheme is None else QUANT_TOL
+        assert_close(outs[8], ref, torch.bfloat16, **tol)
 
 
 def _power_of_two(v: int) -> bool:

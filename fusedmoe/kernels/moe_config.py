@@ -44,7 +44,11 @@ SHIPPED_DIR = Path(__file__).parent / "tuned"
 class GemmConfig:
     block_n: int  # output columns per program (GEMM1 gated: of the activation, 2x of w13 rows)
     block_k: int  # reduced width per step (divides 128 for 128-block FP8)
-    group_m: int  # row blocks launched together per column tile (L2 reuse of w)
+    #: launch order: group_m row blocks take every column tile, then the next group_m row
+    #: blocks (they share each tile of w while it is in L2). A group_m of at least the call's
+    #: row blocks (1024 in the tuned tables) takes the columns first: every wave holds the row
+    #: blocks of every expert for a few column tiles
+    group_m: int
     num_warps: int
     num_stages: int
 
@@ -89,6 +93,12 @@ class MoEKernelConfig:
         ]
         if any(v <= 0 or v & (v - 1) for v in sizes) or self.block_m < 16:
             raise ValueError(f"{where}: block sizes and warps must be powers of two, block_m >= 16")
+        for name, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
+            if g.group_m < 1 or g.num_stages < 1:
+                raise ValueError(
+                    f"{where}: {name} group_m and num_stages must be at least 1, got "
+                    f"{g.group_m} and {g.num_stages}"
+                )
 
 
 _override: contextvars.ContextVar[MoEKernelConfig | None] = contextvars.ContextVar(
