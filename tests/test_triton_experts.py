@@ -877,12 +877,14 @@ def test_malformed_tables_raise(case, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", [None, "fp8_block"])
-@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b"])
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "mixtral-8x7b"])
 def test_gpu_presets_match_torch_backend(preset, scheme):
+    """The tables' entries at the presets' sizes (mixtral-8x7b's M = 256 and 1024 launch their
+    columns first, or in groups of 32 and 64 row blocks, on an H100)."""
     spec, x, experts, weights, ids, qc = preset_problem(preset, 1000, scheme)
     tol = {} if qc is None else QUANT_TOL
     kwargs = dict(activation=spec.activation, quant_config=qc)
-    for num_tokens in (1, 64, 1000):
+    for num_tokens in (1, 64, 256, 1000):
         assert num_tokens * spec.top_k <= 8192  # the torch backend's float64 stays small
         args = (x[:num_tokens], experts, weights[:num_tokens], ids[:num_tokens])
         out = _run(*args, "triton", **kwargs)
