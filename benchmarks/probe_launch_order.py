@@ -5,13 +5,13 @@
         [--pairs] [--json rows.json]
 
 Each GEMM launches its (row block, column tile) programs in an order set by `group_m`:
-`group_m` row blocks take every column tile, then the next `group_m` row blocks. Under skewed
-routing a popular expert owns many consecutive row blocks, so whole waves of programs then
-compute on one expert (tensor-core bound, HBM idle) and other waves stream the weights of the
-experts with few rows (HBM bound, tensor cores idle). With `group_m` at least the number of row
-blocks (1024 here) the order is columns first: every wave holds the row blocks of every expert
-for a few column tiles, so the popular experts' products and the others' weight reads share the
-wave. The rows (A) are then read once per column tile; at small M they are a few MB, held in L2.
+`group_m` row blocks take every column tile, then the next `group_m` row blocks. The idea it
+tests: under skewed routing a popular expert owns many consecutive row blocks, so some waves of
+programs might compute on one expert while others only stream weights. With `group_m` at least
+the number of row blocks (1024 here) the order is columns first: every wave holds the row blocks
+of every expert for a few column tiles. The rows (A) are then read once per column tile; at
+small M they are a few MB, held in L2. (On an H100 it held for mixtral-8x7b only; skewed calls
+turned out bound by L2: README, "Launch order".)
 
 For each preset, scheme, M and routing: the whole expert computation under CUDA-graph replay
 (as `fusedmoe bench` times it) with the shipped config, then with both GEMMs' group_m set to
@@ -53,10 +53,6 @@ def with_orders(c: MoEKernelConfig, g1: int | None, g2: int | None) -> MoEKernel
     gemm1 = c.gemm1 if g1 is None else dataclasses.replace(c.gemm1, group_m=g1)
     gemm2 = c.gemm2 if g2 is None else dataclasses.replace(c.gemm2, group_m=g2)
     return dataclasses.replace(c, gemm1=gemm1, gemm2=gemm2)
-
-
-def order_name(g: int) -> str:
-    return str(g)
 
 
 def main(argv=None) -> int:
@@ -107,7 +103,7 @@ def main(argv=None) -> int:
                                     variants[f"{g1}/{g2}"] = c
                     else:
                         for g in orders:
-                            variants[f"both {order_name(g)}"] = with_orders(shipped, g, g)
+                            variants[f"both {g}"] = with_orders(shipped, g, g)
                         variants[f"gemm1 {ALL}"] = with_orders(shipped, ALL, None)
                         variants[f"gemm2 {ALL}"] = with_orders(shipped, None, ALL)
                     timed = {}
@@ -117,8 +113,8 @@ def main(argv=None) -> int:
                             diff = ((out - ref).abs().max() / ref.abs().max()).item()
                             timed[label] = time_ms(run, dev, rep_ms=args.rep_ms)[0] * 1e3
                         print(f"{name} {quant} M={m} {routing} {label} "
-                              f"(gm {order_name(config.gemm1.group_m)}/"
-                              f"{order_name(config.gemm2.group_m)}): {timed[label]:.1f} us "
+                              f"(gm {config.gemm1.group_m}/{config.gemm2.group_m}): "
+                              f"{timed[label]:.1f} us "
                               f"({100 * floor / timed[label]:.0f}%) diff {diff:.1e}",
                               flush=True)  # fmt: skip
                     rows.append(dict(preset=name, quant=quant, m=m, routing=routing,
