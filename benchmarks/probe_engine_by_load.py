@@ -10,8 +10,11 @@ held by experts with >= 64 / 128 / 256 slots, then both backends' times and thei
 (wgmma / triton). --auto adds the oracle's own choice (deep_gemm, not by name): "auto" with
 the choice made on the GPU from the ids (ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT, inside the CUDA
 graph the timing captures), "auto_host" with it off (FUSEDMOE_LOAD_CHOICE=0: the mean), and
-which backend's output auto's matches bit for bit. Only calls below WGMMA_MIN_SLOTS_PER_EXPERT
-slots per expert on the mean are of interest: above it the oracle already takes the engine.
+which backend's output auto's matches bit for bit. On a torch without conditional graph nodes
+(< 2.12) --auto installs benchmarks/cond_node_shim.py, so that the choice branches through
+them; with --no-shim it does not, and both paths run, each gated by its flag. Only calls
+below WGMMA_MIN_SLOTS_PER_EXPERT slots per expert on the mean are of interest: above it the
+oracle already takes the engine.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def load_stats(topk_ids: torch.Tensor, num_experts: int) -> dict:
 
 def graph_output(run) -> torch.Tensor:
     """run's output from one replay of a CUDA graph capturing it (where auto chooses on the
-    GPU; called eagerly it takes the host's choice)."""
+    GPU: through conditional nodes where the graph can hold them, else both paths gated)."""
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -76,13 +79,17 @@ def main(argv=None) -> int:
     p.add_argument("--strengths", type=csv_list(float), default=[0.0, 1.0, 2.0, 3.0, 4.0])
     p.add_argument("--rep-ms", type=float, default=40.0)
     p.add_argument("--auto", action="store_true", help="time the oracle's choice too")
+    p.add_argument(
+        "--no-shim", action="store_true",
+        help="with --auto on a torch < 2.12: no conditional nodes (both paths run, gated)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     contenders = {"triton": TritonExperts(), "wgmma": DeepGemmExperts(strict=True, engine="wgmma")}
     if args.auto:
         contenders.update(auto=DeepGemmExperts(), auto_host=DeepGemmExperts())
-        if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):  # torch < 2.12
+        if not args.no_shim and not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
             import cond_node_shim
 
             cond_node_shim.install()

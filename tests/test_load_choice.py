@@ -288,9 +288,133 @@ def test_dispatch_counts_choose_on_the_host(pretend_hopper, monkeypatch, per_exp
 
 
 # ---------------------------------------------------------------------------------------------
+# CPU: the choice on the GPU without conditional nodes (eager calls, other captures, torches
+# without the nodes): both paths run, each gated by its flag
+# ---------------------------------------------------------------------------------------------
+def _gated_run(path, gate, x, w13, w2, weights, ids, qc):
+    """One path on x quantized as prepare does, into a NaN output and NaN workspaces: the
+    triton backend ("triton"), or the contiguous layout on the wgmma engine (the stand-in:
+    "wgmma"), on its Triton GEMMs ("contiguous_triton") or on the library ("contiguous");
+    gate None, or uint8 [1]."""
+    from fusedmoe.kernels.deep_gemm_moe import fused_experts_deep_gemm
+    from fusedmoe.modular.types import ActivationSpec, ExpertsCall, ExpertWeights
+    from fusedmoe.quant.kernels import per_token_group_quant_fp8_triton
+
+    tokens, top_k = ids.shape
+    experts = TritonExperts() if path == "triton" else DeepGemmExperts()
+    act = ActivationSpec()
+    shapes = experts.workspace_shapes(tokens, w13.shape[1], w13.shape[2], top_k, E, E, act.kind)
+    a1q, a1s = per_token_group_quant_fp8_triton(x, 128)
+    out = torch.full((tokens, w13.shape[2]), float("nan"), dtype=torch.bfloat16)
+    ws13 = torch.full(shapes.workspace13, float("nan"), dtype=torch.bfloat16)
+    ws2 = torch.full(shapes.workspace2, float("nan"), dtype=torch.bfloat16)
+    if path == "triton":
+        call = ExpertsCall(
+            output=out, hidden_states=a1q, weights=ExpertWeights(w13, w2), topk_weights=weights,
+            topk_ids=ids, activation=act, global_num_experts=E, workspace13=ws13,
+            workspace2=ws2, quant_config=qc, a1q_scale=a1s,
+        )  # fmt: skip
+        TritonExperts().apply(call, gate=gate)
+    else:
+        fused_experts_deep_gemm(
+            out, a1q, a1s, w13, w2, qc.w1.scale, qc.w2.scale, weights.float(), ids,
+            scheme="fp8_block", activation=act, workspace13=ws13, workspace2=ws2,
+            engine={"contiguous_triton": "triton"}.get(path, path), gate=gate,
+        )  # fmt: skip
+    return out, ws13, ws2
+
+
+@pytest.mark.parametrize("path", ["triton", "wgmma", "contiguous_triton"])
+def test_a_gate_writes_all_or_nothing(pretend_hopper, path):  # noqa: F811
+    """A closed gate (0): the output and the workspaces keep their NaN (no kernel of the path
+    wrote a row: the permute, the GEMMs, the activation, the sum); an open one (1): the
+    ungated call's bits."""
+    x, w13, w2, weights, ids, qc = _problem(_TOKENS)
+    ungated, _, _ = _gated_run(path, None, x, w13, w2, weights, ids, qc)
+    assert not ungated.isnan().any()
+    opened, _, _ = _gated_run(path, torch.ones(1, dtype=torch.uint8), x, w13, w2, weights,
+                              ids, qc)  # fmt: skip
+    assert_equal(opened, ungated, what=f"{path}, gate open")
+    closed = _gated_run(path, torch.zeros(1, dtype=torch.uint8), x, w13, w2, weights, ids, qc)
+    for name, t in zip(("the output", "workspace13", "workspace2"), closed, strict=True):
+        assert t.isnan().all(), f"{path}: a closed gate wrote into {name}"
+
+
+def test_a_gate_is_refused_where_it_cannot_hold(pretend_hopper, monkeypatch):  # noqa: F811
+    """The library's GEMMs read no count of rows in use, and one token takes no alignment: a
+    gate there is a ValueError, not a path that computes all the same."""
+    from fusedmoe.kernels import deep_gemm_moe
+
+    x, w13, w2, weights, ids, qc = _problem(_TOKENS)
+    monkeypatch.setattr(deep_gemm_moe, "_library", lambda: pytest.fail("the library ran"))
+    gate = torch.ones(1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="gated call runs on our GEMMs"):
+        _gated_run("contiguous", gate, x, w13, w2, weights, ids, qc)
+    with pytest.raises(ValueError, match="needs the aligned rows"):
+        _gated_run("triton", gate, x[:1], w13, w2, weights[:1], ids[:1], qc)
+
+
+@pytest.fixture
+def gated_pair(monkeypatch, pretend_hopper):  # noqa: F811
+    """auto's deep_gemm with no graph that can branch and the gates open for the tests' small
+    calls: the gate each triton run got, and the engine's GEMMs (the stand-in's calls)."""
+    _small_gates(monkeypatch)
+    monkeypatch.setattr(deep_gemm, "ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT", _BRANCH_MIN)
+    gates = []
+    real_apply = TritonExperts.apply
+
+    def apply(self, call, gate=None):
+        gates.append(None if gate is None else gate.tolist())
+        return real_apply(self, call, gate=gate)
+
+    monkeypatch.setattr(TritonExperts, "apply", apply)
+    return gates, pretend_hopper
+
+
+@pytest.mark.parametrize("concentrated", [False, True], ids=["spread", "concentrated"])
+def test_uncaptured_calls_run_both_paths_gated(gated_pair, concentrated):
+    """Not captured (eager), a call within the gates runs both paths: the engine's behind the
+    first flag, triton's behind the second; the output is the flagged path's, bit for bit, and
+    near the torch backend."""
+    gates, calls = gated_pair
+    x, w13, w2, weights, ids, qc = _problem(_TOKENS)
+    if concentrated:
+        ids = _concentrated(_TOKENS, E, 2, 2, device="cpu")  # 40 slots on each of 2 experts
+    out = run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    engine = concentrated  # spread: 20 slots per expert touched, < 30
+    assert gates == [[0 if engine else 1]]
+    assert len(calls) == 2  # the engine's GEMMs are launched either way
+    if engine:
+        want = run_experts(DeepGemmExperts(strict=True, engine="wgmma"), x, w13, w2, weights,
+                           ids, qc)  # fmt: skip
+    else:
+        want = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="triton")
+    assert_equal(out, want, what="the flagged path")
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **quant_tol("cpu"))
+
+
+def test_uncaptured_calls_keep_the_hosts_choice_where_told(gated_pair, monkeypatch):
+    """FUSEDMOE_LOAD_CHOICE=0, or below a gate: one path, the host's (triton), ungated."""
+    gates, calls = gated_pair
+    x, w13, w2, weights, _, qc = _problem(_TOKENS)
+    ids = _concentrated(_TOKENS, E, 2, 2, device="cpu")
+    monkeypatch.setenv(deep_gemm.LOAD_CHOICE_ENV, "0")
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert gates == [None] and calls == []
+    monkeypatch.delenv(deep_gemm.LOAD_CHOICE_ENV)
+    gates.clear()
+    monkeypatch.setattr(deep_gemm, "DEVICE_CHOICE_MIN_TOKENS", _TOKENS + 1)
+    run_experts(DeepGemmExperts(), x, w13, w2, weights, ids, qc)
+    assert gates == [None] and calls == []
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
 def _hopper_graph_branches():
+    """A GPU the wgmma engine runs on. With conditional graph nodes in this torch, captured
+    calls branch through them; without, both paths are captured, each gated by its flag."""
     from fusedmoe.kernels import wgmma_gemm
 
     if not torch.cuda.is_available():
@@ -298,8 +422,6 @@ def _hopper_graph_branches():
     why = wgmma_gemm.gluon_unusable_reason(torch.device("cuda"))
     if why is not None:
         pytest.skip(why)
-    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        pytest.skip("this torch has no conditional CUDA graph nodes")
 
 
 @pytest.mark.gpu
@@ -312,8 +434,9 @@ def test_gpu_one_graph_follows_the_load(monkeypatch, engine, load_choice):
     with a spread routing (100 slots per expert touched: triton) and a concentrated one (400 on
     each of 4 experts: the wgmma engine):
     each replay is that backend's output by name, bit for bit, and near the torch backend.
-    FUSEDMOE_LOAD_CHOICE=0, the allocator setting torch refuses conditional nodes under, or the
-    DeepGEMM library importable: triton for both (no branch)."""
+    Under the allocator setting torch refuses conditional nodes under, the gated pair.
+    FUSEDMOE_LOAD_CHOICE=0, or the DeepGEMM library importable: triton for both (no
+    branch)."""
     _hopper_graph_branches()
     from fusedmoe.kernels import deep_gemm_lib
 
@@ -349,7 +472,7 @@ def _one_graph_follows_the_load(monkeypatch, engine, load_choice):
     why = deep_gemm_lib.library_unusable_reason(torch.device("cuda"))
     if engine == "library" and why is not None:
         pytest.skip(why)
-    if load_choice == "alloc_conf":  # torch refuses conditional nodes with it: no branch
+    if load_choice == "alloc_conf":  # torch refuses conditional nodes with it: gated pair
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "graph_capture_record_stream_reuse:True")
     else:
         monkeypatch.setenv(deep_gemm.LOAD_CHOICE_ENV, load_choice)
@@ -373,7 +496,7 @@ def _one_graph_follows_the_load(monkeypatch, engine, load_choice):
                                           w2, weights, ids, qc),
     }  # fmt: skip
     for ids in (spread, hot, spread):  # the library's kernels are never captured in a branch
-        chosen = "engine" if ids is hot and load_choice == "1" and engine == "wgmma" else "triton"
+        chosen = "engine" if ids is hot and load_choice != "0" and engine == "wgmma" else "triton"
         static_ids.copy_(ids)
         out.fill_(float("nan"))
         graph.replay()
@@ -431,3 +554,27 @@ def test_gpu_the_layers_own_graphs_follow_the_load(monkeypatch, no_library):  # 
         hot_engine = layer(x[:200], hot[:200])
     assert_close(graphed["spread"], spread_triton, torch.bfloat16, **quant_tol("cuda"))
     assert_equal(graphed["hot"], hot_engine, what="the engine, from the layer's graph")
+
+
+@pytest.mark.gpu
+def test_gpu_eager_calls_follow_the_load(monkeypatch, no_library):  # noqa: F811
+    """Eager calls (no graph): both paths launched, each gated by its flag, with no host sync;
+    the output is triton's by name for a spread routing and the engine's for a concentrated
+    one, bit for bit."""
+    _hopper_graph_branches()
+    _small_gates(monkeypatch)
+    x, w13, w2, qc, weights, spread, hot = _gpu_problem(512, 384)
+    for ids, by_name in (
+        (spread, lambda: fused_experts(x, w13, w2, weights, spread, quant_config=qc,
+                                       backend="triton")),
+        (hot, lambda: run_experts(DeepGemmExperts(strict=True, engine="wgmma"), x, w13, w2,
+                                  weights, hot, qc)),
+    ):  # fmt: skip
+        fused_experts(x, w13, w2, weights, ids, quant_config=qc)  # compiles both paths
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fused_experts(x, w13, w2, weights, ids, quant_config=qc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_equal(out, by_name(), what="the flagged path")

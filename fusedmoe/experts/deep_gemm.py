@@ -43,15 +43,18 @@ uses neither.
 
 Chosen by the oracle (not by name), a call of fewer slots per expert than the engine's minimum
 runs on the triton backend, unless its slots sit on few experts (skewed routing) and the wgmma
-engine runs it (not the library): with torch's conditional CUDA graph nodes
-(CUDAGraph.begin_capture_to_if_node), a call captured into a graph (a caller's, or the layer's
-own graphs of its eager calls) holds both paths and a kernel picks one on the GPU from the ids
-(ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT, fusedmoe.kernels.load_choice), from
-DEVICE_CHOICE_MIN_TOKENS and for experts of DEVICE_CHOICE_MIN_EXPERT_WEIGHTS or more (the
-branch costs ~20 us). Where a prepare has counted each expert's slots on the host
-(ExpertTokensMeta.expert_num_tokens_cpu: none of fusedmoe's prepares does yet) the same rule
-runs there, at no cost, so without the gates. Elsewhere (calls not captured, torches without
-the nodes) the host's choice from the mean stands.
+engine runs it (not the library). From DEVICE_CHOICE_MIN_TOKENS, for experts of
+DEVICE_CHOICE_MIN_EXPERT_WEIGHTS or more, a kernel picks one path on the GPU from the ids
+(ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT, fusedmoe.kernels.load_choice), with no host sync:
+- a call captured into a torch CUDA graph that can hold conditional nodes (torch >= 2.12,
+  CUDAGraph.begin_capture_to_if_node; a caller's graph, or the layer's own graphs of its eager
+  calls) holds each path in a conditional node (the branch costs ~20 us);
+- elsewhere (eager calls, other captures, torches without the nodes) both paths run, each
+  gated by its flag: the path not picked finds no rows in use and returns from each of its
+  kernels at once, writing nothing (30 to 70 us a call on an H100).
+Where a prepare has counted each expert's slots on the host (ExpertTokensMeta.
+expert_num_tokens_cpu: none of fusedmoe's prepares does yet) the same rule runs there, at no
+cost, so without the gates. FUSEDMOE_LOAD_CHOICE=0 keeps the host's choice from the mean.
 FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
@@ -130,16 +133,20 @@ WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
 #: dispatch has counted each expert's slots there. Measured with the wgmma engine only: the
 #: library's calls keep the host's choice from the mean
 ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT = 140
-#: the choice on the GPU costs ~20 us a call whatever it picks (its kernel, then two
-#: conditional nodes, each after a kernel that sets its condition: H100, through
-#: benchmarks/cond_node_shim.py), so it is captured only where the engine can win more: from
+#: the choice on the GPU costs ~20 us a call whatever it picks through conditional nodes (its
+#: kernel, then two nodes, each after a kernel that sets its condition: H100, through
+#: benchmarks/cond_node_shim.py), and 30 to 70 us with both paths gated (the path not picked
+#: launches its alignment and then kernels that return at once: H100, torch 2.11,
+#: benchmarks/profile_gated_pair.py), so it is made only where the engine can win more: from
 #: this many tokens, and experts of DEVICE_CHOICE_MIN_EXPERT_WEIGHTS weights or more (the
 #: engine wins by reading a hot expert's weights once, where triton's short row blocks read
 #: them again). On the H100 that keeps deepseek-v3 (44 M weights an expert) and gpt-oss-120b
 #: (25 M): under uniform routing +0.3% to +0.6% and +1.1% to +1.7% at M = 512 to 2048, under
-#: skewed routing (strength 2 to 4) 0.78x to 0.95x and 0.45x to 0.80x of the time; it leaves
-#: out qwen3-235b-a22b (19 M: +1.7% to +13% where the engine is not taken, 0.84x to 0.98x
-#: where it is) and qwen3-30b-a3b (5 M: +7% to +30% where not taken, 1.04x to 1.15x where it is)
+#: skewed routing (strength 2 to 4) 0.78x to 0.95x and 0.45x to 0.80x of the time (gated:
+#: uniform +1.3% to +1.4% and +3.1% to +4.2%, skewed at strength 3 0.79x to 0.98x and 0.48x to
+#: 0.77x); it leaves out qwen3-235b-a22b (19 M: +1.7% to +13% where the engine is not taken,
+#: 0.84x to 0.98x where it is) and qwen3-30b-a3b (5 M: +7% to +30% where not taken, 1.04x to
+#: 1.15x where it is), both measured through conditional nodes
 DEVICE_CHOICE_MIN_TOKENS = 512
 DEVICE_CHOICE_MIN_EXPERT_WEIGHTS = 20_000_000
 #: FUSEDMOE_LOAD_CHOICE=0 turns the choice on the GPU off (the host's choice from the mean)
@@ -389,32 +396,41 @@ class DeepGemmExperts(Experts):
         self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
 
     def _branch_on_device(self, call, not_library, not_wgmma, slots_per_expert) -> bool:
-        """Where the call is being captured into a CUDA graph that can branch, and the wgmma
-        engine can win more than the branch costs (DEVICE_CHOICE_MIN_TOKENS and
-        _EXPERT_WEIGHTS): capture both paths, each in a conditional node, after the kernel
-        that picks one from the ids (kernels.load_choice). False where not, and where the
-        DeepGEMM library runs the call (its kernels captured in a conditional node's body made
-        the capture crash, on an H100 with CUDA 13, through benchmarks/cond_node_shim.py: the
-        stand-in may be the cause, but nothing else was tried): the caller runs the host's
-        choice."""
+        """Where the wgmma engine can win more than the choice on the GPU costs
+        (DEVICE_CHOICE_MIN_TOKENS and _EXPERT_WEIGHTS): a kernel picks the engine or triton
+        from the ids (kernels.load_choice), and only the path picked computes.
+        - Captured into a torch CUDA graph that can hold conditional nodes: each path is
+          captured in a conditional node behind its flag.
+        - Elsewhere (eager calls, other captures, torches without the nodes): both paths run,
+          each gated by its flag; the one not picked returns from each of its kernels at once
+          and writes nothing.
+        False where FUSEDMOE_LOAD_CHOICE=0, below the gates, and where the DeepGEMM library
+        runs the call (its kernels captured in a conditional node's body made the capture
+        crash, on an H100 with CUDA 13, through benchmarks/cond_node_shim.py: the stand-in may
+        be the cause, but nothing else was tried; its GEMMs read no count of rows to gate):
+        the caller runs the host's choice."""
         from fusedmoe.kernels.load_choice import engine_flags
 
         weights = call.weights
         if (
-            not_library is None  # its kernels in a conditional body crashed the capture (H100)
-            or call.topk_ids.shape[0] < max(DEVICE_CHOICE_MIN_TOKENS, 1)
+            not_library is None  # the library's kernels: no branch, no gate (above)
+            or not _load_choice_enabled()
+            or call.topk_ids.shape[0] < max(DEVICE_CHOICE_MIN_TOKENS, 2)  # gates need 2 tokens
             or weights.w13[0].numel() + weights.w2[0].numel() < DEVICE_CHOICE_MIN_EXPERT_WEIGHTS
         ):
             return False
         graph = _device_choice_graph(call.hidden_states)
-        if graph is None:
-            return False
         flags = engine_flags(
             call.topk_ids,
             weights.num_local_experts,
             ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT,
             call.expert_map,
-        ).view(torch.bool)
+        )
+        if graph is None:  # both paths, each gated by its flag
+            self._run_contiguous(call, not_library, not_wgmma, slots_per_expert, gate=flags[:1])
+            TritonExperts().apply(call, gate=flags[1:])
+            return True
+        flags = flags.view(torch.bool)
         for flag, on_engine in ((flags[0], True), (flags[1], False)):
             _draw_past_capture_stream(call.hidden_states.device)
             graph.begin_capture_to_if_node(flag)
@@ -427,9 +443,10 @@ class DeepGemmExperts(Experts):
                 graph.end_capture_to_conditional_node()
         return True
 
-    def _run_contiguous(self, call, not_library, not_wgmma, slots_per_expert) -> None:
+    def _run_contiguous(self, call, not_library, not_wgmma, slots_per_expert, gate=None) -> None:
         """The call on the contiguous layout: the library's GEMMs where not_library is None,
-        else ours (wgmma where not_wgmma is None, else the Triton grouped GEMMs)."""
+        else ours (wgmma where not_wgmma is None, else the Triton grouped GEMMs). gate: uint8
+        [1] on the device, 0: the call writes nothing (wgmma only: _branch_on_device)."""
         from fusedmoe.kernels.deep_gemm_moe import (
             compute_aligned_M_and_alignment,
             fused_experts_deep_gemm,
@@ -449,6 +466,8 @@ class DeepGemmExperts(Experts):
             engine = "wgmma"
         elif self.engine == "wgmma":
             raise ValueError(f"engine='wgmma' cannot run this call: {not_wgmma}")
+        if gate is not None and engine != "wgmma":  # only the wgmma engine's path is gated
+            raise ValueError(f"a gated call runs on the wgmma engine, not on {engine!r}")
         if engine == "triton":
             why = self.valid_call_reason(num_tokens, weights, call.hidden_states)
             if why is not None:
@@ -493,6 +512,7 @@ class DeepGemmExperts(Experts):
                 and qc.fast_accum
                 and slots_per_expert >= FAST_ACCUM_MIN_SLOTS_PER_EXPERT
             ),
+            gate=gate,
         )
 
     def __repr__(self) -> str:
@@ -505,18 +525,21 @@ def _alloc_conf() -> str:
     return conf.replace(" ", "").lower()
 
 
+def _load_choice_enabled() -> bool:
+    """False where FUSEDMOE_LOAD_CHOICE turns the choice on the GPU off."""
+    return os.environ.get(LOAD_CHOICE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _device_choice_graph(x: torch.Tensor):
     """The torch.cuda.CUDAGraph being captured on x's device's current stream, where it can
     hold conditional nodes (CUDA >= 12.4, a torch with CUDAGraph.begin_capture_to_if_node);
-    None where it cannot, where no capture runs (eager calls: the host chooses), where the
-    capture is not a torch.cuda.CUDAGraph's, or where FUSEDMOE_LOAD_CHOICE=0."""
+    None where it cannot, where no capture runs (eager calls), or where the capture is not a
+    torch.cuda.CUDAGraph's."""
     if not x.is_cuda:
         return None
     with torch.cuda.device(x.device):
         if not torch.cuda.is_current_stream_capturing():
             return None
-    if os.environ.get(LOAD_CHOICE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
     if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
         return None
     if "graph_capture_record_stream_reuse:true" in _alloc_conf():

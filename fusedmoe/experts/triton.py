@@ -113,7 +113,9 @@ class TritonExperts(Experts):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(self, call):
+    def apply(self, call, gate: torch.Tensor | None = None):
+        """gate: uint8 [1] on the device; where it reads 0 the call writes nothing
+        (fusedmoe.kernels.fused_moe.fused_experts_triton)."""
         from fusedmoe.kernels.fused_moe import fused_experts_triton
         from fusedmoe.quant.kernels import resolve_params
 
@@ -124,6 +126,8 @@ class TritonExperts(Experts):
         a_mode, w_mode, a2_mode, dtype_key = modes
         weights, activation = call.weights, call.activation
         if needs_grad(call.hidden_states, weights, call.topk_weights):
+            if gate is not None:
+                raise ValueError("a gated call is inference only (run under torch.no_grad())")
             self._apply_recorded(call)
             return
         fused_experts_triton(
@@ -149,6 +153,7 @@ class TritonExperts(Experts):
             a2_mode=a2_mode,
             mul_routed_weight=not call.apply_router_weight_on_input,
             dtype_key=dtype_key or _DTYPE_KEY[call.output.dtype],
+            gate=gate,
         )
 
     def _apply_recorded(self, call) -> None:

@@ -240,13 +240,18 @@ def permute_contiguous(
     *,
     a_out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> ContiguousLayout:
     """a [M, K] (+ scales [M, G]) -> the contiguous expert-aligned layout of its M * k slots.
-    a_out / scale_out: buffers of [m_sum, K] / [m_sum, G] to write into (workspaces)."""
+    a_out / scale_out: buffers of [m_sum, K] / [m_sum, G] to write into (workspaces). gate
+    (uint8 [1] on the device): where it reads 0 the layout has no rows in use (num_rows 0), so
+    that the kernels reading it after this one skip every row; no row of a is copied."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     k = a.shape[1]
     routing = moe_align_block_size(topk_ids, alignment, num_local_experts, expert_map)
+    if gate is not None:
+        routing.num_tokens_post_padded.mul_(gate)
     if routing.sorted_token_ids.shape[0] < m_sum:
         raise ValueError(
             f"m_sum {m_sum} exceeds the rows any routing needs "
@@ -448,14 +453,16 @@ def unpermute_reduce(
     expert_map: torch.Tensor | None = None,
     mul_weight: bool = True,
     bias: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """output [M, H] = sum_j w[m, j] * (y[inv_perm[m * k + j]] + bias[e]) over the slots
     routed here (e: the slot's local expert; bias [E_l, H], the GEMM2 biases, or None; no w
-    when mul_weight is False)."""
+    when mul_weight is False). gate (uint8 [1] on the device): output untouched where it
+    reads 0."""
     with device_guard(y):
         moe_sum(
             y, output, topk_ids, expert_map, num_local_experts, inv_perm=inv_perm,
-            topk_weights=topk_weights if mul_weight else None, bias=bias,
+            topk_weights=topk_weights if mul_weight else None, bias=bias, gate=gate,
         )  # fmt: skip
 
 
@@ -605,7 +612,7 @@ def _library():
 def _run_fp8_block(
     engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
     expert_map, workspace13, workspace2, act, params, alignment, m_sum, use_ue8m0,
-    mul_routed_weight, w13_bias, w2_bias, fast_accum,
+    mul_routed_weight, w13_bias, w2_bias, fast_accum, gate,
 ):  # fmt: skip
     """fp8_block on the DeepGEMM library's grouped GEMMs ("contiguous" / "masked") or on our
     Gluon ones ("wgmma", contiguous layout; fast_accum: their 256-wide fast-accumulation
@@ -615,6 +622,8 @@ def _run_fp8_block(
     num_tokens, top_k = topk_ids.shape
     if engine == "wgmma" and fast_accum and alignment != 128:  # its tiles are 128 rows
         raise ValueError(f"fast_accum needs runs of 128 rows, got runs of {alignment}")
+    if gate is not None and engine != "wgmma":  # the library's GEMMs read no rows in use
+        raise ValueError(f"a gated call runs on our GEMMs (wgmma, triton), not on {engine!r}")
     alpha, beta, limit, has_limit = resolve_params(act, params)
     act_quant = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)
     if engine in ("contiguous", "wgmma"):
@@ -623,7 +632,7 @@ def _run_fp8_block(
         )
         layout = permute_contiguous(
             a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
-            a_out=a_out, scale_out=scale_out,
+            a_out=a_out, scale_out=scale_out, gate=gate,
         )  # fmt: skip
         if engine == "wgmma":
             block_n = 256 if fast_accum else None
@@ -679,7 +688,7 @@ def _run_fp8_block(
         inv_perm = layout.inv_perm
     unpermute_reduce(
         y, output, topk_weights, topk_ids, inv_perm, num_local, expert_map, mul_routed_weight,
-        w2_bias,
+        w2_bias, gate,
     )  # fmt: skip
 
 
@@ -710,6 +719,7 @@ def _fused_experts_deep_gemm_impl(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     fast_accum: bool = False,
+    gate: torch.Tensor | None = None,
 ) -> None:
     num_local, n, _ = w13.shape
     hidden = a1q.shape[1]
@@ -719,7 +729,7 @@ def _fused_experts_deep_gemm_impl(
         _run_fp8_block(
             engine, output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights,
             topk_ids, expert_map, workspace13, workspace2, act, params, alignment, m_sum,
-            use_ue8m0, mul_routed_weight, w13_bias, w2_bias, fast_accum,
+            use_ue8m0, mul_routed_weight, w13_bias, w2_bias, fast_accum, gate,
         )  # fmt: skip
         return
     h_dtype = TL_DTYPE[output.dtype]
@@ -737,7 +747,7 @@ def _fused_experts_deep_gemm_impl(
     )
     layout = permute_contiguous(
         a1q, a1q_scale, topk_ids, num_local, alignment, m_sum, expert_map,
-        a_out=a_out, scale_out=scale_out,
+        a_out=a_out, scale_out=scale_out, gate=gate,
     )  # fmt: skip
     h = workspace2.view(-1)[: m_sum * n].view(m_sum, n)
     a_mode, w_mode = _A_MODE[scheme], _W_MODE[scheme]
@@ -763,7 +773,7 @@ def _fused_experts_deep_gemm_impl(
                   h_dtype=h_dtype)  # fmt: skip
     unpermute_reduce(
         y, output, topk_weights, topk_ids, layout.inv_perm, w2.shape[0], expert_map,
-        mul_routed_weight, w2_bias,
+        mul_routed_weight, w2_bias, gate,
     )  # fmt: skip
 
 
@@ -776,7 +786,7 @@ _fused_experts_deep_gemm_op = torch.library.custom_op(
 def _(output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, expert_map,
       workspace13, workspace2, scheme, activation, act_alpha, act_beta, act_limit, alignment,
       m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine, w13_bias=None,
-      w2_bias=None, fast_accum=False):  # fmt: skip
+      w2_bias=None, fast_accum=False, gate=None):  # fmt: skip
     return None
 
 
@@ -805,6 +815,7 @@ def fused_experts_deep_gemm(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     fast_accum: bool = False,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """output [M, H] = the experts' weighted top-k sum (one custom op: it traces under
     torch.compile and never reads the device from the host). engine: "triton" (our Triton
@@ -819,7 +830,10 @@ def fused_experts_deep_gemm(
     the activation pass adds GEMM1's to h, the unpermute-reduce GEMM2's to each slot's row, in
     fp32 (the GEMMs themselves take none). fast_accum: the wgmma engine runs its
     fast-accumulation tiles (FusedMoEQuantConfig.fast_accum; runs of 128 rows only, a
-    ValueError on runs of 64); the other engines promote.
+    ValueError on runs of 64); the other engines promote. gate (uint8 [1] on the device;
+    the contiguous layout's engines): where it reads 0 the call writes nothing into output,
+    and its permute, GEMMs and act + quant skip every row (read on the GPU: one of two paths
+    chosen without a host sync; MXFP8's activation, in torch, still runs).
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
@@ -831,5 +845,5 @@ def fused_experts_deep_gemm(
         output, a1q, a1q_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
         expert_map, workspace13, workspace2, scheme, activation.kind.value, p.alpha, p.beta,
         p.limit, alignment, m_sum, column_major_scales, use_ue8m0, mul_routed_weight, engine,
-        w13_bias, w2_bias, fast_accum,
+        w13_bias, w2_bias, fast_accum, gate,
     )  # fmt: skip

@@ -306,6 +306,7 @@ def _fused_experts_triton_impl(
     a2_mode: str,
     mul_routed_weight: bool,
     dtype_key: str,
+    gate: torch.Tensor | None = None,
 ) -> None:
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
@@ -319,6 +320,13 @@ def _fused_experts_triton_impl(
     )
     with device_guard(x):
         rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
+        slots_in_use = None  # gated: every slot, or none where the gate reads 0
+        if gate is not None:
+            if rows.routing is None:
+                raise ValueError("a gated call needs the aligned rows: more than one token")
+            # no rows in use: every GEMM program returns at once; the sum writes nothing
+            rows.routing.num_tokens_post_padded.mul_(gate)
+            slots_in_use = gate.to(torch.int32) * num_slots
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)
         if out_mode == g.OUT_FP8_STATIC:
@@ -346,7 +354,7 @@ def _fused_experts_triton_impl(
             )  # fmt: skip
             a2, a2_scale = op_or_impl(act_mul_group_quant_fp8_op, act_mul_group_quant_fp8_impl)(
                 h, act.value, alpha, beta, limit, has_limit, g.QUANT_GROUP, False,
-                a2_mode == "fp8_group_ue8m0",
+                a2_mode == "fp8_group_ue8m0", slots_in_use,
             )  # fmt: skip
         if post_key is not None:  # a scale over the whole row or tensor: after GEMM1
             qa = quantize_activation(a2, OperandQuant(post_key))
@@ -358,7 +366,7 @@ def _fused_experts_triton_impl(
             activation=None, params=params, out_mode=g.OUT_PLAIN,
             mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
         )  # fmt: skip
-        moe_sum(y, output, topk_ids, expert_map, num_local)
+        moe_sum(y, output, topk_ids, expert_map, num_local, gate=gate)
 
 
 _fused_experts_triton_op = torch.library.custom_op(
@@ -369,7 +377,8 @@ _fused_experts_triton_op = torch.library.custom_op(
 @_fused_experts_triton_op.register_fake
 def _(output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, topk_weights,
       topk_ids, expert_map, a2_static_scale, workspace13, workspace2, activation, alpha, beta,
-      limit, has_limit, a_mode, w_mode, a2_mode, mul_routed_weight, dtype_key):  # fmt: skip
+      limit, has_limit, a_mode, w_mode, a2_mode, mul_routed_weight, dtype_key,
+      gate=None):  # fmt: skip
     return None
 
 
@@ -383,12 +392,14 @@ def moe_sum(
     inv_perm: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """output [M, H] = sum over j of y's row of slot m * k + j, for the slots routed to this
     rank: row m * k + j of y [M * k, H], or row inv_perm[m * k + j] of a permuted y; plus
     bias[e] [E_l, H] of the slot's local expert e when given; times topk_weights[m, j] when
     given (in fp32, rounded once). A slot whose id lies outside the expert range (or maps
-    outside [0, E_l)) is not routed here, as in the GEMMs."""
+    outside [0, E_l)) is not routed here, as in the GEMMs. gate (uint8 [1] on the device):
+    where it reads 0, output is left as it was (read on the GPU: no host sync)."""
     num_tokens, top_k = topk_ids.shape
     hidden = y.shape[1]
     if num_tokens == 0:
@@ -405,6 +416,7 @@ def moe_sum(
         topk_ids if inv_perm is None else inv_perm,
         w, w.stride(0), w.stride(1),
         *((y, 0, 0) if bias is None else (bias, *bias.stride())),
+        topk_ids if gate is None else gate,
         hidden, num_ids, num_local_experts,
     )  # fmt: skip
     constexprs = dict(
@@ -413,6 +425,7 @@ def moe_sum(
         HAS_INV=inv_perm is not None,
         MUL_WEIGHT=topk_weights is not None,
         HAS_BIAS=bias is not None,
+        HAS_GATE=gate is not None,
         BLOCK_H=block_h,
         ROUND_IN_FP32=not y.is_cuda,
         num_warps=4,
@@ -445,14 +458,18 @@ def fused_experts_triton(
     a2_mode: str = "none",
     mul_routed_weight: bool = True,
     dtype_key: str = "bfloat16",
+    gate: torch.Tensor | None = None,
 ) -> None:
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts); params are (alpha, beta, limit, has_limit) with defaults
-    resolved (fusedmoe.quant.kernels.resolve_params)."""
+    resolved (fusedmoe.quant.kernels.resolve_params). gate (uint8 [1] on the device, more
+    than one token): where it reads 0 the call writes nothing into output, and its GEMMs,
+    activation and sum return at once (read on the GPU: one of two paths chosen without a host
+    sync; a2 quantized per row or tensor still runs)."""
     alpha, beta, limit, has_limit = params
     op_or_impl(_fused_experts_triton_op, _fused_experts_triton_impl)(
         output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,
         topk_weights, topk_ids, expert_map, a2_static_scale, workspace13, workspace2,
         activation.value, alpha, beta, limit, has_limit, a_mode, w_mode, a2_mode,
-        mul_routed_weight, dtype_key,
+        mul_routed_weight, dtype_key, gate,
     )  # fmt: skip

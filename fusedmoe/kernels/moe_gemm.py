@@ -610,6 +610,7 @@ def _moe_sum_kernel(
     inv_ptr,  # HAS_INV: int32 [S], the row of y of each slot routed here
     w_ptr, stride_wm, stride_wk,  # MUL_WEIGHT: float32 [M, k] router weights
     b_ptr, stride_be, stride_bh,  # HAS_BIAS: [E_l, H] GEMM2 biases, added to each slot's row
+    gate_ptr,  # HAS_GATE: uint8 [1]; 0: write nothing (the launch's path was not chosen)
     H,
     num_ids, num_local,  # ids outside [0, num_ids), map entries outside [0, E_l): not routed
     TOP_K: tl.constexpr,
@@ -617,14 +618,18 @@ def _moe_sum_kernel(
     HAS_INV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (fusedmoe._pdl)
 ):  # fmt: skip
     """out[m] = sum_j (w[m, j] *) (y[row(m * k + j)] (+ b[e_j])) over the slots routed to this
     rank, in fp32; row(s) = s, or inv[s] for a permuted y (the DeepGEMM-style contiguous
-    layout); e_j the slot's local expert."""
+    layout); e_j the slot's local expert. HAS_GATE: nothing at all where the gate reads 0."""
     pdl_start(PDL)
+    if HAS_GATE:  # noqa: SIM102 (a constexpr guard: nothing loaded without it)
+        if tl.load(gate_ptr) == 0:
+            return
     m = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H

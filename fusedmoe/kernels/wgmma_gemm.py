@@ -118,6 +118,15 @@ if gluon is not None:
         return pid_m, pid_n
 
     @gluon.jit
+    def _tiles_in_use(num_rows, BLOCK_M: gl.constexpr, num_m_blocks, num_n_blocks):
+        """The tiles a program walks: those of the groups of _GROUP_M row blocks that hold
+        rows in use. Tile t maps to the same (m block, n block) as over all num_m_blocks (the
+        last group walked is whole or the last one), and every tile left out lies past the
+        rows in use: no tile at all where none is in use (a gated call, closed)."""
+        used = gl.cdiv(gl.cdiv(num_rows, BLOCK_M), _GROUP_M) * _GROUP_M
+        return gl.minimum(used, num_m_blocks) * num_n_blocks
+
+    @gluon.jit
     def _tile_expert(tile, num_m_blocks, num_n_blocks, num_rows, expert_ids_ptr,
                      BLOCK_M: gl.constexpr):  # fmt: skip
         """(off_m, n block, expert) of a tile; expert -1: nothing to compute (past the rows
@@ -145,7 +154,11 @@ if gluon is not None:
         num_k = gl.cdiv(K, BLOCK_K)
         num_rows = gl.load(num_rows_ptr)
         it = 0
-        for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+        for tile in range(
+            gl.program_id(0),
+            _tiles_in_use(num_rows, BLOCK_M, num_m_blocks, num_n_blocks),
+            gl.num_programs(0),
+        ):
             off_m, pid_n, expert = _tile_expert(
                 tile, num_m_blocks, num_n_blocks, num_rows, expert_ids_ptr, BLOCK_M
             )
@@ -235,7 +248,11 @@ if gluon is not None:
         num_k = gl.cdiv(K, BLOCK_K)
         num_rows = gl.load(num_rows_ptr)
         it = 0
-        for tile in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+        for tile in range(
+            gl.program_id(0),
+            _tiles_in_use(num_rows, BLOCK_M, num_m_blocks, num_n_blocks),
+            gl.num_programs(0),
+        ):
             off_m, pid_n, expert = _tile_expert(
                 tile, num_m_blocks, num_n_blocks, num_rows, expert_ids_ptr, BLOCK_M
             )
