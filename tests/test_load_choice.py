@@ -2,10 +2,12 @@
 the routing: kernels.load_choice (the flags, against their torch twin), DeepGemmExperts.apply
 branching on them inside a CUDA graph, and on the host where EP dispatch counted each expert.
 
-On the CPU: the flags kernel on the interpreter, and the branching with a stand-in graph (both
-branches are captured, so both run there: what is checked is which flag guards which path). On
-a Hopper GPU (`gpu` marker): one captured graph replayed with spread and concentrated routings
-gives the triton backend's output, then the wgmma engine's, bit for bit.
+On the CPU: the flags kernel on the interpreter, the branching with a stand-in graph (both
+branches are captured, so both run there: what is checked is which flag guards which path), and
+the gated pair of calls not captured (each path's gate: closed, it writes nothing; open, the
+ungated bits). On a Hopper GPU (`gpu` marker): one captured graph replayed with spread and
+concentrated routings, and eager calls, give the triton backend's output, then the wgmma
+engine's, bit for bit.
 """
 
 from __future__ import annotations
