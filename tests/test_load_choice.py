@@ -12,6 +12,8 @@ engine's, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from fusedmoe.experts.deep_gemm import (
 )
 from fusedmoe.experts.triton import TritonExperts
 from fusedmoe.kernels.load_choice import engine_flags, engine_flags_torch
+from fusedmoe.kernels.moe_config import moe_kernel_config, use_moe_kernel_config
 from tests.helpers import assert_close, assert_equal, quant_tol, random_routing, run_experts
 from tests.test_wgmma_gemm import E, _problem, no_library, pretend_hopper  # noqa: F401
 
@@ -295,28 +298,36 @@ def test_dispatch_counts_choose_on_the_host(pretend_hopper, monkeypatch, per_exp
 # ---------------------------------------------------------------------------------------------
 def _gated_run(path, gate, x, w13, w2, weights, ids, qc):
     """One path on x quantized as prepare does, into a NaN output and NaN workspaces: the
-    triton backend ("triton"), or the contiguous layout on the wgmma engine (the stand-in:
-    "wgmma"), on its Triton GEMMs ("contiguous_triton") or on the library ("contiguous");
-    gate None, or uint8 [1]."""
+    triton backend ("triton"; "triton_unfused": GEMM1 leaves the activation to its own
+    kernel), or the contiguous layout on the wgmma engine (the stand-in: "wgmma"), on its
+    Triton GEMMs ("contiguous_triton") or on the library ("contiguous"); gate None, or uint8
+    [1]."""
     from fusedmoe.kernels.deep_gemm_moe import fused_experts_deep_gemm
     from fusedmoe.modular.types import ActivationSpec, ExpertsCall, ExpertWeights
     from fusedmoe.quant.kernels import per_token_group_quant_fp8_triton
 
     tokens, top_k = ids.shape
-    experts = TritonExperts() if path == "triton" else DeepGemmExperts()
+    triton_path = path.startswith("triton")
+    experts = TritonExperts() if triton_path else DeepGemmExperts()
     act = ActivationSpec()
     shapes = experts.workspace_shapes(tokens, w13.shape[1], w13.shape[2], top_k, E, E, act.kind)
     a1q, a1s = per_token_group_quant_fp8_triton(x, 128)
     out = torch.full((tokens, w13.shape[2]), float("nan"), dtype=torch.bfloat16)
     ws13 = torch.full(shapes.workspace13, float("nan"), dtype=torch.bfloat16)
     ws2 = torch.full(shapes.workspace2, float("nan"), dtype=torch.bfloat16)
-    if path == "triton":
+    if triton_path:
         call = ExpertsCall(
             output=out, hidden_states=a1q, weights=ExpertWeights(w13, w2), topk_weights=weights,
             topk_ids=ids, activation=act, global_num_experts=E, workspace13=ws13,
             workspace2=ws2, quant_config=qc, a1q_scale=a1s,
         )  # fmt: skip
-        TritonExperts().apply(call, gate=gate)
+        if path == "triton_unfused":
+            config = moe_kernel_config(tokens, top_k, E, w13.shape[1], w13.shape[2],
+                                       w2.shape[2], "fp8_w8a8_block", None)  # fmt: skip
+            with use_moe_kernel_config(dataclasses.replace(config, fuse_activation=False)):
+                TritonExperts().apply(call, gate=gate)
+        else:
+            TritonExperts().apply(call, gate=gate)
     else:
         fused_experts_deep_gemm(
             out, a1q, a1s, w13, w2, qc.w1.scale, qc.w2.scale, weights.float(), ids,
@@ -326,7 +337,7 @@ def _gated_run(path, gate, x, w13, w2, weights, ids, qc):
     return out, ws13, ws2
 
 
-@pytest.mark.parametrize("path", ["triton", "wgmma", "contiguous_triton"])
+@pytest.mark.parametrize("path", ["triton", "triton_unfused", "wgmma", "contiguous_triton"])
 def test_a_gate_writes_all_or_nothing(pretend_hopper, path):  # noqa: F811
     """A closed gate (0): the output and the workspaces keep their NaN (no kernel of the path
     wrote a row: the permute, the GEMMs, the activation, the sum); an open one (1): the

@@ -320,13 +320,11 @@ def _fused_experts_triton_impl(
     )
     with device_guard(x):
         rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
-        slots_in_use = None  # gated: every slot, or none where the gate reads 0
         if gate is not None:
             if rows.routing is None:
                 raise ValueError("a gated call needs the aligned rows: more than one token")
             # no rows in use: every GEMM program returns at once; the sum writes nothing
             rows.routing.num_tokens_post_padded.mul_(gate)
-            slots_in_use = gate.to(torch.int32) * num_slots
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)
         if out_mode == g.OUT_FP8_STATIC:
@@ -346,6 +344,8 @@ def _fused_experts_triton_impl(
             )  # fmt: skip
         else:  # GEMM1 stores h; the fused act + group quant kernel makes a2 from it
             h = torch.empty((num_slots, gemm1_rows), dtype=output.dtype, device=x.device)
+            # gated: every slot, or none where the gate reads 0
+            slots_in_use = None if gate is None else gate.to(torch.int32) * num_slots
             launch_gemm(
                 x, a1_scale, A_MODES[a_mode], top_k, w13, w13_scale, W_MODES[w_mode], w13_bias,
                 h, None, topk_weights, rows, num_slots, config.gemm1,
