@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor, parse_enum
 from fusedmoe._triton import has_triton, interpreting
+from fusedmoe.router.checks import check_scaling_factor
 
 
 class ScoringFunc(enum.Enum):
@@ -125,11 +126,7 @@ class Router(abc.ABC):
             raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
         self.renormalize = renormalize
         self.scoring = ScoringFunc.parse(scoring_func)
-        if not isinstance(routed_scaling_factor, (int, float)) or routed_scaling_factor <= 0:
-            raise ValueError(
-                f"routed_scaling_factor must be a positive number, got {routed_scaling_factor!r}"
-            )
-        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.routed_scaling_factor = check_scaling_factor(routed_scaling_factor)
 
     @property
     def kind(self) -> str:

@@ -33,7 +33,7 @@ from fusedmoe._checks import check_positive_int, check_shape, check_tensor
 from fusedmoe._pdl import pdl_args, pdl_start
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2, op_or_impl, triton_runs_on
 from fusedmoe.router.base import ScoringFunc
-from fusedmoe.router.grouped import check_groups
+from fusedmoe.router.checks import check_groups, check_scaling_factor
 
 __all__ = ["FUSED_ROUTING_DTYPES", "RoutingKernelConfig", "fused_grouped_topk", "fused_topk"]
 
@@ -348,10 +348,7 @@ def _check_common(
     if bias is not None:
         check_tensor("e_score_correction_bias", bias, ndim=1, dtypes=_BIAS_DTYPES, device=x.device)
         check_shape("e_score_correction_bias", bias, (x.shape[1],))
-    if not isinstance(routed_scaling_factor, (int, float)) or routed_scaling_factor <= 0:
-        raise ValueError(
-            f"routed_scaling_factor must be a positive number, got {routed_scaling_factor!r}"
-        )
+    check_scaling_factor(routed_scaling_factor)
     return x
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from fusedmoe._checks import check_positive_int
 from fusedmoe.router.base import (
     Router,
     ScoringFunc,
@@ -24,29 +23,7 @@ from fusedmoe.router.base import (
     finish_weights,
     use_fused_routing,
 )
-from fusedmoe.router.topk import check_bias
-
-
-def check_groups(
-    num_experts: int, top_k: int, num_expert_group: object, topk_group: object
-) -> None:
-    check_positive_int("num_expert_group", num_expert_group)
-    check_positive_int("topk_group", topk_group)
-    if num_experts % num_expert_group != 0:
-        raise ValueError(
-            f"num_experts ({num_experts}) must be divisible by "
-            f"num_expert_group ({num_expert_group})"
-        )
-    if topk_group > num_expert_group:
-        raise ValueError(
-            f"topk_group ({topk_group}) must be <= num_expert_group ({num_expert_group})"
-        )
-    kept = topk_group * (num_experts // num_expert_group)
-    if top_k > kept:
-        raise ValueError(
-            f"top_k ({top_k}) must be <= the experts in the kept groups "
-            f"(topk_group * num_experts / num_expert_group = {kept})"
-        )
+from fusedmoe.router.checks import check_bias, check_groups
 
 
 def grouped_topk(

@@ -17,10 +17,8 @@ from __future__ import annotations
 import torch
 
 from fusedmoe._checks import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_ids_in_range,
-    check_shape,
     check_tensor,
     value_checks_enabled,
 )
@@ -31,6 +29,7 @@ from fusedmoe.router.base import (
     finish_weights,
     use_fused_routing,
 )
+from fusedmoe.router.checks import check_bias
 
 
 def topk_route(
@@ -106,12 +105,6 @@ def dispatch_topk_route(
 
         return fused_topk(logits, top_k, **kwargs)
     return topk_route(logits, top_k, **kwargs)
-
-
-def check_bias(bias: object, num_experts: int) -> torch.Tensor:
-    t = check_tensor("e_score_correction_bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
-    check_shape("e_score_correction_bias", t, (num_experts,))
-    return t
 
 
 class TopKRouter(Router):

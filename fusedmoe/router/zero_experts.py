@@ -17,7 +17,8 @@ import torch
 
 from fusedmoe._checks import parse_enum
 from fusedmoe.router.base import Router
-from fusedmoe.router.topk import check_bias, dispatch_topk_route
+from fusedmoe.router.checks import check_bias
+from fusedmoe.router.topk import dispatch_topk_route
 
 
 class ZeroExpertType(enum.Enum):
