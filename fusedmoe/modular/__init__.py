@@ -13,8 +13,10 @@ from fusedmoe.modular.types import (
     ActivationSpec,
     ExpertTokensMeta,
     ExpertWeights,
+    GatheredTokens,
     MoEProblem,
     PrepareResult,
+    TokenDispatch,
     WorkspaceShapes,
 )
 
@@ -24,10 +26,12 @@ __all__ = [
     "ExpertWeights",
     "Experts",
     "FusedMoEModularKernel",
+    "GatheredTokens",
     "MoEProblem",
     "NoEPPrepareFinalize",
     "PrepareFinalize",
     "PrepareResult",
+    "TokenDispatch",
     "TopKWeightAndReduce",
     "TopKWeightAndReduceContiguous",
     "TopKWeightAndReduceDelegate",

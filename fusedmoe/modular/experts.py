@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import inspect
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -34,12 +34,10 @@ from fusedmoe.modular.types import (
     InsideRouting,
     MoEProblem,
     MonolithicResult,
+    TokenDispatch,
     WorkspaceShapes,
 )
 from fusedmoe.quant.config import FusedMoEQuantConfig
-
-if TYPE_CHECKING:
-    from fusedmoe.parallel.dp_dispatch import AllGatherDispatch
 
 
 class Experts(abc.ABC):
@@ -116,7 +114,7 @@ class Experts(abc.ABC):
     def supports_token_dispatch(cls, all2all_backend: str | None, sequence_parallel: bool) -> bool:
         """Whether the backend runs where tokens travel between ranks that way. A modular
         backend runs under any EP prepare/finalize; one that routes inside dispatches by
-        itself, by all-gather only (fusedmoe.parallel.dp_dispatch)."""
+        itself, by all-gather only (a modular.types.TokenDispatch the layer hands it)."""
         if not cls.routes_inside:
             return True
         return all2all_backend in (None, "naive") and not sequence_parallel
@@ -226,7 +224,7 @@ class Experts(abc.ABC):
         routing: InsideRouting,
         activation: ActivationSpec,
         expert_start: int,
-        dispatch: AllGatherDispatch | None = None,
+        dispatch: TokenDispatch | None = None,
         input_ids: torch.Tensor | None = None,
     ) -> MonolithicResult:
         """Route and run the experts, for a backend with routes_inside (the others never are).

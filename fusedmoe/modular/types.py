@@ -6,6 +6,7 @@ k top-k, H hidden_size, I intermediate_size, N = 2I (gated) or I (non-gated).
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -194,6 +195,41 @@ class MonolithicResult:
     output: torch.Tensor
     topk_weights: torch.Tensor  # float32 [M, k], the routing it computed (scaled)
     topk_ids: torch.Tensor  # int32 [M, k], global ids (zero experts: ids >= E)
+
+
+@dataclass
+class GatheredTokens:
+    """Every rank's routed tokens after a DP dispatch (TokenDispatch.dispatch); R ranks in the
+    group, M_r tokens of rank r, M_max = max_r M_r. Rank r's rows are
+    [r * M_max, r * M_max + M_r); the padding rows are empty slots (id -1, weight 0)."""
+
+    x: torch.Tensor  # [R * M_max, H], every rank's tokens, each rank's block padded to M_max
+    topk_weights: torch.Tensor  # float32 [R * M_max, k], 0 on padding rows
+    topk_ids: torch.Tensor  # int32 [R * M_max, k], -1 on padding rows
+    num_tokens: tuple[int, ...]  # M_r of each rank of the group
+    rank: int  # this rank's index in the group
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.num_tokens)
+
+
+class TokenDispatch(abc.ABC):
+    """How a backend that routes inside meets a data-parallel group whose ranks hold different
+    experts: dispatch this rank's routed tokens to every rank, then combine this rank's experts'
+    output for all of them into the group's sum for this rank's tokens. The layer hands one
+    to apply_monolithic (fusedmoe.parallel.dp_dispatch.AllGatherDispatch implements it);
+    the backend only calls it. Every rank calls both, with zero tokens too."""
+
+    @abc.abstractmethod
+    def dispatch(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> GatheredTokens:
+        """x [M_r, H], topk_weights float32 [M_r, k], topk_ids [M_r, k] -> every rank's."""
+
+    @abc.abstractmethod
+    def combine(self, partial: torch.Tensor, gathered: GatheredTokens) -> torch.Tensor:
+        """partial [R * M_max, H] (this rank's experts) -> the group's sum of this rank's rows."""
 
 
 def needs_grad(

@@ -11,32 +11,21 @@ Legend: R ranks in the group, M_r tokens of rank r, M_max = max_r M_r, k top-k, 
 
 Each rank routes its own tokens before the dispatch, so the ids and weights travel with x. Every
 rank must call dispatch and combine, with zero tokens too (a collective waits for all ranks).
-Only this module and the PrepareFinalize objects talk to a process group.
+Only this module and the PrepareFinalize objects talk to a process group. The seam it
+implements (TokenDispatch, GatheredTokens) is modular's: the backend never imports this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from fusedmoe.modular.types import GatheredTokens, TokenDispatch
 from fusedmoe.parallel.comm import EPGroup
 
-
-@dataclass
-class GatheredTokens:
-    x: torch.Tensor  # [R * M_max, H], every rank's tokens, each rank's block padded to M_max
-    topk_weights: torch.Tensor  # float32 [R * M_max, k], 0 on padding rows
-    topk_ids: torch.Tensor  # int32 [R * M_max, k], -1 on padding rows
-    num_tokens: tuple[int, ...]  # M_r of each rank of the group
-    rank: int  # this rank's index in the group
-
-    @property
-    def max_tokens(self) -> int:
-        return max(self.num_tokens)
+__all__ = ["AllGatherDispatch"]
 
 
-class AllGatherDispatch:
+class AllGatherDispatch(TokenDispatch):
     """Dispatch by all-gather and combine by reduce-scatter over `group` (None: the default),
     through the EP collectives (fusedmoe.parallel.comm.EPGroup).
 
