@@ -64,12 +64,13 @@ def _is_module(dotted: str) -> bool:
     return base.is_dir() or base.with_suffix(".py").exists()
 
 
-def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+def imports(path: Path, type_checking: bool = False) -> list[tuple[int, str, list[str]]]:
     """(line, imported module, names) of every fusedmoe import in the file, lazy ones included
-    (`from pkg import module` counts as importing the module)."""
+    (`from pkg import module` counts as importing the module); those under `if TYPE_CHECKING:`
+    too when type_checking is set."""
     found = []
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_checking else _type_checking_nodes(tree)
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
@@ -112,6 +113,62 @@ def test_no_private_names_cross_modules(path):
     for line, target, names in imports(path):
         private = [n for n in names if n.startswith("_") and n != "__version__"]
         assert target == me or not private, f"{me}:{line} imports {private} from {target}"
+
+
+#: (importer prefix, imported prefix) pairs that never meet, annotations included: the modular
+#: seams define what parallel code implements (the DP dispatch a monolithic backend is handed is
+#: a modular.types.TokenDispatch), never the other way
+NEVER = [("fusedmoe.modular", "fusedmoe.parallel")]
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_forbidden_imports(path):
+    me = module_name(path)
+    for line, target, _ in imports(path, type_checking=True):
+        for importer, imported in NEVER:
+            assert not (_under(me, importer) and _under(target, imported)), (
+                f"{me}:{line} imports {target}: {importer} never imports {imported}"
+            )
+
+
+def import_cycle(package: str) -> list[str] | None:
+    """A cycle of imports (lazy ones included) among the modules of `package`, or None."""
+    graph = {
+        module_name(path): {target for _, target, _ in imports(path) if _under(target, package)}
+        for path in FILES
+        if _under(module_name(path), package)
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_router_modules_import_no_cycle():
+    """The routers' checks live below both the routers and the fused routing kernels: the
+    kernels' module (which imports triton) imports no router, and no router module imports
+    itself round a circle (a lazy import included)."""
+    cycle = import_cycle("fusedmoe.router")
+    assert cycle is None, "router modules import in a cycle: " + " -> ".join(cycle)
 
 
 def test_the_table_catches_an_upward_import(tmp_path):
