@@ -35,7 +35,7 @@ import os
 
 import torch
 
-INSTALL_HINT = "pip install 'fusedmoe[gpu]' (or pip install triton)"
+INSTALL_HINT = "pip install triton, or the extra: pip install 'fusedmoe[gpu]'"
 
 
 # Found once, without importing triton; a plain global, so torch.compile reads it as a constant

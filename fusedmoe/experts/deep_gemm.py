@@ -229,6 +229,13 @@ class DeepGemmExperts(Experts):
     @classmethod
     def engine_description(cls) -> str:
         """Which GEMMs run (fusedmoe backends, the oracle's explanation)."""
+        missing = cls.is_available()
+        if missing is not None:  # every engine is a Triton kernel or needs one beside it
+            return f"none: {missing}"
+        return cls._engines()
+
+    @classmethod
+    def _engines(cls) -> str:
         from fusedmoe.kernels.deep_gemm_lib import library_status
         from fusedmoe.kernels.wgmma_gemm import wgmma_status
 
@@ -238,36 +245,38 @@ class DeepGemmExperts(Experts):
     def library_runs(cls, problem) -> bool:
         """Whether the DeepGEMM library runs `problem`'s GEMMs here (the oracle then prefers
         this backend to triton: see LIBRARY_MIN_SLOTS_PER_EXPERT)."""
-        from fusedmoe.kernels.deep_gemm_lib import library_unusable_reason
-
         qc = problem.quant_config
-        return (
+        if not (
             qc is not None
             and qc.scheme == "fp8_block"
             and problem.dtype == torch.bfloat16
-            and cls.refusal_reason(problem) is None
+            and cls.refusal_reason(problem) is None  # CUDA, triton installed
             and problem.hidden_size % 128 == 0
             and problem.intermediate_size % 128 == 0
-            and library_unusable_reason(problem.device) is None
-        )
+        ):
+            return False
+        from fusedmoe.kernels.deep_gemm_lib import library_unusable_reason
+
+        return library_unusable_reason(problem.device) is None
 
     @classmethod
     def wgmma_runs(cls, problem) -> bool:
         """Whether our Gluon (wgmma) GEMMs run `problem` here (fp8_block on Hopper): the
         oracle then prefers this backend to triton, as for the library
         (WGMMA_MIN_SLOTS_PER_EXPERT)."""
-        from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
-
         qc = problem.quant_config
-        return (
+        if not (
             qc is not None
             and qc.scheme == "fp8_block"
             and problem.dtype in (torch.bfloat16, torch.float16)
-            and cls.refusal_reason(problem) is None
+            and cls.refusal_reason(problem) is None  # CUDA, triton installed
             and problem.hidden_size % 16 == 0
             and problem.intermediate_size % 16 == 0
-            and gluon_unusable_reason(problem.device) is None
-        )
+        ):
+            return False
+        from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
+
+        return gluon_unusable_reason(problem.device) is None
 
     # ---- the contract of one call ----
     def library_reason(
@@ -579,7 +588,7 @@ class DeepGemmFP4Experts(DeepGemmExperts):
     weight_dtype: ClassVar[torch.dtype] = torch.uint8  # two E2M1 codes per byte
 
     @classmethod
-    def engine_description(cls) -> str:
+    def _engines(cls) -> str:
         return "fusedmoe Triton GEMMs (the DeepGEMM library has no Hopper GEMM for MXFP4 weights)"
 
 
