@@ -116,7 +116,7 @@ WGMMA_MIN_SLOTS_PER_EXPERT = 128
 FAST_ACCUM_MIN_SLOTS_PER_EXPERT = 256
 #: below this many slots per expert the wgmma engine pads each run to 64 rows, not 128, and
 #: runs 64 x 256 tiles (each warpgroup 128 of the columns): half the padding rows, the same
-#: output bits. On an H100 (benchmarks/probe_wgmma_rows64.py, five fp8_block presets, uniform
+#: output bits. On an H100 (probe_wgmma_rows64.py at ab63d6f, five fp8_block presets, uniform
 #: and skewed routing) the layer took 0.84x to 0.98x of the 128-row tiles' time at 2 to 32
 #: slots per expert, 0.95x to 1.03x at 64, 0.95x to 1.12x from 128 (long runs: a 128 x 128
 #: tile reads less per flop). Chosen by the oracle such calls run on triton (faster under
@@ -125,7 +125,7 @@ WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
 #: below the minimum above, a call with at least this many slots per expert it touches (slots
 #: over the experts with any) runs on the wgmma engine all the same: skewed routing
 #: puts hundreds of slots on a few experts where the mean over all experts is small. On an H100
-#: (benchmarks/probe_engine_by_load.py: five fp8_block presets, M = 128 to 2048, skew strengths
+#: (probe_engine_by_load.py at ab63d6f: five fp8_block presets, M = 128 to 2048, skew strengths
 #: 0 to 4, 100 calls) choosing the engine from this many on took 0.93x of triton's time on the
 #: geometric mean, 0.41x at best (gpt-oss-120b M = 512) and 1.03x at worst (qwen3-30b-a3b
 #: M = 1024); from 128 on, 1.05x at worst. The ids are on the GPU: the choice is made there,
@@ -135,9 +135,9 @@ WGMMA_ROWS64_MAX_SLOTS_PER_EXPERT = 64
 ENGINE_MIN_SLOTS_PER_TOUCHED_EXPERT = 140
 #: the choice on the GPU costs ~20 us a call whatever it picks through conditional nodes (its
 #: kernel, then two nodes, each after a kernel that sets its condition: H100, through
-#: benchmarks/cond_node_shim.py), and 30 to 70 us with both paths gated (the path not picked
+#: cond_node_shim.py at ab63d6f), and 30 to 70 us with both paths gated (the path not picked
 #: launches its alignment and then kernels that return at once: H100, torch 2.11,
-#: benchmarks/profile_gated_pair.py), so it is made only where the engine can win more: from
+#: profile_gated_pair.py at ab63d6f), so it is made only where the engine can win more: from
 #: this many tokens, and experts of DEVICE_CHOICE_MIN_EXPERT_WEIGHTS weights or more (the
 #: engine wins by reading a hot expert's weights once, where triton's short row blocks read
 #: them again). On the H100 that keeps deepseek-v3 (44 M weights an expert) and gpt-oss-120b
@@ -415,7 +415,7 @@ class DeepGemmExperts(Experts):
           and writes nothing.
         False where FUSEDMOE_LOAD_CHOICE=0, below the gates, and where the DeepGEMM library
         runs the call (its kernels captured in a conditional node's body made the capture
-        crash, on an H100 with CUDA 13, through benchmarks/cond_node_shim.py: the stand-in may
+        crash, on an H100 with CUDA 13, through cond_node_shim.py at ab63d6f: the stand-in may
         be the cause, but nothing else was tried; its GEMMs read no count of rows to gate):
         the caller runs the host's choice."""
         from fusedmoe.kernels.load_choice import engine_flags

@@ -108,7 +108,7 @@ RULES = ("least-worst", "keep-uniform")
 UNIFORM_SLACK = 0.01
 #: launch orders tried (GemmConfig.group_m). Wider groups and the columns-first order (1024)
 #: made mixtral-8x7b 1% to 6% faster at M = 256 to 4096 on an H100, under both routings
-#: (benchmarks/probe_launch_order.py, then the bench before and after the tables changed)
+#: (probe_launch_order.py at ab63d6f, then the bench before and after the tables changed)
 GROUP_M_STEPS = (1, 8, 16, 32, 64, 1024)
 
 
