@@ -42,131 +42,45 @@ fusedmoe.parallel.eplb.rebalance and apply_placement move the experts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
-from fusedmoe.modular.experts import Experts
-from fusedmoe.modular.graphs import DEFAULT_MAX_TOKENS, GraphCache, may_replay
-from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
-from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
-from fusedmoe.modular.types import (
-    ActivationSpec,
-    ExpertWeights,
-    InsideRouting,
-    MoEProblem,
+from fusedmoe.layer_graphs import (
+    RouterGate,
+    forward_graphed,
+    gate_logits,
+    gate_reads,
+    graph_safe,
 )
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.graphs import DEFAULT_MAX_TOKENS, may_replay
+from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, InsideRouting, MoEProblem
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
-from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
-from fusedmoe.quant.config import FusedMoEQuantConfig, check_inference_only, check_scheme
-from fusedmoe.router import ZeroExpertType, create_router, split_zero_experts
+from fusedmoe.parallel.placement import ExpertPlacement
+from fusedmoe.parallel.wiring import (
+    check_parallel,
+    describe_placement,
+    dp_dispatch,
+    ep_partial,
+    initial_placement,
+    prepare_finalize,
+    set_placement,
+)
+from fusedmoe.quant.config import FusedMoEQuantConfig, check_inference_only
+from fusedmoe.router import ZeroExpertType, split_zero_experts
+from fusedmoe.router.factory import RouterBuilder
 from fusedmoe.weights import loading, quantize
+from fusedmoe.weights.quantize import call_quant_config
+from fusedmoe.weights.tensors import as_buffer, expert_params, expert_weights, reset_experts
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class RouterGate:
-    """A router its caller owns, for FusedMoE.forward_gated: logits(module, x [T, H]) gives
-    the router logits [T, E (+ zero experts)], reading the module's parameters and buffers
-    only (a CUDA graph may replay it: nothing else it reads may change between calls). Pass
-    the same `logits` callable on every call (a module-level function): it is part of the
-    graph's key, and a new one is a new graph."""
-
-    module: nn.Module
-    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Replayed:
-    """What a graph replay of the routed part gives (FusedMoE._forward_graphed)."""
-
-    y: torch.Tensor  # [T, H] the routed sum
-    zero_output: torch.Tensor | None  # [T, H] the zero experts' output, None without them
-    shared_added: bool  # y holds the shared experts' output too
-
-
-_HOOKS = nn.modules.module
-#: the module classes whose forward reads nothing but their parameters, buffers and the
-#: settings they were built with; and the packages whose modules are held to do the same
-_PLAIN_CLASSES = (nn.Linear, nn.Identity, nn.Dropout)
-_PLAIN_PACKAGES = ("torch.nn.modules.activation", "transformers.", "fusedmoe.")
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")  # fmt: skip
-
-
-def _global_hooks() -> bool:
-    """Whether any hook is registered for every module (torch.nn.modules.module's globals)."""
-    return any(getattr(_HOOKS, name, None) for name in _GLOBAL_HOOKS)
-
-
-def _called_plainly(module: nn.Module) -> bool:
-    """plain_call, less the global hooks (checked once per walk, not once per module)."""
-    return not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or "forward" in module.__dict__
-        or module.__dict__.get("_compiled_call_impl") is not None
-    )
-
-
-def plain_call(module: nn.Module) -> bool:
-    """Whether module(...) runs module.forward(...) and nothing else: no hook on it (forward,
-    backward, or global), no forward set on the instance (as accelerate's offloading does), no
-    compiled call (module.compile())."""
-    return not _global_hooks() and _called_plainly(module)
-
-
-def _graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
-    """The addresses of the parameters and buffers of these modules (and their submodules),
-    which a CUDA graph standing in for their calls reads; None where no graph may stand in for
-    them. A graph replays kernels, not Python: every module of each tree must be called plainly
-    (plain_call, so no hook is skipped), be in eval mode, and be of a class whose forward reads
-    only its tensors and construction-time settings (_PLAIN_CLASSES; torch's activations,
-    transformers' and fusedmoe's own modules). Anything else (a LoRA adapter that can be merged
-    or disabled, a module of your own) runs eagerly.
-
-    Called on every gated call, so one walk of _modules (not modules(), which names every
-    submodule) with the global hooks looked up once."""
-    stack = [m for m in modules if m is not None]
-    if not stack:
-        return ()
-    if _global_hooks():
-        return None
-    addresses: list[int] = []
-    seen: set[int] = set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        cls = type(m)
-        plain = cls in _PLAIN_CLASSES or cls.__module__.startswith(_PLAIN_PACKAGES)
-        if not plain or m.training or not _called_plainly(m):
-            return None
-        for t in m._parameters.values():
-            if t is not None:
-                addresses.append(t.data_ptr())
-        for t in m._buffers.values():
-            if t is not None:
-                addresses.append(t.data_ptr())
-        stack.extend(c for c in m._modules.values() if c is not None)
-    return tuple(addresses)
-
-
-#: the layer's buffers its router holds too (FusedMoE._sync_router)
-_ROUTER_BUFFERS = ("e_score_correction_bias", "hash_indices_table")
 
 
 class FusedMoE(nn.Module):
@@ -227,16 +141,10 @@ class FusedMoE(nn.Module):
             raise TypeError(
                 f"parallel_config must be a ParallelConfig, got {type(parallel_config).__name__}"
             )
-        self._check_parallel(routed_output_transform)
+        check_parallel(self.parallel_config, self.num_experts, routed_output_transform)
         if shared_expert_gate is not None and shared_experts is None:
             raise ValueError("shared_expert_gate needs shared_experts")
-        if quant_config is not None:
-            check_scheme(quant_config)
-        if quant_options is not None:
-            if not isinstance(quant_options, dict):
-                raise TypeError(f"quant_options must be a dict, got {type(quant_options).__name__}")
-            if quant_config is None:
-                raise ValueError("quant_options needs quant_config (the scheme they are for)")
+        quantize.check_quant_options(quant_config, quant_options)
         self.params_dtype = params_dtype  # the activations' dtype (weights may be quantized)
         self.quant_scheme: str | None = None
         self._quant_options: dict = {}
@@ -250,8 +158,8 @@ class FusedMoE(nn.Module):
         self.shared_expert_gate = shared_expert_gate
 
         # the physical experts this rank holds (all of them without EP), and the expert_map,
-        # replica table and load counters that go with them (see _set_placement)
-        self._set_placement(_initial_placement(num_experts, self.parallel_config), device)
+        # replica table and load counters that go with them (fusedmoe.parallel.wiring)
+        self._set_placement(initial_placement(num_experts, self.parallel_config), device)
         #: count each logical expert's tokens in expert_load (on with EPLB replicas)
         self.record_expert_load = self.parallel_config.num_redundant_experts > 0
         #: intermediate size of the stored weights: intermediate_size, or that rounded up to the
@@ -271,9 +179,11 @@ class FusedMoE(nn.Module):
         else:
             self.register_parameter("w13_bias", None)
             self.register_parameter("w2_bias", None)
-        self.register_buffer("e_score_correction_bias", _as_buffer(e_score_correction_bias, device))
-        self.register_buffer("hash_indices_table", _as_buffer(hash_indices_table, device))
-        self._router_kwargs = dict(
+        self.register_buffer("e_score_correction_bias", as_buffer(e_score_correction_bias, device))
+        self.register_buffer("hash_indices_table", as_buffer(hash_indices_table, device))
+        self._router_builder = RouterBuilder(
+            top_k,
+            num_experts,
             renormalize=renormalize,
             scoring_func=scoring_func,
             use_grouped_topk=use_grouped_topk,
@@ -284,17 +194,15 @@ class FusedMoE(nn.Module):
             zero_expert_num=zero_expert_num,
             zero_expert_type=zero_expert_type,
         )
-        self.router = self._make_router()
+        self.router = self._router_builder.build(
+            self.e_score_correction_bias, self.hash_indices_table
+        )
         if not isinstance(gpt_oss_routing, bool):
             raise TypeError(f"gpt_oss_routing must be a bool, got {type(gpt_oss_routing).__name__}")
         self.gpt_oss_routing = gpt_oss_routing
         InsideRouting(self.router, gpt_oss_routing)  # refuses gpt-oss routing on another router
-        self._dispatch = None  # the DP all-gather dispatch / combine of the monolithic backend
-        pc = self.parallel_config
-        if pc.dp_size > 1 and pc.use_ep:
-            from fusedmoe.parallel.dp_dispatch import AllGatherDispatch  # torch.distributed
-
-            self._dispatch = AllGatherDispatch(pc.dp_size, pc.dp_rank, pc.group)
+        # the DP all-gather dispatch / combine of the monolithic backend (None: tokens stay)
+        self._dispatch = dp_dispatch(self.parallel_config)
         self.chunk_size = default_chunk_size()  # tokens per pass of the modular kernel
         #: calls of up to this many tokens (CUDA, no autograd) replay CUDA graphs of the routed
         #: part, one per token bucket (fusedmoe.modular.graphs: powers of two to 256, then
@@ -316,87 +224,22 @@ class FusedMoE(nn.Module):
         self._sync_router()
 
     def _sync_router(self) -> None:
-        """Rebuild the router where a buffer it holds was replaced, not changed in place:
-        load_state_dict(..., assign=True) (loading into a layer built on the meta device), a
-        buffer assigned anew. The router keeps references to the layer's correction bias and
-        hash table, so it would route with the old tensors (.to() rebuilds it in _apply).
+        """Rebuild the router where a buffer it holds was replaced, not changed in place
+        (fusedmoe.router.factory.RouterBuilder.synced; .to() rebuilds it in _apply).
 
-        The buffer is read before the router's attribute, for torch.compile: a tensor Dynamo
+        The buffers are read before the router's attributes, for torch.compile: a tensor Dynamo
         first meets as a plain attribute becomes a non-static graph input, which CUDA graph
         trees copy at every replay; met first as a buffer it is a static one, and Dynamo reuses
         that input wherever it meets the tensor again."""
-        for name in _ROUTER_BUFFERS:
-            mine = getattr(self, name)
-            held = getattr(self.router, name, None)
-            if held is not None and held is not mine:
-                self.router = self._make_router()
-                return
-
-    def _make_router(self):
-        return create_router(
-            self.top_k,
-            self.num_experts,
-            e_score_correction_bias=self.e_score_correction_bias,
-            hash_indices_table=self.hash_indices_table,
-            **self._router_kwargs,
+        router = self._router_builder.synced(
+            self.router, self.e_score_correction_bias, self.hash_indices_table
         )
+        if router is not self.router:
+            self.router = router
 
     def _set_placement(self, placement: ExpertPlacement, device=None) -> None:
-        """Take `placement` (the weights are the caller's business: fusedmoe.parallel.eplb moves
-        them).
-
-        expert_start: the first global id of this rank's experts when they are one contiguous
-        block of logical experts (what the monolithic backend runs), else None.
-        """
-        pc = self.parallel_config
-        if device is None and getattr(self, "w13_weight", None) is not None:
-            device = self.w13_weight.device
-        self.placement = placement
-        self.local_num_experts = placement.num_local(pc.ep_rank)
-        self.expert_start = placement.contiguous_start(pc.ep_rank)
-        mapped = pc.use_ep or placement.has_replicas
-        self.register_buffer(
-            "expert_map", placement.expert_map(pc.ep_rank, device) if mapped else None, False
-        )
-        table, counts = placement.replica_table(device) if placement.has_replicas else (None, None)
-        self.register_buffer("logical_to_physical", table, False)
-        self.register_buffer("replica_count", counts, False)
-        if getattr(self, "expert_load", None) is None:
-            load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-            self.register_buffer("expert_load", load, False)
-        self._kernels = {}  # an all-to-all dispatch knows where each expert lives
-
-    def _check_parallel(self, routed_output_transform) -> None:
-        pc = self.parallel_config
-        if pc.ep_size > self.num_experts + pc.num_redundant_experts:
-            raise ValueError(
-                f"parallel_config.ep_size ({pc.ep_size}) must be <= num_experts "
-                f"({self.num_experts})"
-                + (
-                    f" + num_redundant_experts ({redundant})"
-                    if (redundant := pc.num_redundant_experts)
-                    else ""
-                )
-                + ": every rank holds at least one expert"
-            )
-        if pc.dp_size > 1 and pc.use_ep and (pc.ep_size, pc.ep_rank) != (pc.dp_size, pc.dp_rank):
-            raise ValueError(
-                "parallel_config: with dp_size > 1 and ep_size > 1 the experts are sharded over "
-                f"the DP group, so ep_size / ep_rank must equal dp_size / dp_rank; got "
-                f"ep {pc.ep_rank}/{pc.ep_size}, dp {pc.dp_rank}/{pc.dp_size}"
-            )
-        if self._ep_partial and routed_output_transform is not None:
-            raise ValueError(
-                "routed_output_transform with ep_size > 1 and no DP: the layer returns this "
-                "rank's partial sum, which a (nonlinear) transform does not commute with"
-            )
-
-    @property
-    def _ep_partial(self) -> bool:
-        """The output is this rank's partial sum (EP over shared tokens, no dispatch): an
-        all-reduce completes it."""
-        pc = self.parallel_config
-        return pc.use_ep and not pc.moves_tokens
+        """Take `placement` and its buffers (fusedmoe.parallel.wiring.set_placement)."""
+        set_placement(self, placement, device)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -404,17 +247,7 @@ class FusedMoE(nn.Module):
         return state
 
     def _apply(self, fn, recurse=True):
-        if self.quant_scheme is not None:
-            # Probe every dtype the layer holds (quantized data, scales, biases): int8 / uint8
-            # weights pass a float cast unchanged, while their float scales and biases would not.
-            tensors = [*self.parameters(recurse=False), *self.buffers(recurse=False)]
-            for dtype in dict.fromkeys(t.dtype for t in tensors):
-                probe = fn(torch.empty(0, dtype=dtype, device=self.w13_weight.device))
-                if probe.dtype != dtype:
-                    raise TypeError(
-                        f"a {self.quant_scheme}-quantized FusedMoE moves between devices but does "
-                        f"not change dtype (asked {dtype} -> {probe.dtype})"
-                    )
+        quantize.check_keeps_dtypes(self, fn)  # a quantized layer moves, never casts
         result = super()._apply(fn, recurse)
         if self.quant_scheme is None:
             self.params_dtype = self.w13_weight.dtype
@@ -426,7 +259,44 @@ class FusedMoE(nn.Module):
         self._kernels = {}
         return result
 
-    # ---- quantization (fusedmoe.weights.quantize) ----
+    # ---- weights (fusedmoe.weights) ----
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+    ) -> list[str]:
+        """Copy checkpoint tensors into the layer; returns the names loaded.
+
+        Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an
+        unquantized layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer
+        quantized to their scheme); also `e_score_correction_bias` and, when the layer has them,
+        `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
+        to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
+        name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
+
+        Checkpoints are global: under expert parallelism the layer keeps its rank's experts
+        (the others' names are skipped and not returned). A layer whose intermediate size was
+        padded (quantize_) takes tensors of the padded layout, padded_intermediate_size wide.
+
+        strict (as nn.Module.load_state_dict): when the checkpoint names any expert tensor, every
+        expert tensor of this rank's experts (gate, up and down rows; biases; scales when
+        quantized) must have been written by this call or an earlier one, else ValueError
+        listing what is missing. The tensors named were copied before the check, so after that
+        error the layer is half loaded. strict=False loads in parts (one call per checkpoint
+        file, say); missing_weights() then says what is left. Shared experts and
+        e_score_correction_bias are outside the check: modules and buffers of their own.
+        """
+        return loading.load_weights(self, weights, strict=strict)
+
+    def missing_weights(self) -> list[str]:
+        """The expert tensors no load_weights call has written yet ([] once all are), e.g.
+        ["w13_weight gate rows of experts [1-127]", "w2_weight of experts [0-127]"]; experts by
+        global id, this rank's only under EP.
+
+        A fresh layer holds random weights (usable) and reports them all missing: none were
+        loaded. quantize_ keeps the report (the quantized tensors are as loaded as the float
+        ones); reset_parameters clears it.
+        """
+        return loading.missing_weights(self)
+
     def quantize_(self, scheme: str, **config_kwargs) -> FusedMoE:
         """Quantize the experts' float weights in place to `scheme` (see fusedmoe.quant.config).
 
@@ -453,21 +323,14 @@ class FusedMoE(nn.Module):
         """The quant config of the current weights and scales (None when unquantized)."""
         return quantize.quant_config(self)
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
         """Random init as nn.Linear does: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-        if self.quant_scheme is not None:
-            raise ValueError("reset_parameters: the layer is quantized; build a new layer")
-        for param, fan_in in (
-            (self.w13_weight, self.hidden_size),
-            (self.w2_weight, self.intermediate_size),
-            (self.w13_bias, self.hidden_size),
-            (self.w2_bias, self.intermediate_size),
-        ):
-            if param is not None:
-                bound = 1.0 / math.sqrt(fan_in)
-                param.uniform_(-bound, bound)
+        reset_experts(self)
         loading.forget_writes(self)  # random, valid, and not loaded
+
+    def _expert_weights(self, alignment: int) -> ExpertWeights:
+        """The weights as a backend of this H alignment consumes them (weights.tensors)."""
+        return expert_weights(self, alignment)
 
     # ---- backend ----
     def set_backend(self, backend: str | type[Experts]) -> None:
@@ -513,7 +376,7 @@ class FusedMoE(nn.Module):
                 num_experts=self.num_experts,
                 top_k=self.top_k,
                 activation=self.activation,
-                quant_config=self._call_quant_config(),
+                quant_config=call_quant_config(self),
                 has_bias=self.has_bias,
                 # a block of logical experts runs on a shift (monolithic); anything else on a map
                 has_expert_map=self.expert_start is None,
@@ -528,58 +391,12 @@ class FusedMoE(nn.Module):
                 self._kernels[key] = (choice, choice.create())
             else:
                 kernel = FusedMoEModularKernel(
-                    _prepare_finalize(pc, self.placement),
+                    prepare_finalize(pc, self.placement),
                     choice.create(),
                     chunk_size=self.chunk_size,
                 )
                 self._kernels[key] = (choice, kernel)
         return self._kernels[key]
-
-    def _expert_params(self) -> tuple[torch.Tensor, ...]:
-        params = (self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias)
-        return tuple(p for p in params if p is not None)
-
-    def _call_quant_config(self) -> FusedMoEQuantConfig | None:
-        """quant_config, built once per set of scale tensors (a forward needs it every call;
-        building it checks every field). Rebuilt when a scale tensor is replaced, as .to() and
-        quantize_ do; in-place writes (load_weights) show through the tensors it holds."""
-        if self.quant_scheme is None:
-            return None
-        names = (
-            "w13_weight_scale", "w2_weight_scale", "w13_weight_global_scale",
-            "w2_weight_global_scale", "a1_scale", "a2_scale",
-        )  # fmt: skip
-        key = (self.quant_scheme, *(id(getattr(self, name, None)) for name in names))
-        cached = getattr(self, "_quant_config_cache", None)
-        if cached is None or cached[0] != key:
-            cached = (key, self.quant_config)
-            self._quant_config_cache = cached
-        return cached[1]
-
-    def _expert_weights(self, alignment: int) -> ExpertWeights:
-        """The weights as the backend consumes them.
-
-        When the backend needs H to be a multiple of `alignment`, zero-padded copies are made on
-        every call: correct whatever wrote the parameters (in place, through .data), at the cost
-        of a copy. Backends built for speed keep alignment 1 and lay out their own weights.
-        """
-        pad = -self.hidden_size % alignment
-        packing = 2 if self.w13_weight.dtype == torch.uint8 else 1  # packed FP4
-        if pad == 0:
-            return ExpertWeights(
-                self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias, k_packing=packing
-            )
-        if self.quant_scheme is not None:
-            raise ValueError(
-                f"the backend needs hidden_size % {alignment} == 0; quantized weights "
-                f"({self.quant_scheme}) are not padded here"
-            )
-        return ExpertWeights(
-            w13=nn.functional.pad(self.w13_weight, (0, pad)),
-            w2=nn.functional.pad(self.w2_weight, (0, 0, 0, pad)),
-            w13_bias=self.w13_bias,
-            w2_bias=None if self.w2_bias is None else nn.functional.pad(self.w2_bias, (0, pad)),
-        )
 
     # ---- forward ----
     def forward(
@@ -605,9 +422,9 @@ class FusedMoE(nn.Module):
         Where the call replays a CUDA graph, the logits are computed inside it, and so are the
         shared experts when nothing runs between them and the routed sum (no zero experts, no
         routed transforms): the whole block is one graph launch, its input copied in and its
-        output out. Only modules a graph may stand in for are captured (_graph_reads: torch's,
-        transformers' and fusedmoe's own classes, in eval mode, called plainly); the others,
-        hooks and all, run eagerly, outside the graph."""
+        output out. Only modules a graph may stand in for are captured (graph_reads of
+        fusedmoe.modular.graphs: torch's, transformers' and fusedmoe's own classes, in eval
+        mode, called plainly); the others, hooks and all, run eagerly, outside the graph."""
         x = check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES)
         if not isinstance(gate, RouterGate):
             raise TypeError(f"gate must be a RouterGate, got {type(gate).__name__}")
@@ -635,36 +452,37 @@ class FusedMoE(nn.Module):
         self._check_routed_input(x_routed, x)
         # a gate stays for a CUDA graph to compute (never under autograd or tracing)
         if gate is not None and (torch.is_grad_enabled() or torch.compiler.is_compiling()):
-            logits, gate = self._gate_logits(gate, x), None
+            logits, gate = gate_logits(gate, x), None
+        params = expert_params(self)
         grad = torch.is_grad_enabled() and (
             x_routed.requires_grad
             or logits.requires_grad  # the router's gradient flows through the top-k weights
-            or any(p.requires_grad for p in self._expert_params())
+            or any(p.requires_grad for p in params)
         )
         if grad and self.quant_scheme is not None:  # before any backend is chosen
-            check_inference_only(self._call_quant_config(), self._expert_params(), x_routed)
+            check_inference_only(call_quant_config(self), params, x_routed)
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
-        replayed = None
-        graphed = input_ids is None and self._graph_safe(choice)
+        replayed = None  # decode calls from CUDA graphs (fusedmoe.layer_graphs)
+        graphed = input_ids is None and graph_safe(self, choice)
         if graphed and may_replay(x_routed, self.cuda_graph_max_tokens):
             # the gate's module walked only here, where a graph may compute its logits
-            gate_reads = None if gate is None else self._gate_reads(gate)
-            if gate is not None and gate_reads is None:
-                logits, gate = self._gate_logits(gate, x), None
-            replayed = self._forward_graphed(choice, x_routed, logits, gate, gate_reads)
+            reads = None if gate is None else gate_reads(self, gate)
+            if gate is not None and reads is None:
+                logits, gate = gate_logits(gate, x), None
+            replayed = forward_graphed(self, choice, x_routed, logits, gate, reads)
         shared_done = False
         if replayed is not None:
             y, zero_output, shared_done = replayed.y, replayed.zero_output, replayed.shared_added
         else:
             if gate is not None:
-                logits = self._gate_logits(gate, x)
+                logits = gate_logits(gate, x)
             if choice.experts_cls.routes_inside:
                 y, zero_output = self._forward_monolithic(runner, x_routed, logits, input_ids)
             else:
                 y, zero_output = self._forward_modular(choice, runner, x_routed, logits, input_ids)
         # Under EP without DP the output is a partial sum over ranks: what belongs to no expert
         # is added once, by rank 0.
-        whole = not self._ep_partial or self.parallel_config.ep_rank == 0
+        whole = not ep_partial(self.parallel_config) or self.parallel_config.ep_rank == 0
         if zero_output is not None and whole:
             y = y + zero_output
         if self.routed_output_transform is not None:
@@ -678,108 +496,6 @@ class FusedMoE(nn.Module):
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return shared
-
-    def _gate_logits(self, gate: RouterGate, x: torch.Tensor) -> torch.Tensor:
-        """The router logits [T, E] of a RouterGate, computed eagerly, checked."""
-        logits = gate.logits(gate.module, x)
-        check_tensor("the gate's logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
-        if logits.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"the gate's logits {tuple(logits.shape)} must have one row per token "
-                f"({x.shape[0]})"
-            )
-        return logits
-
-    # ---- decode calls from CUDA graphs (fusedmoe.modular.graphs) ----
-    def _graph_safe(self, choice: BackendChoice) -> bool:
-        """Whether the routed part of a call may be captured: a backend and router whose calls
-        launch the same kernels every time without reading device values, no EP (its dispatch
-        exchanges counts on the host) or EPLB load counting (padding rows would count), and no
-        activation scale taken over the whole batch (the padding rows would change it).
-        """
-        pc = self.parallel_config
-        return (
-            choice.experts_cls.cuda_graph_safe
-            and self.router.cuda_graph_safe
-            and pc.ep_size == 1
-            and pc.dp_size == 1
-            and not self.record_expert_load
-            and self.logical_to_physical is None
-            and (self.quant_scheme is None or self._call_quant_config().rows_independent)
-        )
-
-    def _gate_reads(self, gate: RouterGate) -> tuple[int, ...] | None:
-        """What a graph computing the gate's logits reads (_graph_reads of its module); None
-        where it may not: the logits come from the layer's input (no routed input transform)."""
-        return None if self.routed_input_transform is not None else _graph_reads(gate.module)
-
-    def _shared_reads(self) -> tuple[int, ...] | None:
-        """What a graph adding the shared experts reads (_graph_reads of theirs); None where it
-        may not: they come from the layer's input right after the routed sum (no zero experts
-        or routed transforms between)."""
-        if (
-            self.shared_experts is None
-            or self.routed_input_transform is not None
-            or self.routed_output_transform is not None
-            or self.zero_expert_num != 0
-        ):
-            return None
-        return _graph_reads(self.shared_experts, self.shared_expert_gate)
-
-    def _forward_graphed(
-        self, choice: BackendChoice, x_routed, logits, gate, gate_reads
-    ) -> _Replayed | None:
-        """The routed part replayed from a CUDA graph, or None where it cannot be captured;
-        with a gate (logits None; gate_reads, what its module reads), the graph computes the
-        logits too. The graphs belong to the
-        current set of backends (_kernels): a new set (set_backend, .to(), quantize_, a new
-        placement) starts an empty cache."""
-        state = self._graph_state
-        if state is None or state[0] is not self._kernels:
-            state = self._graph_state = (self._kernels, GraphCache(), {})
-        _, graphs, runners = state
-        device, dtype = x_routed.device, x_routed.dtype
-        runner = runners.get((device, dtype))
-        if runner is None:
-            # its own modular kernel: workspaces that are never freed while a graph holds them
-            _, experts = self._kernel(device, dtype, False)
-            if not choice.experts_cls.routes_inside:
-                experts = FusedMoEModularKernel(
-                    _prepare_finalize(self.parallel_config, self.placement),
-                    experts.experts,
-                    chunk_size=self.chunk_size,
-                    retain_workspaces=True,
-                )
-            runner = runners[(device, dtype)] = experts
-        shared_reads = self._shared_reads()
-        with_shared = shared_reads is not None
-
-        def routed(x, *given):
-            router_logits = given[0] if gate is None else self._gate_logits(gate, x)
-            if choice.experts_cls.routes_inside:
-                y, zero_output = self._forward_monolithic(runner, x, router_logits, None)
-            else:
-                y, zero_output = self._forward_modular(choice, runner, x, router_logits, None)
-            if with_shared:
-                y = y + self._shared_output(x)
-            return y, zero_output
-
-        # what the captured launches read by address, besides the inputs
-        if gate is None:
-            inputs, reads = (x_routed, logits), (logits.dtype, logits.shape[1])
-        else:
-            inputs, reads = (x_routed,), (gate.logits, *gate_reads)
-        if with_shared:
-            reads += ("shared", *shared_reads)
-        key = (device, dtype, *reads, *self._graph_addresses())
-        replayed = graphs.run(routed, inputs, key)
-        return None if replayed is None else _Replayed(*replayed, with_shared)
-
-    def _graph_addresses(self) -> tuple[int, ...]:
-        """The addresses a captured call reads: every parameter and buffer of the layer's own
-        (not the shared experts')."""
-        tensors = (*self._parameters.values(), *self._buffers.values())
-        return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
 
     def _forward_modular(self, choice, kernel, x_routed, logits, input_ids):
         """Route, then run the modular kernel: -> (y [T, H], zero experts' output or None)."""
@@ -803,13 +519,13 @@ class FusedMoE(nn.Module):
         x_in = nn.functional.pad(x_routed, (0, pad)) if pad else x_routed
         y = kernel.forward(
             x_in,
-            self._expert_weights(alignment),
+            expert_weights(self, alignment),
             topk_weights,
             topk_ids,
             activation=self.activation,
             global_num_experts=self.placement.num_physical,
             expert_map=self.expert_map,
-            quant_config=self._call_quant_config(),
+            quant_config=call_quant_config(self),
         )
         if pad:
             y = y[:, : self.hidden_size]
@@ -824,7 +540,7 @@ class FusedMoE(nn.Module):
         result = experts.apply_monolithic(
             x_routed,
             logits,
-            self._expert_weights(1),
+            expert_weights(self, 1),
             routing=InsideRouting(self.router, self.gpt_oss_routing),
             activation=self.activation,
             expert_start=self.expert_start,
@@ -861,52 +577,6 @@ class FusedMoE(nn.Module):
                 f"hidden_states is on {x_routed.device}, the layer on {self.w13_weight.device}"
             )
 
-    # ---- weights (fusedmoe.weights.loading) ----
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
-    ) -> list[str]:
-        """Copy checkpoint tensors into the layer; returns the names loaded.
-
-        Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an
-        unquantized layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer
-        quantized to their scheme); also `e_score_correction_bias` and, when the layer has them,
-        `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
-        to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
-        name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
-
-        Checkpoints are global: under expert parallelism the layer keeps its rank's experts
-        (the others' names are skipped and not returned). A layer whose intermediate size was
-        padded (quantize_) takes tensors of the padded layout, padded_intermediate_size wide.
-
-        strict (as nn.Module.load_state_dict): when the checkpoint names any expert tensor, every
-        expert tensor of this rank's experts (gate, up and down rows; biases; scales when
-        quantized) must have been written by this call or an earlier one, else ValueError
-        listing what is missing. The tensors named were copied before the check, so after that
-        error the layer is half loaded. strict=False loads in parts (one call per checkpoint
-        file, say); missing_weights() then says what is left. Shared experts and
-        e_score_correction_bias are outside the check: modules and buffers of their own.
-        """
-        return loading.load_weights(self, weights, strict=strict)
-
-    def missing_weights(self) -> list[str]:
-        """The expert tensors no load_weights call has written yet ([] once all are), e.g.
-        ["w13_weight gate rows of experts [1-127]", "w2_weight of experts [0-127]"]; experts by
-        global id, this rank's only under EP.
-
-        A fresh layer holds random weights (usable) and reports them all missing: none were
-        loaded. quantize_ keeps the report (the quantized tensors are as loaded as the float
-        ones); reset_parameters clears it.
-        """
-        return loading.missing_weights(self)
-
-    def _placement_repr(self) -> str:
-        pc = self.parallel_config
-        if not (pc.use_ep or self.placement.has_replicas):
-            return ""
-        if self.expert_start is not None:
-            return f", experts [{self.expert_start}, {self.expert_start + self.local_num_experts})"
-        return f", experts {{{self.placement.describe(pc.ep_rank)}}}"
-
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
@@ -918,39 +588,5 @@ class FusedMoE(nn.Module):
                 if self.padded_intermediate_size == self.intermediate_size
                 else f", padded_intermediate_size={self.padded_intermediate_size}"
             )
-            + self._placement_repr()
+            + describe_placement(self.parallel_config, self.placement, self.expert_start)
         )
-
-
-def _initial_placement(num_experts: int, pc: ParallelConfig) -> ExpertPlacement:
-    return expert_placement(num_experts, pc.ep_size, pc.placement, pc.num_redundant_experts)
-
-
-def _prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement):
-    """The prepare/finalize for the parallel config: NoEP unless tokens travel."""
-    if not pc.moves_tokens:
-        return NoEPPrepareFinalize()
-    # torch.distributed is imported here, only when a dispatch is asked for
-    if pc.all2all_backend == "all_to_all":
-        from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
-
-        return AllToAllEPPrepareFinalize(
-            pc.ep_size,
-            pc.ep_rank,
-            placement.owner(),
-            pc.group,
-            sequence_parallel=pc.sequence_parallel,
-        )
-    from fusedmoe.parallel.naive_ep import NaiveEPPrepareFinalize
-
-    return NaiveEPPrepareFinalize(
-        pc.ep_size, pc.ep_rank, pc.group, sequence_parallel=pc.sequence_parallel
-    )
-
-
-def _as_buffer(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    return t.detach().clone().to(device) if device is not None else t.detach().clone()

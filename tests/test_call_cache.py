@@ -14,7 +14,8 @@ from torch import nn
 
 import fusedmoe.functional as functional
 from fusedmoe import FusedMoE, RouterGate, fused_experts
-from fusedmoe.layer import _graph_reads, plain_call
+from fusedmoe.modular.graphs import graph_reads as _graph_reads
+from fusedmoe.modular.graphs import plain_call
 from tests.helpers import assert_close
 from tests.reference import experts_ref, random_experts
 

@@ -55,7 +55,8 @@ from torch import nn
 from fusedmoe._checks import FLOAT_DTYPES
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.functional import fused_experts
-from fusedmoe.layer import FusedMoE, RouterGate, plain_call
+from fusedmoe.layer import FusedMoE, RouterGate
+from fusedmoe.modular.graphs import plain_call
 from fusedmoe.oracle import get_backend
 from fusedmoe.quant import SCHEMES
 

@@ -33,11 +33,15 @@ to run one at a time, as a model's layers do on one stream; calls from several t
 streams at once should turn graphs off (FUSEDMOE_CUDA_GRAPHS=0). A new bucket costs one capture
 per layer (milliseconds each) the first time a call of that size comes.
 
-The caller decides when a graph may stand in for the call (fusedmoe.layer.FusedMoE: CUDA,
-no autograd, not tracing or capturing itself, a graph-safe backend and router, no EP) and
-keys the cache by everything the captured launches read by address: a tensor replaced
-(`.to()`, quantize_, a new Parameter) changes the key, an in-place write (load_weights) shows
-through. FUSEDMOE_CUDA_GRAPHS=0 turns the cache off for the process.
+The caller decides when a graph may stand in for the call (fusedmoe.layer_graphs for the
+FusedMoE layer: CUDA, no autograd, not tracing or capturing itself, a graph-safe backend and
+router, no EP) and keys the cache by everything the captured launches read by address: a tensor
+replaced (`.to()`, quantize_, a new Parameter) changes the key, an in-place write
+(load_weights) shows through. FUSEDMOE_CUDA_GRAPHS=0 turns the cache off for the process.
+
+Modules of the caller's own (a router's linear, shared experts) may be captured with the call
+where a graph may stand in for them: `graph_reads` says so and gives the addresses they read,
+`plain_call` whether calling a module runs its forward and nothing else.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from fusedmoe.modular.kernel import shared_workspaces
 
@@ -78,6 +83,78 @@ def empty_cache() -> None:
     shared_workspaces(retain=True).release_unused()
 
 
+# ---- what a graph may stand in for ---------------------------------------------------------
+_HOOKS = nn.modules.module
+#: the module classes whose forward reads nothing but their parameters, buffers and the
+#: settings they were built with; and the packages whose modules are held to do the same
+_PLAIN_CLASSES = (nn.Linear, nn.Identity, nn.Dropout)
+_PLAIN_PACKAGES = ("torch.nn.modules.activation", "transformers.", "fusedmoe.")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")  # fmt: skip
+
+
+def _global_hooks() -> bool:
+    """Whether any hook is registered for every module (torch.nn.modules.module's globals)."""
+    return any(getattr(_HOOKS, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _called_plainly(module: nn.Module) -> bool:
+    """plain_call, less the global hooks (checked once per walk, not once per module)."""
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in module.__dict__
+        or module.__dict__.get("_compiled_call_impl") is not None
+    )
+
+
+def plain_call(module: nn.Module) -> bool:
+    """Whether module(...) runs module.forward(...) and nothing else: no hook on it (forward,
+    backward, or global), no forward set on the instance (as accelerate's offloading does), no
+    compiled call (module.compile())."""
+    return not _global_hooks() and _called_plainly(module)
+
+
+def graph_reads(*modules: nn.Module | None) -> tuple[int, ...] | None:
+    """The addresses of the parameters and buffers of these modules (and their submodules),
+    which a CUDA graph standing in for their calls reads; None where no graph may stand in for
+    them. A graph replays kernels, not Python: every module of each tree must be called plainly
+    (plain_call, so no hook is skipped), be in eval mode, and be of a class whose forward reads
+    only its tensors and construction-time settings (_PLAIN_CLASSES; torch's activations,
+    transformers' and fusedmoe's own modules). Anything else (a LoRA adapter that can be merged
+    or disabled, a module of your own) runs eagerly.
+
+    Called on every gated call, so one walk of _modules (not modules(), which names every
+    submodule) with the global hooks looked up once."""
+    stack = [m for m in modules if m is not None]
+    if not stack:
+        return ()
+    if _global_hooks():
+        return None
+    addresses: list[int] = []
+    seen: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        cls = type(m)
+        plain = cls in _PLAIN_CLASSES or cls.__module__.startswith(_PLAIN_PACKAGES)
+        if not plain or m.training or not _called_plainly(m):
+            return None
+        for t in m._parameters.values():
+            if t is not None:
+                addresses.append(t.data_ptr())
+        for t in m._buffers.values():
+            if t is not None:
+                addresses.append(t.data_ptr())
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return tuple(addresses)
+
+
+# ---- the graph cache -------------------------------------------------------------------------
 def _clear_blas_workspaces() -> None:
     """Drop torch's cached cuBLAS workspaces (one per handle and stream), before and after a
     capture, as torch.compile's CUDA graph trees do around theirs. A captured GEMM (a router's

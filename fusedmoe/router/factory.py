@@ -6,11 +6,16 @@
 The first kind whose parameters are given wins. Routing simulation replaces the routing on
 purpose (benchmarks). Any other parameter that the winning kind does not use is reported with
 a warning rather than dropped silently.
+
+RouterBuilder keeps create_router's arguments but the tensors that a layer owns (the
+correction bias and hash table), to build the router again when the layer's tensors are
+replaced.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -111,3 +116,48 @@ def create_router(
             **common,
         )
     return TopKRouter(top_k, num_experts, **common)
+
+
+class RouterBuilder:
+    """create_router(top_k, num_experts, **settings) on the tensors an owner holds.
+
+    A FusedMoE layer keeps e_score_correction_bias and hash_indices_table as buffers, and its
+    router holds references to them: where a buffer is replaced rather than changed in place
+    (.to(), load_state_dict(..., assign=True) into a layer built on the meta device, a buffer
+    assigned anew), that router would route with the old tensor. `synced` gives the router to
+    route with: the one given, or one built on the owner's current tensors.
+    """
+
+    def __init__(self, top_k: int, num_experts: int, **settings: Any) -> None:
+        self.top_k, self.num_experts, self.settings = top_k, num_experts, settings
+
+    def build(
+        self,
+        e_score_correction_bias: torch.Tensor | None,
+        hash_indices_table: torch.Tensor | None,
+    ) -> Router:
+        return create_router(
+            self.top_k,
+            self.num_experts,
+            e_score_correction_bias=e_score_correction_bias,
+            hash_indices_table=hash_indices_table,
+            **self.settings,
+        )
+
+    def synced(
+        self,
+        router: Router,
+        e_score_correction_bias: torch.Tensor | None,
+        hash_indices_table: torch.Tensor | None,
+    ) -> Router:
+        """`router` where the tensors it holds are the owner's (those given), else a new one
+        built on them. The owner passes its buffers, read before the router's attributes."""
+        owned = (
+            ("e_score_correction_bias", e_score_correction_bias),
+            ("hash_indices_table", hash_indices_table),
+        )
+        for name, mine in owned:
+            held = getattr(router, name, None)
+            if held is not None and held is not mine:
+                return self.build(e_score_correction_bias, hash_indices_table)
+        return router

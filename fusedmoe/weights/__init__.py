@@ -4,6 +4,7 @@ Modules:
     names.py     checkpoint names -> slices of the layer's tensors (resolve_expert_weight, ...)
     loading.py   load_weights: copy the tensors, keep the record of which experts are written
     quantize.py  quantize_ (online, in place) and the layer's quant config
+    tensors.py   the expert tensors: random init, the ExpertWeights a backend takes
 """
 
 from fusedmoe.weights.names import WeightTarget, resolve_expert_weight, resolve_quantized_weight

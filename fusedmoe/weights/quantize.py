@@ -7,7 +7,8 @@ quantize_(layer, scheme):
     the layer's w13_weight / w2_weight <- w13_q / w2_q; its buffers <- the config's scales
 
 and the layer's quant config, made from those buffers whenever it is asked for (quant_config),
-so a load_weights that writes the scales in place shows in the next forward.
+so a load_weights that writes the scales in place shows in the next forward; a forward takes
+it from call_quant_config, which builds it once per set of scale tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from fusedmoe.activation import MoEActivation
 from fusedmoe.quant.config import (
     FusedMoEQuantConfig,
+    check_scheme,
     first_nonfinite_expert,
     make_quant_config,
     quantize_experts,
@@ -90,6 +92,53 @@ def quant_config(layer) -> FusedMoEQuantConfig | None:
         a2_scale=layer.a2_scale,
         **layer._quant_options,
     )
+
+
+#: the layer's tensors a quant config is made of
+_SCALES = ("w13_weight_scale", "w2_weight_scale", "w13_weight_global_scale",
+           "w2_weight_global_scale", "a1_scale", "a2_scale")  # fmt: skip
+
+
+def call_quant_config(layer) -> FusedMoEQuantConfig | None:
+    """quant_config, built once per set of scale tensors (a forward needs it every call;
+    building it checks every field). Rebuilt when a scale tensor is replaced, as .to() and
+    quantize_ do; in-place writes (load_weights) show through the tensors it holds."""
+    if layer.quant_scheme is None:
+        return None
+    key = (layer.quant_scheme, *(id(getattr(layer, name, None)) for name in _SCALES))
+    cached = getattr(layer, "_quant_config_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, layer.quant_config)
+        layer._quant_config_cache = cached
+    return cached[1]
+
+
+def check_quant_options(scheme: str | None, options: object) -> None:
+    """FusedMoE(quant_config=scheme, quant_options=options): a known scheme, and options (a
+    dict, as quantize_ takes them) only with a scheme."""
+    if scheme is not None:
+        check_scheme(scheme)
+    if options is not None:
+        if not isinstance(options, dict):
+            raise TypeError(f"quant_options must be a dict, got {type(options).__name__}")
+        if scheme is None:
+            raise ValueError("quant_options needs quant_config (the scheme they are for)")
+
+
+def check_keeps_dtypes(layer, fn) -> None:
+    """Before nn.Module._apply(fn) on a quantized layer: fn may move it between devices but not
+    change a dtype. Probes every dtype the layer holds (quantized data, scales, biases): int8 /
+    uint8 weights pass a float cast unchanged, while their float scales and biases would not."""
+    if layer.quant_scheme is None:
+        return
+    tensors = [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        probe = fn(torch.empty(0, dtype=dtype, device=layer.w13_weight.device))
+        if probe.dtype != dtype:
+            raise TypeError(
+                f"a {layer.quant_scheme}-quantized FusedMoE moves between devices but does "
+                f"not change dtype (asked {dtype} -> {probe.dtype})"
+            )
 
 
 def _check_finite(layer) -> None:

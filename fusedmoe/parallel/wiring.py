@@ -1,0 +1,125 @@
+"""The FusedMoE layer's parallel parts: the checks of its parallel config, its placement and the
+buffers that go with it, and the objects that move its tokens.
+
+    check_parallel     the config against the layer (before anything is built)
+    initial_placement  the placement parallel_config asks for (fusedmoe.parallel.placement)
+    set_placement      a placement and its buffers on the layer: expert_map, EPLB replica table
+    prepare_finalize   the modular kernel's PrepareFinalize: NoEP unless tokens travel
+    dp_dispatch        the DP all-gather a backend that routes inside is handed (or None)
+
+torch.distributed is imported only where a dispatch is asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize, PrepareFinalize
+from fusedmoe.modular.types import TokenDispatch
+from fusedmoe.parallel.config import ParallelConfig
+from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
+
+
+def ep_partial(pc: ParallelConfig) -> bool:
+    """Whether the layer's output is this rank's partial sum (EP over shared tokens, no
+    dispatch): an all-reduce completes it."""
+    return pc.use_ep and not pc.moves_tokens
+
+
+def check_parallel(pc: ParallelConfig, num_experts: int, routed_output_transform) -> None:
+    """Refuse a parallel config the layer cannot run (ValueError saying why)."""
+    if pc.ep_size > num_experts + pc.num_redundant_experts:
+        raise ValueError(
+            f"parallel_config.ep_size ({pc.ep_size}) must be <= num_experts ({num_experts})"
+            + (
+                f" + num_redundant_experts ({redundant})"
+                if (redundant := pc.num_redundant_experts)
+                else ""
+            )
+            + ": every rank holds at least one expert"
+        )
+    if pc.dp_size > 1 and pc.use_ep and (pc.ep_size, pc.ep_rank) != (pc.dp_size, pc.dp_rank):
+        raise ValueError(
+            "parallel_config: with dp_size > 1 and ep_size > 1 the experts are sharded over "
+            f"the DP group, so ep_size / ep_rank must equal dp_size / dp_rank; got "
+            f"ep {pc.ep_rank}/{pc.ep_size}, dp {pc.dp_rank}/{pc.dp_size}"
+        )
+    if ep_partial(pc) and routed_output_transform is not None:
+        raise ValueError(
+            "routed_output_transform with ep_size > 1 and no DP: the layer returns this "
+            "rank's partial sum, which a (nonlinear) transform does not commute with"
+        )
+
+
+def initial_placement(num_experts: int, pc: ParallelConfig) -> ExpertPlacement:
+    return expert_placement(num_experts, pc.ep_size, pc.placement, pc.num_redundant_experts)
+
+
+def set_placement(layer, placement: ExpertPlacement, device=None) -> None:
+    """FusedMoE._set_placement: the layer takes `placement` (its weights are the caller's
+    business: fusedmoe.parallel.eplb moves them).
+
+    layer.expert_start: the first global id of this rank's experts when they are one contiguous
+    block of logical experts (what the monolithic backend runs), else None. Buffers (not saved
+    in the state dict): expert_map where experts are mapped (EP or replicas), the EPLB replica
+    table and counts, and expert_load (kept across placements). The layer's backends are
+    dropped: an all-to-all dispatch knows where each expert lives.
+    """
+    pc = layer.parallel_config
+    if device is None and getattr(layer, "w13_weight", None) is not None:
+        device = layer.w13_weight.device
+    layer.placement = placement
+    layer.local_num_experts = placement.num_local(pc.ep_rank)
+    layer.expert_start = placement.contiguous_start(pc.ep_rank)
+    mapped = pc.use_ep or placement.has_replicas
+    layer.register_buffer(
+        "expert_map", placement.expert_map(pc.ep_rank, device) if mapped else None, False
+    )
+    table, counts = placement.replica_table(device) if placement.has_replicas else (None, None)
+    layer.register_buffer("logical_to_physical", table, False)
+    layer.register_buffer("replica_count", counts, False)
+    if getattr(layer, "expert_load", None) is None:
+        load = torch.zeros(layer.num_experts, dtype=torch.int64, device=device)
+        layer.register_buffer("expert_load", load, False)
+    layer._kernels = {}
+
+
+def describe_placement(pc: ParallelConfig, placement: ExpertPlacement, expert_start) -> str:
+    """The layer's experts for its repr ("" without EP or replicas)."""
+    if not (pc.use_ep or placement.has_replicas):
+        return ""
+    if expert_start is not None:
+        return f", experts [{expert_start}, {expert_start + placement.num_local(pc.ep_rank)})"
+    return f", experts {{{placement.describe(pc.ep_rank)}}}"
+
+
+def prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement) -> PrepareFinalize:
+    """The prepare/finalize for the parallel config: NoEP unless tokens travel."""
+    if not pc.moves_tokens:
+        return NoEPPrepareFinalize()
+    # torch.distributed is imported here, only when a dispatch is asked for
+    if pc.all2all_backend == "all_to_all":
+        from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
+
+        return AllToAllEPPrepareFinalize(
+            pc.ep_size,
+            pc.ep_rank,
+            placement.owner(),
+            pc.group,
+            sequence_parallel=pc.sequence_parallel,
+        )
+    from fusedmoe.parallel.naive_ep import NaiveEPPrepareFinalize
+
+    return NaiveEPPrepareFinalize(
+        pc.ep_size, pc.ep_rank, pc.group, sequence_parallel=pc.sequence_parallel
+    )
+
+
+def dp_dispatch(pc: ParallelConfig) -> TokenDispatch | None:
+    """The DP all-gather dispatch / combine a backend that routes inside (monolithic) is handed
+    where the DP group's ranks hold different experts; None where tokens stay local."""
+    if not (pc.dp_size > 1 and pc.use_ep):
+        return None
+    from fusedmoe.parallel.dp_dispatch import AllGatherDispatch  # torch.distributed
+
+    return AllGatherDispatch(pc.dp_size, pc.dp_rank, pc.group)
