@@ -65,6 +65,8 @@ class BackendChoice:
     reason: str  # why this backend was chosen
     refused: dict[str, str] = field(default_factory=dict)  # backend name -> why not
     requested: bool = False  # named by the caller, not picked by "auto"
+    #: what was asked (the engine's plan depends on its shape); not part of the choice's identity
+    problem: MoEProblem | None = field(default=None, compare=False, repr=False)
 
     def create(self) -> Experts:
         """The backend instance to run (Experts.create)."""
@@ -72,7 +74,7 @@ class BackendChoice:
 
     def explain(self) -> str:
         lines = [f"{self.name}: {self.reason}"]
-        engine = self.experts_cls.engine_description()
+        engine = self.experts_cls.engine_description(self.problem)
         if engine is not None:
             lines.append(f"  GEMM engine: {engine}")
         lines += [f"  not {name}: {why}" for name, why in self.refused.items()]
@@ -174,7 +176,9 @@ def select_backend(
         if why is not None:
             raise ValueError(f"backend {backend!r} cannot run this call: {why}")
         others = {n: r or "not requested" for n, r in refused.items() if n != cls.name}
-        return BackendChoice(cls.name, cls, "requested explicitly", others, requested=True)
+        return BackendChoice(
+            cls.name, cls, "requested explicitly", others, requested=True, problem=problem
+        )
 
     for cls in order:
         if refused[cls.name] is None:
@@ -198,7 +202,7 @@ def select_backend(
                 for n, r in refused.items()
                 if n != cls.name
             }
-            return BackendChoice(cls.name, cls, reason, others)
+            return BackendChoice(cls.name, cls, reason, others, problem=problem)
     details = "; ".join(f"{n}: {r}" for n, r in refused.items())
     raise ValueError(f"no backend supports {_describe(problem)} ({details})")
 

@@ -514,3 +514,125 @@ def test_gpu_auto_layer_runs_the_library_from_cuda_graphs():
             assert_close(out.float(), eager.float(), torch.bfloat16, **QUANT_TOL)
         assert layer._graph_state is not None and layer._graph_state[1].replays > 0
     assert calls, "the library ran the prefill sizes"
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine measured faster: where the library and the wgmma engine both run a call, "auto"
+# takes the one `fusedmoe tune` recorded for the nearest token count
+# ---------------------------------------------------------------------------------------------
+def _engine_table(root, device_name, entries: dict[int, str], num_experts=E) -> None:
+    import json
+
+    from fusedmoe.kernels.moe_config import engine_table_path
+
+    path = engine_table_path(root, device_name, num_experts, 2 * I, H, "fp8_block")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({str(m): {"engine": e} for m, e in entries.items()}))
+
+
+@pytest.fixture
+def both_engines(fake_library, monkeypatch, tmp_path):
+    """The stand-in library and the wgmma engine's torch stand-in, both usable, on a pretend
+    GPU ("Pretend GPU") whose tables live under tmp_path. -> the wgmma stand-in's calls."""
+    from fusedmoe.kernels import deep_gemm_moe, fused_moe, wgmma_gemm
+    from tests.test_wgmma_gemm import _stand_in
+
+    monkeypatch.setattr(wgmma_gemm, "gluon_unusable_reason", lambda device: None)
+    calls = []
+    monkeypatch.setattr(deep_gemm_moe, "wgmma_grouped_gemm", _stand_in(calls))
+    monkeypatch.setattr(fused_moe, "device_name", lambda t: "Pretend GPU")
+    monkeypatch.setenv("FUSEDMOE_TUNED_CONFIGS", str(tmp_path))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "table", "engine"),
+    [
+        (64, {64: "wgmma", 1024: "library"}, "wgmma"),
+        (700, {64: "wgmma", 1024: "library"}, "library"),  # nearer 1024
+        (500, {64: "wgmma", 1024: "library"}, "wgmma"),
+        (64, {}, "library"),  # no table: the library
+        (64, {64: "library"}, "library"),
+    ],
+)
+def test_auto_takes_the_engine_measured_faster(
+    fake_library, both_engines, tmp_path, num_tokens, table, engine
+):
+    if table:
+        _engine_table(tmp_path, "Pretend GPU", table)
+    w13, w2, qc = _quantized()
+    weights, ids = _routing(num_tokens, E, 2)
+    x = torch.randn(num_tokens, H, dtype=torch.bfloat16, device=DEVICE)
+    out = run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)
+    ran = {"wgmma": bool(both_engines), "library": bool(fake_library.calls)}
+    assert ran == {name: name == engine for name in ran}, ran
+    ref = fused_experts(x, w13, w2, weights, ids, quant_config=qc, backend="torch")
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+def test_a_measured_engine_that_cannot_run_the_call_leaves_it_to_the_library(
+    fake_library, both_engines, tmp_path, monkeypatch
+):
+    _engine_table(tmp_path, "Pretend GPU", {64: "wgmma"})
+    monkeypatch.setattr(DeepGemmExperts, "wgmma_reason", lambda self, *args: "not here")
+    w13, w2, qc = _quantized()
+    weights, ids = _routing(64, E, 2)
+    x = torch.randn(64, H, dtype=torch.bfloat16, device=DEVICE)
+    run_experts(DeepGemmExperts(strict=True), x, w13, w2, weights, ids, qc)
+    assert not both_engines and fake_library.calls
+
+
+def test_explain_says_which_engine_takes_which_token_counts(both_engines, tmp_path):
+    from fusedmoe import select_backend
+
+    _, _, qc = _quantized()
+    ask = functools.partial(
+        select_backend, backend="deep_gemm", device=DEVICE, hidden_size=H, intermediate_size=I,
+        num_experts=E, top_k=2, quant_config=qc,
+    )  # fmt: skip
+    assert "no engine table for E_l, N, K = (6, 256, 256) on Pretend GPU" in ask().explain()
+    _engine_table(tmp_path, "Pretend GPU", {64: "wgmma", 256: "wgmma", 4096: "library"})
+    explained = ask().explain()
+    assert "library at M = 4096" in explained and "wgmma at M = 64, 256" in explained, explained
+
+
+def test_engine_tables_refuse_what_they_cannot_mean(tmp_path):
+    from fusedmoe.kernels import moe_config
+    from fusedmoe.kernels.moe_config import engine_table_path, measured_engine
+
+    path = engine_table_path(tmp_path, "Pretend GPU", 5, 256, 256, "fp8_block")
+    path.parent.mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FUSEDMOE_TUNED_CONFIGS", str(tmp_path))
+        for bad in ('{"64": {"engine": "cutlass"}}', '{"many": {"engine": "wgmma"}}', "[1]", "{"):
+            path.write_text(bad)
+            moe_config._measured_engine.cache_clear()  # resolved once per signature
+            with pytest.raises(ValueError, match="engine table"):
+                measured_engine(64, 5, 256, 256, "fp8_block", "Pretend GPU")
+        assert measured_engine(64, 5, 256, 256, "fp8_block", None) is None  # the interpreter
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["wgmma", "library"])
+def test_gpu_auto_takes_the_measured_engine_bit_for_bit(engine, tmp_path, monkeypatch):
+    """With the real library and an engine table naming `engine` for the shape, "auto" gives
+    that engine's output bit for bit."""
+    _real_library()
+    from fusedmoe.kernels import wgmma_gemm
+    from fusedmoe.kernels.fused_moe import device_name
+
+    if wgmma_gemm.gluon_unusable_reason(torch.device("cuda")) is not None:
+        pytest.skip("the wgmma engine does not run here")
+    _, x, experts, weights, ids, qc = preset_problem("qwen3-30b-a3b", 4096, "fp8_block")
+    w13, w2 = experts["w13"], experts["w2"]
+    monkeypatch.setenv("FUSEDMOE_TUNED_CONFIGS", str(tmp_path))
+    from fusedmoe.kernels.moe_config import engine_table_path
+
+    path = engine_table_path(tmp_path, device_name(x), w13.shape[0], w13.shape[1], w13.shape[2],
+                             "fp8_block")  # fmt: skip
+    path.parent.mkdir(parents=True)
+    path.write_text(f'{{"4096": {{"engine": "{engine}"}}}}')
+    args = (x, w13, w2, weights, ids, qc)
+    want = run_experts(DeepGemmExperts(strict=True, engine=engine), *args)
+    got = run_experts(DeepGemmExperts(strict=True), *args)
+    assert torch.equal(got, want)

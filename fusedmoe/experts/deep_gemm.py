@@ -38,8 +38,10 @@ The GEMM engine (`engine`, reported by `fusedmoe backends` and the oracle's expl
               Hopper kernels do not take.
 
 `engine="auto"` (the default) takes the library where it runs the call, else wgmma where it
-runs, else triton; "library" and "wgmma" raise where that engine cannot run the call; "triton"
-uses neither.
+runs, else triton; where both the library and wgmma run a call, the one `fusedmoe tune --dtype
+fp8_block` measured faster at the nearest token count of the shape on this GPU (the engine
+table beside the kernel configs; the library where none was measured). "library" and "wgmma"
+raise where that engine cannot run the call; "triton" uses neither.
 
 Chosen by the oracle (not by name), a call of fewer slots per expert than the engine's minimum
 runs on the triton backend, unless its slots sit on few experts (skewed routing) and the wgmma
@@ -99,6 +101,11 @@ _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 #: engine="auto": the library where it runs the call, else wgmma where it runs, else triton;
 #: "library" / "wgmma": that engine or a ValueError; "triton": our Triton grouped GEMMs only
 ENGINES = ("auto", "library", "wgmma", "triton")
+#: why "auto" leaves the library for the wgmma engine where both run a call: `fusedmoe tune
+#: --dtype fp8_block` measured the engine faster at this shape's nearest bucket on this GPU
+#: (the engine table beside the configs). On an H100, deepseek-v3 at M = 4096 took 7.65 ms on
+#: the library and 5.53 ms on the engine; at M = 16384 the library won (14.18 vs 15.35 ms)
+MEASURED_FASTER = "the wgmma engine measured faster at this shape and token count (fusedmoe tune)"
 #: chosen by the oracle (not by name), a call with fewer slots per expert (M * k / E) than this
 #: runs on the triton backend: on an H200 (benchmarks/bench_fp8_backends.py, the four fp8_block
 #: presets) triton is faster up to 64 slots per expert (1.0x to 1.4x), the library from 128
@@ -227,12 +234,43 @@ class DeepGemmExperts(Experts):
         return True
 
     @classmethod
-    def engine_description(cls) -> str:
-        """Which GEMMs run (fusedmoe backends, the oracle's explanation)."""
+    def engine_description(cls, problem=None) -> str:
+        """Which GEMMs run (fusedmoe backends, the oracle's explanation), and for a problem
+        that both the library and the wgmma engine run, which one takes which token counts."""
         missing = cls.is_available()
         if missing is not None:  # every engine is a Triton kernel or needs one beside it
             return f"none: {missing}"
-        return cls._engines()
+        engines = cls._engines()
+        if problem is None or not (cls.library_runs(problem) and cls.wgmma_runs(problem)):
+            return engines
+        from fusedmoe.kernels.fused_moe import device_name
+        from fusedmoe.kernels.moe_config import TABLE_ENGINES, engine_table
+
+        device = device_name(problem.device)
+        if device is None:  # the interpreter: no tables
+            return engines
+        shape = (
+            problem.num_experts // problem.ep_size,
+            problem.activation.kind.gemm1_out_size(problem.intermediate_size),
+            problem.hidden_size,
+        )
+        found = engine_table(*shape, problem.quant_config.scheme, device)
+        if found is None:
+            return (
+                f"{engines}; both run this shape: the library takes every call (no engine "
+                f"table for E_l, N, K = {shape} on {device}: `fusedmoe tune --dtype fp8_block` "
+                "measures the two)"
+            )
+        table, path = found
+        taken = "; ".join(
+            f"{engine} at M = {', '.join(str(m) for m in sorted(table) if table[m] == engine)}"
+            for engine in TABLE_ENGINES
+            if engine in table.values()
+        )
+        return (
+            f"{engines}; both run this shape: each call takes the engine measured faster at "
+            f"the nearest token count ({taken}; {path})"
+        )
 
     @classmethod
     def _engines(cls) -> str:
@@ -372,10 +410,14 @@ class DeepGemmExperts(Experts):
             num_tokens, weights, qc, call.hidden_states, call.output.dtype
         )
         not_wgmma = "the library runs the call"
-        if not_library is not None and self.engine in ("auto", "wgmma"):
+        if self.engine in ("auto", "wgmma") and (
+            not_library is not None or (self.engine == "auto" and self._measured_faster(call))
+        ):
             not_wgmma = self.wgmma_reason(
                 weights, qc, call.hidden_states, call.a1q_scale, call.output.dtype
             )
+            if not_library is None and not_wgmma is None:  # both run it: the faster one
+                not_library = MEASURED_FASTER
         slots_per_expert = num_tokens * top_k / call.global_num_experts
         touched_mean = None  # slots per expert touched, where the host knows the counts
         meta = call.expert_tokens_meta
@@ -403,6 +445,20 @@ class DeepGemmExperts(Experts):
                 TritonExperts().apply(call)
                 return
         self._run_contiguous(call, not_library, not_wgmma, slots_per_expert)
+
+    def _measured_faster(self, call) -> bool:
+        """Whether `fusedmoe tune` measured the wgmma engine faster than the library at the
+        nearest bucket of this call's shape on this GPU (kernels.moe_config.measured_engine:
+        resolved once per signature)."""
+        from fusedmoe.kernels.fused_moe import device_name
+        from fusedmoe.kernels.moe_config import measured_engine
+
+        weights = call.weights
+        engine = measured_engine(
+            call.topk_ids.shape[0], weights.num_local_experts, weights.gemm1_out_size,
+            weights.hidden_size, call.quant_config.scheme, device_name(call.hidden_states),
+        )  # fmt: skip
+        return engine == "wgmma"
 
     def _branch_on_device(self, call, not_library, not_wgmma, slots_per_expert) -> bool:
         """Where the wgmma engine can win more than the choice on the GPU costs

@@ -83,9 +83,11 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def device_name(t: torch.Tensor) -> str | None:
-    """The GPU's name for the tuned tables; None on the interpreter."""
-    return _device_name(t.device.index or 0) if t.is_cuda else None
+def device_name(t: torch.Tensor | torch.device) -> str | None:
+    """The name of the GPU a tensor (or device) is on, for the tuned tables; None on the
+    interpreter."""
+    device = t if isinstance(t, torch.device) else t.device
+    return _device_name(device.index or 0) if device.type == "cuda" else None
 
 
 def _bytes_view(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype):

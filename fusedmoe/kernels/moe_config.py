@@ -9,6 +9,14 @@ looked up first in the user's directory ($FUSEDMOE_TUNED_CONFIGS, else <cache di
 `fusedmoe tune` writes by default; the cache dir is $FUSEDMOE_CACHE_DIR or ~/.cache/fusedmoe),
 then in the tables shipped in fusedmoe/kernels/tuned/; the entry of the nearest M is used.
 N is the w13 rows per expert (2I gated), K the hidden size.
+
+Beside them, for fp8_block, `fusedmoe tune` records which GEMM engine of the deep_gemm backend
+was faster per bucket where both run (the DeepGEMM library's GEMMs or our wgmma ones):
+
+    <device name>/engines/E=<E_l>,N=<N>,K=<K>,dtype=fp8_block.json
+        {"<M>": {"engine": "library" | "wgmma", "library_ms": [...], "wgmma_ms": [...]}, ...}
+
+(the times: medians under uniform and skewed routing, the evidence kept with the choice).
 """
 
 from __future__ import annotations
@@ -27,9 +35,13 @@ from fusedmoe._paths import CACHE_ENV, user_tuned_dir
 from fusedmoe._triton import next_power_of_2
 
 __all__ = [
+    "TABLE_ENGINES",
     "TUNED_CONFIGS_ENV",
     "GemmConfig",
     "MoEKernelConfig",
+    "engine_table",
+    "engine_table_path",
+    "measured_engine",
     "moe_kernel_config",
     "table_path",
     "use_moe_kernel_config",
@@ -158,6 +170,86 @@ def _tuned(device_name: str | None, e: int, n: int, k: int, dtype: str, m: int):
         if table:
             return table[min(table, key=lambda key: (abs(key - m), key))]
     return None
+
+
+#: the deep_gemm backend's GEMM engines an engine table may name
+TABLE_ENGINES = ("library", "wgmma")
+
+
+def engine_table_path(root: Path, device_name: str, e: int, n: int, k: int, dtype: str) -> Path:
+    return root / _safe(device_name) / "engines" / f"E={e},N={n},K={k},dtype={dtype}.json"
+
+
+def _load_engine_table(path: Path) -> dict[int, str] | None:
+    """The table at path, or None; read again when the file changes (tune writes it)."""
+    if not path.is_file():
+        return None
+    return _parse_engine_table(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_engine_table(path: str, _mtime_ns: int) -> dict[int, str]:
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"engine table {p} is not readable JSON: {exc}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"engine table {p}: expected an object of M -> {{'engine': ...}}")
+    table = {}
+    for m, entry in raw.items():
+        engine = entry.get("engine") if isinstance(entry, dict) else None
+        if not str(m).isdigit() or engine not in TABLE_ENGINES:
+            raise ValueError(
+                f"engine table {p} [{m!r}]: expected a token count -> {{'engine': one of "
+                f"{TABLE_ENGINES}}}, got {entry!r}"
+            )
+        table[int(m)] = engine
+    return table
+
+
+def engine_table(
+    num_local_experts: int, gemm1_rows: int, hidden_size: int, dtype: str, device_name: str
+) -> tuple[dict[int, str], Path] | None:
+    """The measured engine table of a shape on this device (the user's first, then the
+    shipped one) and its path, or None where none was measured."""
+    for root in (user_tables_dir(), SHIPPED_DIR):
+        path = engine_table_path(
+            root, device_name, num_local_experts, gemm1_rows, hidden_size, dtype
+        )
+        table = _load_engine_table(path)
+        if table:
+            return table, path
+    return None
+
+
+def measured_engine(
+    num_tokens: int,
+    num_local_experts: int,
+    gemm1_rows: int,
+    hidden_size: int,
+    dtype: str,
+    device_name: str | None,
+) -> str | None:
+    """The engine measured faster at the nearest bucket of this shape on this device, or None
+    (no table, or the interpreter: device_name None)."""
+    if device_name is None:
+        return None
+    return _measured_engine(
+        num_tokens, num_local_experts, gemm1_rows, hidden_size, dtype, device_name,
+        os.environ.get(TUNED_CONFIGS_ENV), os.environ.get(CACHE_ENV),
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _measured_engine(
+    num_tokens, num_local_experts, gemm1_rows, hidden_size, dtype, device_name, _env, _cache
+) -> str | None:  # resolved once per signature, as _resolved_config is
+    found = engine_table(num_local_experts, gemm1_rows, hidden_size, dtype, device_name)
+    if found is None:
+        return None
+    table = found[0]
+    return table[min(table, key=lambda key: (abs(key - num_tokens), key))]
 
 
 def moe_kernel_config(

@@ -59,9 +59,10 @@ class Experts(abc.ABC):
         return cls()
 
     @classmethod
-    def engine_description(cls) -> str | None:
+    def engine_description(cls, problem: MoEProblem | None = None) -> str | None:
         """Which GEMM engine runs here, where a backend has several (fusedmoe backends and the
-        oracle's explanation print it); None where there is nothing to choose."""
+        oracle's explanation print it; the explanation passes its problem, for what depends on
+        the shape); None where there is nothing to choose."""
         return None
 
     # ---- capabilities (class-level: the oracle asks before building anything) ----

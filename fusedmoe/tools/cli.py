@@ -421,6 +421,12 @@ def _add_tune(sub) -> None:
     )
     p.add_argument("--ship", action="store_true", help="write into fusedmoe/kernels/tuned/")
     p.add_argument(
+        "--engines-only",
+        action="store_true",
+        help="fp8_block: only time deep_gemm's GEMM engines (the DeepGEMM library, wgmma) and "
+        "write which is faster per bucket; the kernel configs are left as they are",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=None,

@@ -42,6 +42,12 @@ For each token bucket M (the shape's real sizes):
                 heuristic's config at the full M; a winner that fails is dropped for the next
                 best (then today's config under keep-uniform, then the heuristic's)
 
+For fp8_block, where the DeepGEMM library and our wgmma GEMMs both run the shape, each bucket
+also times the deep_gemm backend on each engine (the same timing, both routings) and records the
+faster (least worst ratio) with both times in the engine table beside the configs
+(kernels.moe_config.engine_table_path); deep_gemm's "auto" engine then takes the measured winner
+at the nearest bucket. --engines-only measures the engines and leaves the configs alone.
+
 The table, {"<M>": config}, goes to table_path(root, device name, E_l, N, H, dtype) where root
 is --out (default: $FUSEDMOE_TUNED_CONFIGS, else <cache dir>/tuned, both read automatically),
 or the package's fusedmoe/kernels/tuned/ with --ship. Entries already in the file for other
@@ -74,15 +80,19 @@ __all__ = [
     "RULES",
     "TUNE_DTYPES",
     "UNIFORM_SLACK",
+    "EngineResult",
     "TuneResult",
     "TuneShape",
     "candidates_around",
     "check_rule",
+    "engines_unmeasurable",
     "least_worst_ratio",
     "ranked_choices",
     "rule_scores",
+    "tune_engines",
     "tune_shape",
     "uniform_kept_score",
+    "write_engine_table",
 ]
 
 #: --dtype names -> (activation dtype, the tables' dtype key, weight scheme or None)
@@ -501,6 +511,131 @@ def write_table(
 
 
 # ---------------------------------------------------------------------------------------------
+# the deep_gemm backend's GEMM engines (fp8_block): the DeepGEMM library or our wgmma GEMMs
+
+
+@dataclass
+class EngineResult:
+    tokens: int
+    engine: str  # the faster: "library" or "wgmma"
+    times_ms: dict[str, tuple[float, ...]]  # engine -> median ms under each of ROUTINGS
+    rel_err: float  # the two engines' outputs against each other (normalised max)
+
+
+def engines_unmeasurable(shape: TuneShape, dtype: str) -> str | None:
+    """None where both GEMM engines of the deep_gemm backend run `shape` on this GPU (then
+    tune_engines measures which is faster), else why there is nothing to choose."""
+    from fusedmoe.experts.deep_gemm import DeepGemmExperts
+    from fusedmoe.modular.types import ActivationSpec, MoEProblem
+    from fusedmoe.quant.config import quantize_experts
+
+    if dtype != "fp8_block":
+        return f"only fp8_block has two engines, not {dtype}"
+    tiny = quantize_experts(torch.randn(1, 256, 128), torch.randn(1, 128, 128), dtype)
+    problem = MoEProblem(
+        device=torch.device("cuda", torch.cuda.current_device()), dtype=torch.bfloat16,
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_experts=shape.num_experts, top_k=shape.top_k,
+        activation=ActivationSpec.make(shape.activation), quant_config=tiny[2],
+    )  # fmt: skip
+    if not DeepGemmExperts.library_runs(problem):
+        return "the DeepGEMM library does not run it here"
+    if not DeepGemmExperts.wgmma_runs(problem):
+        return "the wgmma engine does not run it here"
+    return None
+
+
+def tune_engines(
+    shape: TuneShape, dtype: str, tokens: list[int], *, rep_ms: float = 20.0, log=print
+) -> list[EngineResult]:
+    """For each bucket: the deep_gemm backend by name on the library's GEMMs and on ours
+    (wgmma), the whole call timed as the configs are (CUDA-graph medians under each routing);
+    the faster by the least worst ratio over the routings. The two outputs must agree."""
+    import triton.testing
+
+    from fusedmoe.experts.deep_gemm import DeepGemmExperts
+    from fusedmoe.modular.kernel import FusedMoEModularKernel
+    from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
+    from fusedmoe.modular.types import ActivationSpec, ExpertWeights
+
+    act_dtype, dtype_key, scheme = TUNE_DTYPES[dtype]
+    device = torch.device("cuda", torch.cuda.current_device())
+    e, k, h = shape.num_experts, shape.top_k, shape.hidden_size
+    w13, w2 = make_expert_weights(
+        shape.name, e, h, shape.intermediate_size, shape.activation, act_dtype, device
+    )
+    experts = quantize_expert_set(w13, w2, scheme, with_plain=False)
+    del w13, w2
+    weights = ExpertWeights(experts.w13, experts.w2)
+    kernels = {
+        engine: FusedMoEModularKernel(
+            NoEPPrepareFinalize(), DeepGemmExperts(strict=True, engine=engine)
+        )
+        for engine in ("library", "wgmma")
+    }
+    results = []
+    for m in tokens:
+        routings = [
+            make_routing(shape.name, m, e, k, h, kind, act_dtype, device) for kind in ROUTINGS
+        ]
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        outputs: dict[str, torch.Tensor] = {}
+        worst = 0.0
+        for r in routings:
+            for name, kernel in kernels.items():
+                call = functools.partial(
+                    kernel.forward, r.x, weights, r.topk_weights, r.topk_ids,
+                    activation=ActivationSpec.make(shape.activation), global_num_experts=e,
+                    quant_config=experts.quant_config,
+                )  # fmt: skip
+                outputs[name] = call().clone()  # compiles outside the capture
+                settle(call, device)
+                times[name].append(
+                    triton.testing.do_bench_cudagraph(call, rep=rep_ms, return_mode="median")
+                )
+            ok, err = _close_enough(outputs["wgmma"], outputs["library"], dtype_key)
+            if not ok:
+                raise RuntimeError(
+                    f"{shape.name} M={m}: the wgmma engine's output differs from the library's "
+                    f"(rel_err {err:.2e}): a kernel bug, report it"
+                )
+            worst = max(worst, err)
+        timed = {name: tuple(t) for name, t in times.items()}
+        score = least_worst_ratio(timed)
+        engine = min(score, key=lambda name: (score[name], name != "library"))
+        results.append(EngineResult(m, engine, timed, worst))
+        log(
+            f"  M={m}: library {_ms(timed['library'])} ms, wgmma {_ms(timed['wgmma'])} ms "
+            f"({'/'.join(ROUTINGS)}): {engine}"
+        )
+    del experts, weights
+    torch.cuda.empty_cache()
+    return results
+
+
+def write_engine_table(
+    root: Path, device_name: str, shape: TuneShape, dtype: str, results: list[EngineResult]
+) -> Path:
+    """Merge the engine choices into their table beside the configs (other buckets kept)."""
+    from fusedmoe.kernels.moe_config import engine_table_path
+
+    path = engine_table_path(
+        root, device_name, shape.num_experts, shape.gemm1_rows, shape.hidden_size,
+        TUNE_DTYPES[dtype][1],
+    )  # fmt: skip
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    for res in results:
+        table[str(res.tokens)] = {
+            "engine": res.engine,
+            **{f"{name}_ms": [round(t, 4) for t in ts] for name, ts in res.times_ms.items()},
+        }
+    table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
 # the command
 
 
@@ -569,13 +704,21 @@ def run_tune_command(args) -> int:
                 f"H={shape.hidden_size} I={shape.intermediate_size} {shape.activation}",
                 flush=True,
             )
-            results = tune_shape(
-                shape, dtype, tokens, budget_s=budget, max_configs=args.max_configs,
-                rep_ms=args.rep_ms, min_gain=args.min_gain,
-                log=lambda text: print(text, flush=True), rule=args.rule,
-                uniform_slack=args.uniform_slack,
-            )  # fmt: skip
-            path = write_table(root, device_name, shape, dtype, results)
-            print(f"  wrote {path}", flush=True)
+            log = functools.partial(print, flush=True)
+            if not args.engines_only:
+                results = tune_shape(
+                    shape, dtype, tokens, budget_s=budget, max_configs=args.max_configs,
+                    rep_ms=args.rep_ms, min_gain=args.min_gain, log=log, rule=args.rule,
+                    uniform_slack=args.uniform_slack,
+                )  # fmt: skip
+                log(f"  wrote {write_table(root, device_name, shape, dtype, results)}")
+            why_not = engines_unmeasurable(shape, dtype)
+            if why_not is not None:
+                if dtype == "fp8_block" or args.engines_only:
+                    log(f"  GEMM engines: nothing to choose ({why_not})")
+                continue
+            log("  GEMM engines of deep_gemm (the DeepGEMM library, our wgmma):")
+            engines = tune_engines(shape, dtype, tokens, rep_ms=args.rep_ms, log=log)
+            log(f"  wrote {write_engine_table(root, device_name, shape, dtype, engines)}")
     print(f"done in {time.perf_counter() - begin:.0f} s")
     return 0
