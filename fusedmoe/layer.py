@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from fusedmoe import layer_backends
 from fusedmoe._checks import FLOAT_DTYPES, check_positive_int, check_tensor
 from fusedmoe.activation import ActivationParams, MoEActivation
 from fusedmoe.layer_graphs import (
@@ -58,9 +59,9 @@ from fusedmoe.layer_graphs import (
 )
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.graphs import DEFAULT_MAX_TOKENS, may_replay
-from fusedmoe.modular.kernel import FusedMoEModularKernel, default_chunk_size
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights, InsideRouting, MoEProblem
-from fusedmoe.oracle import BackendChoice, get_backend, select_backend
+from fusedmoe.modular.kernel import default_chunk_size
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, InsideRouting
+from fusedmoe.oracle import BackendChoice
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
 from fusedmoe.parallel.placement import ExpertPlacement
@@ -70,15 +71,20 @@ from fusedmoe.parallel.wiring import (
     dp_dispatch,
     ep_partial,
     initial_placement,
-    prepare_finalize,
     set_placement,
 )
 from fusedmoe.quant.config import FusedMoEQuantConfig, check_inference_only
-from fusedmoe.router import ZeroExpertType, split_zero_experts
+from fusedmoe.router import ZeroExpertSplit, ZeroExpertType, split_zero_experts
 from fusedmoe.router.factory import RouterBuilder
 from fusedmoe.weights import loading, quantize
 from fusedmoe.weights.quantize import call_quant_config
-from fusedmoe.weights.tensors import as_buffer, expert_params, expert_weights, reset_experts
+from fusedmoe.weights.tensors import (
+    as_buffer,
+    create_experts,
+    expert_params,
+    expert_weights,
+    reset_experts,
+)
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -137,10 +143,6 @@ class FusedMoE(nn.Module):
         if params_dtype not in FLOAT_DTYPES:
             raise TypeError(f"params_dtype must be a float dtype, got {params_dtype}")
         self.parallel_config = parallel_config or ParallelConfig()
-        if not isinstance(self.parallel_config, ParallelConfig):
-            raise TypeError(
-                f"parallel_config must be a ParallelConfig, got {type(parallel_config).__name__}"
-            )
         check_parallel(self.parallel_config, self.num_experts, routed_output_transform)
         if shared_expert_gate is not None and shared_experts is None:
             raise ValueError("shared_expert_gate needs shared_experts")
@@ -165,20 +167,8 @@ class FusedMoE(nn.Module):
         #: intermediate size of the stored weights: intermediate_size, or that rounded up to the
         #: K-group width of a quantization scheme (see quantize_)
         self.padded_intermediate_size = intermediate_size
-        factory = {"dtype": params_dtype, "device": device}
-        num_local = self.local_num_experts
-        num_n = self.activation.kind.gemm1_out_size(intermediate_size)
-        self.w13_weight = nn.Parameter(torch.empty(num_local, num_n, hidden_size, **factory))
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_local, hidden_size, intermediate_size, **factory)
-        )
-        self.has_bias = has_bias
-        if has_bias:
-            self.w13_bias = nn.Parameter(torch.empty(num_local, num_n, **factory))
-            self.w2_bias = nn.Parameter(torch.empty(num_local, hidden_size, **factory))
-        else:
-            self.register_parameter("w13_bias", None)
-            self.register_parameter("w2_bias", None)
+        # w13_weight [E_l, N, H], w2_weight [E_l, H, I] (+ w13_bias [E_l, N], w2_bias [E_l, H])
+        create_experts(self, has_bias, params_dtype, device)
         self.register_buffer("e_score_correction_bias", as_buffer(e_score_correction_bias, device))
         self.register_buffer("hash_indices_table", as_buffer(hash_indices_table, device))
         self._router_builder = RouterBuilder(
@@ -225,16 +215,9 @@ class FusedMoE(nn.Module):
 
     def _sync_router(self) -> None:
         """Rebuild the router where a buffer it holds was replaced, not changed in place
-        (fusedmoe.router.factory.RouterBuilder.synced; .to() rebuilds it in _apply).
-
-        The buffers are read before the router's attributes, for torch.compile: a tensor Dynamo
-        first meets as a plain attribute becomes a non-static graph input, which CUDA graph
-        trees copy at every replay; met first as a buffer it is a static one, and Dynamo reuses
-        that input wherever it meets the tensor again."""
-        router = self._router_builder.synced(
-            self.router, self.e_score_correction_bias, self.hash_indices_table
-        )
-        if router is not self.router:
+        (RouterBuilder.synced says why the buffers are read first)."""
+        buffers = (self.e_score_correction_bias, self.hash_indices_table)
+        if (router := self._router_builder.synced(self.router, *buffers)) is not self.router:
             self.router = router
 
     def _set_placement(self, placement: ExpertPlacement, device=None) -> None:
@@ -263,59 +246,21 @@ class FusedMoE(nn.Module):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
     ) -> list[str]:
-        """Copy checkpoint tensors into the layer; returns the names loaded.
-
-        Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an
-        unquantized layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer
-        quantized to their scheme); also `e_score_correction_bias` and, when the layer has them,
-        `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
-        to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
-        name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
-
-        Checkpoints are global: under expert parallelism the layer keeps its rank's experts
-        (the others' names are skipped and not returned). A layer whose intermediate size was
-        padded (quantize_) takes tensors of the padded layout, padded_intermediate_size wide.
-
-        strict (as nn.Module.load_state_dict): when the checkpoint names any expert tensor, every
-        expert tensor of this rank's experts (gate, up and down rows; biases; scales when
-        quantized) must have been written by this call or an earlier one, else ValueError
-        listing what is missing. The tensors named were copied before the check, so after that
-        error the layer is half loaded. strict=False loads in parts (one call per checkpoint
-        file, say); missing_weights() then says what is left. Shared experts and
-        e_score_correction_bias are outside the check: modules and buffers of their own.
-        """
+        """Copy checkpoint tensors (global, named as fusedmoe.weights.names reads them) into
+        the layer; returns the names loaded. strict: every expert tensor of this rank's experts
+        must be written by now, else ValueError (strict=False loads in parts; missing_weights
+        says what is left). fusedmoe.weights.loading.load_weights says what is accepted."""
         return loading.load_weights(self, weights, strict=strict)
 
     def missing_weights(self) -> list[str]:
         """The expert tensors no load_weights call has written yet ([] once all are), e.g.
-        ["w13_weight gate rows of experts [1-127]", "w2_weight of experts [0-127]"]; experts by
-        global id, this rank's only under EP.
-
-        A fresh layer holds random weights (usable) and reports them all missing: none were
-        loaded. quantize_ keeps the report (the quantized tensors are as loaded as the float
-        ones); reset_parameters clears it.
-        """
+        ["w13_weight gate rows of experts [1-127]", "w2_weight of experts [0-127]"]."""
         return loading.missing_weights(self)
 
     def quantize_(self, scheme: str, **config_kwargs) -> FusedMoE:
-        """Quantize the experts' float weights in place to `scheme` (see fusedmoe.quant.config).
-
-        config_kwargs: those of make_quant_config (static a1_scale / a2_scale for fp8_tensor,
-        per_token_activations, use_ue8m0, column_major_scales, fast_accum for fp8_block,
-        gemm1_* parameters).
-
-        Schemes whose K groups must be whole (MX: 32, NVFP4: 16) pad the intermediate size I
-        up to a multiple of the group, Ip = padded_intermediate_size (gpt-oss: I = 2880 is one
-        already, nothing changes). Padded with zeros: the gate rows [I, Ip) and up rows [I, Ip)
-        of w13 and w13_bias (for the interleaved swigluoai, the pairs I .. Ip - 1 at rows
-        [2I, 2Ip)), and the columns [I, Ip) of w2. Those channels compute act(0) and meet zero
-        columns of w2, so the output is that of the unpadded weights exactly. load_weights then
-        takes checkpoints of the padded layout (as gpt-oss ships them).
-
-        Weights holding NaN or Inf are refused (ValueError naming the tensor and the expert).
-        The quantized weights and scales count as loaded where the float weights were (see
-        missing_weights): quantizing a loaded layer leaves nothing missing.
-        """
+        """Quantize the experts' float weights in place to `scheme` (fusedmoe.quant.config),
+        config_kwargs as make_quant_config takes them; intermediate_size may be zero-padded to
+        padded_intermediate_size, the output unchanged (fusedmoe.weights.quantize.quantize_)."""
         return quantize.quantize_(self, scheme, **config_kwargs)
 
     @property
@@ -332,23 +277,11 @@ class FusedMoE(nn.Module):
         """The weights as a backend of this H alignment consumes them (weights.tensors)."""
         return expert_weights(self, alignment)
 
-    # ---- backend ----
+    # ---- backend (fusedmoe.layer_backends) ----
     def set_backend(self, backend: str | type[Experts]) -> None:
-        """Run on `backend` ("auto": the oracle's choice per device and dtype) from now on.
-
-        Checked at once for the parameters' device and dtype: an impossible choice is refused
-        here rather than at the first forward.
-        """
-        if not (isinstance(backend, str) and backend == "auto"):
-            get_backend(backend)
-        previous = getattr(self, "backend", None), getattr(self, "_kernels", None)
-        self.backend = backend
-        self._kernels: dict[tuple, tuple[BackendChoice, FusedMoEModularKernel]] = {}
-        try:
-            self.backend_choice()
-        except (ValueError, TypeError):
-            self.backend, self._kernels = previous  # a refused choice changes nothing
-            raise
+        """Run on `backend` ("auto": the oracle's choice per device and dtype) from now on;
+        checked at once for the parameters' device and dtype (refused here, not at a forward)."""
+        layer_backends.set_backend(self, backend)
 
     def backend_choice(
         self,
@@ -365,38 +298,8 @@ class FusedMoE(nn.Module):
         return self._kernel(device, dtype, requires_grad)[0]
 
     def _kernel(self, device: torch.device, dtype: torch.dtype, requires_grad: bool):
-        key = (device, dtype, requires_grad)
-        if key not in self._kernels:
-            pc = self.parallel_config
-            problem = MoEProblem(
-                device=device,
-                dtype=dtype,
-                hidden_size=self.hidden_size,
-                intermediate_size=self.padded_intermediate_size,
-                num_experts=self.num_experts,
-                top_k=self.top_k,
-                activation=self.activation,
-                quant_config=call_quant_config(self),
-                has_bias=self.has_bias,
-                # a block of logical experts runs on a shift (monolithic); anything else on a map
-                has_expert_map=self.expert_start is None,
-                ep_size=pc.ep_size,
-                all2all_backend=pc.all2all_backend if pc.moves_tokens else None,
-                sequence_parallel=pc.sequence_parallel,
-                requires_grad=requires_grad,
-                has_router_logits=True,
-            )
-            choice = select_backend(problem, backend=self.backend)
-            if choice.experts_cls.routes_inside:  # handed the logits: no modular kernel
-                self._kernels[key] = (choice, choice.create())
-            else:
-                kernel = FusedMoEModularKernel(
-                    prepare_finalize(pc, self.placement),
-                    choice.create(),
-                    chunk_size=self.chunk_size,
-                )
-                self._kernels[key] = (choice, kernel)
-        return self._kernels[key]
+        """(the backend chosen for calls of this signature, the runner they call)"""
+        return layer_backends.kernel(self, device, dtype, requires_grad)
 
     # ---- forward ----
     def forward(
@@ -417,14 +320,9 @@ class FusedMoE(nn.Module):
 
     def forward_gated(self, hidden_states: torch.Tensor, gate: RouterGate) -> torch.Tensor:
         """forward(hidden_states, gate.logits(gate.module, x)), for a caller that owns the
-        router: hidden_states [..., H] -> [..., H].
-
-        Where the call replays a CUDA graph, the logits are computed inside it, and so are the
-        shared experts when nothing runs between them and the routed sum (no zero experts, no
-        routed transforms): the whole block is one graph launch, its input copied in and its
-        output out. Only modules a graph may stand in for are captured (graph_reads of
-        fusedmoe.modular.graphs: torch's, transformers' and fusedmoe's own classes, in eval
-        mode, called plainly); the others, hooks and all, run eagerly, outside the graph."""
+        router: hidden_states [..., H] -> [..., H]. Where the call replays a CUDA graph, the
+        logits (and the shared experts) are computed inside it: one graph launch for the block
+        (fusedmoe.layer_graphs says which modules a graph may stand in for)."""
         x = check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES)
         if not isinstance(gate, RouterGate):
             raise TypeError(f"gate must be a RouterGate, got {type(gate).__name__}")
@@ -453,14 +351,13 @@ class FusedMoE(nn.Module):
         # a gate stays for a CUDA graph to compute (never under autograd or tracing)
         if gate is not None and (torch.is_grad_enabled() or torch.compiler.is_compiling()):
             logits, gate = gate_logits(gate, x), None
-        params = expert_params(self)
         grad = torch.is_grad_enabled() and (
             x_routed.requires_grad
             or logits.requires_grad  # the router's gradient flows through the top-k weights
-            or any(p.requires_grad for p in params)
+            or any(p.requires_grad for p in expert_params(self))
         )
         if grad and self.quant_scheme is not None:  # before any backend is chosen
-            check_inference_only(call_quant_config(self), params, x_routed)
+            check_inference_only(call_quant_config(self), expert_params(self), x_routed)
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
         replayed = None  # decode calls from CUDA graphs (fusedmoe.layer_graphs)
         graphed = input_ids is None and graph_safe(self, choice)
@@ -501,15 +398,10 @@ class FusedMoE(nn.Module):
         """Route, then run the modular kernel: -> (y [T, H], zero experts' output or None)."""
         topk_weights, topk_ids = self.router.select_experts(x_routed, logits, input_ids)
         zero_output = None
-        if self.zero_expert_num > 0:
-            split = split_zero_experts(
-                x_routed, topk_weights, topk_ids, self.num_experts, self.zero_expert_type
-            )
-            topk_weights, topk_ids, zero_output = (
-                split.topk_weights,
-                split.topk_ids,
-                split.zero_output,
-            )
+        if self.zero_expert_num > 0:  # their slots emptied, their output computed here
+            split = self._split_zero_experts(x_routed, topk_weights, topk_ids)
+            topk_weights, topk_ids = split.topk_weights, split.topk_ids
+            zero_output = split.zero_output
         if self.record_expert_load:
             record_expert_load(self.expert_load, topk_ids)
         if self.logical_to_physical is not None:  # EPLB: each slot picks one replica
@@ -551,14 +443,13 @@ class FusedMoE(nn.Module):
             record_expert_load(self.expert_load, result.topk_ids)
         zero_output = None
         if self.zero_expert_num > 0:
-            zero_output = split_zero_experts(
-                x_routed,
-                result.topk_weights,
-                result.topk_ids,
-                self.num_experts,
-                self.zero_expert_type,
-            ).zero_output
+            split = self._split_zero_experts(x_routed, result.topk_weights, result.topk_ids)
+            zero_output = split.zero_output
         return result.output, zero_output
+
+    def _split_zero_experts(self, x_routed, topk_weights, topk_ids) -> ZeroExpertSplit:
+        zero_type = self.zero_expert_type
+        return split_zero_experts(x_routed, topk_weights, topk_ids, self.num_experts, zero_type)
 
     def _check_routed_input(self, x_routed: torch.Tensor, x: torch.Tensor) -> None:
         where = "" if self.routed_input_transform is None else " (after routed_input_transform)"
@@ -578,15 +469,12 @@ class FusedMoE(nn.Module):
             )
 
     def extra_repr(self) -> str:
+        padded = self.padded_intermediate_size
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, activation={self.activation.kind.value}, "
             f"has_bias={self.has_bias}, backend={getattr(self.backend, 'name', self.backend)!r}, "
             f"router={self.router!r}"
-            + (
-                ""
-                if self.padded_intermediate_size == self.intermediate_size
-                else f", padded_intermediate_size={self.padded_intermediate_size}"
-            )
+            + ("" if padded == self.intermediate_size else f", padded_intermediate_size={padded}")
             + describe_placement(self.parallel_config, self.placement, self.expert_start)
         )

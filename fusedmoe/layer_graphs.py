@@ -5,8 +5,12 @@ routed part is graph safe replays a graph of that part, captured once per token 
 
     routed(x, logits)      router -> zero-expert split -> experts        (forward)
     routed(x)              gate.logits(gate.module, x) -> the same       (forward_gated)
-                           + shared_experts(x) * sigmoid(shared_expert_gate(x)), where nothing
+    either one             + shared_experts(x) * sigmoid(shared_expert_gate(x)), where nothing
                            runs between them and the routed sum (shared_reads)
+
+The gate and the shared experts are captured only where a graph may stand in for their modules
+(fusedmoe.modular.graphs.graph_reads: torch's, transformers' and fusedmoe's own classes, in
+eval mode, called plainly); the others, hooks and all, run eagerly, outside the graph.
 
 The key holds everything the captured launches read by address besides their inputs: the
 logits' dtype and width (or the gate's function and its module's tensors), the shared experts'
@@ -29,8 +33,7 @@ from torch import nn
 
 from fusedmoe._checks import FLOAT_DTYPES, check_tensor
 from fusedmoe.modular.graphs import GraphCache, graph_reads
-from fusedmoe.modular.kernel import FusedMoEModularKernel
-from fusedmoe.parallel.wiring import prepare_finalize
+from fusedmoe.parallel.wiring import make_runner
 from fusedmoe.weights.quantize import call_quant_config
 
 if TYPE_CHECKING:
@@ -134,15 +137,11 @@ def forward_graphed(
     runner = runners.get((device, dtype))
     if runner is None:
         # its own modular kernel: workspaces that are never freed while a graph holds them
-        _, experts = layer._kernel(device, dtype, False)
-        if not choice.experts_cls.routes_inside:
-            experts = FusedMoEModularKernel(
-                prepare_finalize(layer.parallel_config, layer.placement),
-                experts.experts,
-                chunk_size=layer.chunk_size,
-                retain_workspaces=True,
-            )
-        runner = runners[(device, dtype)] = experts
+        _, eager = layer._kernel(device, dtype, False)
+        experts = eager if choice.experts_cls.routes_inside else eager.experts
+        pc, placement = layer.parallel_config, layer.placement
+        runner = make_runner(experts, pc, placement, layer.chunk_size, retain_workspaces=True)
+        runners[(device, dtype)] = runner
     reads_of_shared = shared_reads(layer)
     with_shared = reads_of_shared is not None
 

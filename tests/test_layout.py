@@ -17,6 +17,7 @@ RANKS = [
     ("fusedmoe.tools", 7),
     ("fusedmoe.integrations", 7),
     ("fusedmoe.layer", 6),
+    ("fusedmoe.layer_backends", 6),  # the layer's backend choice and runners
     ("fusedmoe.layer_graphs", 6),  # the layer's calls replayed from CUDA graphs
     ("fusedmoe.functional", 6),
     ("fusedmoe.weights", 6),

@@ -5,6 +5,7 @@ buffers that go with it, and the objects that move its tokens.
     initial_placement  the placement parallel_config asks for (fusedmoe.parallel.placement)
     set_placement      a placement and its buffers on the layer: expert_map, EPLB replica table
     prepare_finalize   the modular kernel's PrepareFinalize: NoEP unless tokens travel
+    make_runner        what a call runs: a modular kernel around the backend, or the backend
     dp_dispatch        the DP all-gather a backend that routes inside is handed (or None)
 
 torch.distributed is imported only where a dispatch is asked for.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize, PrepareFinalize
 from fusedmoe.modular.types import TokenDispatch
 from fusedmoe.parallel.config import ParallelConfig
@@ -27,7 +30,9 @@ def ep_partial(pc: ParallelConfig) -> bool:
 
 
 def check_parallel(pc: ParallelConfig, num_experts: int, routed_output_transform) -> None:
-    """Refuse a parallel config the layer cannot run (ValueError saying why)."""
+    """Refuse a parallel config the layer cannot run (TypeError / ValueError saying why)."""
+    if not isinstance(pc, ParallelConfig):
+        raise TypeError(f"parallel_config must be a ParallelConfig, got {type(pc).__name__}")
     if pc.ep_size > num_experts + pc.num_redundant_experts:
         raise ValueError(
             f"parallel_config.ep_size ({pc.ep_size}) must be <= num_experts ({num_experts})"
@@ -112,6 +117,27 @@ def prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement) -> PrepareF
 
     return NaiveEPPrepareFinalize(
         pc.ep_size, pc.ep_rank, pc.group, sequence_parallel=pc.sequence_parallel
+    )
+
+
+def make_runner(
+    experts: Experts,
+    pc: ParallelConfig,
+    placement: ExpertPlacement,
+    chunk_size: int,
+    *,
+    retain_workspaces: bool = False,
+) -> Experts | FusedMoEModularKernel:
+    """What the layer's calls on backend `experts` run: the backend itself where it routes
+    inside (it is handed the logits), else a modular kernel of the parallel config's
+    prepare/finalize around it (retain_workspaces: workspaces never freed, for CUDA graphs)."""
+    if experts.routes_inside:
+        return experts
+    return FusedMoEModularKernel(
+        prepare_finalize(pc, placement),
+        experts,
+        chunk_size=chunk_size,
+        retain_workspaces=retain_workspaces,
     )
 
 

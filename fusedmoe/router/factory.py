@@ -151,7 +151,12 @@ class RouterBuilder:
         hash_indices_table: torch.Tensor | None,
     ) -> Router:
         """`router` where the tensors it holds are the owner's (those given), else a new one
-        built on them. The owner passes its buffers, read before the router's attributes."""
+        built on them.
+
+        The owner's buffers are read (as the arguments) before the router's attributes, for
+        torch.compile: a tensor Dynamo first meets as a plain attribute becomes a non-static
+        graph input, which CUDA graph trees copy at every replay; met first as a buffer it is a
+        static one, and Dynamo reuses that input wherever it meets the tensor again."""
         owned = (
             ("e_score_correction_bias", e_score_correction_bias),
             ("hash_indices_table", hash_indices_table),

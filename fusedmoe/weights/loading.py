@@ -127,7 +127,11 @@ def _mark(layer, record: ExpertWrites, target: WeightTarget, slots: list[int] | 
 
 def missing_weights(layer) -> list[str]:
     """What no load_weights call has written yet, one entry per tensor (and part): e.g.
-    "w13_weight gate rows of experts [1-127]"; experts by global (logical) id."""
+    "w13_weight gate rows of experts [1-127]"; experts by global (logical) id.
+
+    A fresh layer holds random weights (usable) and reports them all missing: none were
+    loaded. quantize_ keeps the report (the quantized tensors are as loaded as the float
+    ones); reset_parameters clears it."""
     record = expert_writes(layer)
     local_logical = layer.placement.local_logical(layer.parallel_config.ep_rank)
     missing = []
@@ -162,7 +166,27 @@ def _ranges(ids: list[int]) -> str:
 def load_weights(
     layer, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
 ) -> list[str]:
-    """FusedMoE.load_weights (its docstring says what is accepted)."""
+    """FusedMoE.load_weights: copy checkpoint tensors into the layer; returns the names loaded.
+
+    Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an
+    unquantized layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer
+    quantized to their scheme); also `e_score_correction_bias` and, when the layer has them,
+    `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
+    to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
+    name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
+
+    Checkpoints are global: under expert parallelism the layer keeps its rank's experts
+    (the others' names are skipped and not returned). A layer whose intermediate size was
+    padded (quantize_) takes tensors of the padded layout, padded_intermediate_size wide.
+
+    strict (as nn.Module.load_state_dict): when the checkpoint names any expert tensor, every
+    expert tensor of this rank's experts (gate, up and down rows; biases; scales when
+    quantized) must have been written by this call or an earlier one, else ValueError
+    listing what is missing. The tensors named were copied before the check, so after that
+    error the layer is half loaded. strict=False loads in parts (one call per checkpoint
+    file, say); missing_weights() then says what is left. Shared experts and
+    e_score_correction_bias are outside the check: modules and buffers of their own.
+    """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     shapes = dict(

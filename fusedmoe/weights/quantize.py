@@ -30,7 +30,25 @@ from fusedmoe.weights.loading import carry_writes_to_quantized, expert_writes
 
 @torch.no_grad()
 def quantize_(layer, scheme: str, **config_kwargs):
-    """FusedMoE.quantize_ (its docstring says what it does): -> the layer."""
+    """FusedMoE.quantize_: the experts' float weights quantized in place to `scheme` (see
+    fusedmoe.quant.config): -> the layer.
+
+    config_kwargs: those of make_quant_config (static a1_scale / a2_scale for fp8_tensor,
+    per_token_activations, use_ue8m0, column_major_scales, fast_accum for fp8_block; the
+    gemm1_* parameters are refused: a layer takes them from activation_params=).
+
+    Schemes whose K groups must be whole (MX: 32, NVFP4: 16) pad the intermediate size I
+    up to a multiple of the group, Ip = padded_intermediate_size (gpt-oss: I = 2880 is one
+    already, nothing changes). Padded with zeros: the gate rows [I, Ip) and up rows [I, Ip)
+    of w13 and w13_bias (for the interleaved swigluoai, the pairs I .. Ip - 1 at rows
+    [2I, 2Ip)), and the columns [I, Ip) of w2. Those channels compute act(0) and meet zero
+    columns of w2, so the output is that of the unpadded weights exactly. load_weights then
+    takes checkpoints of the padded layout (as gpt-oss ships them).
+
+    Weights holding NaN or Inf are refused (ValueError naming the tensor and the expert).
+    The quantized weights and scales count as loaded where the float weights were (see
+    missing_weights): quantizing a loaded layer leaves nothing missing.
+    """
     if layer.quant_scheme is not None:
         raise ValueError(f"the layer is already quantized ({layer.quant_scheme})")
     gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]

@@ -1,4 +1,5 @@
-"""The FusedMoE layer's expert tensors: their random init, and the view backends take.
+"""The FusedMoE layer's expert tensors: made, randomly initialised, and viewed as backends take
+them.
 
     w13_weight [E_l, N, H], w2_weight [E_l, H, I] (+ w13_bias [E_l, N], w2_bias [E_l, H])
     -> ExpertWeights, zero-padded along H where a backend needs H to be a multiple of its
@@ -26,6 +27,24 @@ def as_buffer(t: torch.Tensor | None, device) -> torch.Tensor | None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     return t.detach().clone().to(device) if device is not None else t.detach().clone()
+
+
+def create_experts(layer, has_bias: bool, dtype: torch.dtype, device) -> None:
+    """The layer's expert parameters, allocated (reset_experts fills them): w13_weight
+    [E_l, N, H], w2_weight [E_l, H, I], and with has_bias w13_bias [E_l, N], w2_bias [E_l, H]
+    (else registered as None)."""
+    factory = {"dtype": dtype, "device": device}
+    num_local, hidden, inter = layer.local_num_experts, layer.hidden_size, layer.intermediate_size
+    num_n = layer.activation.kind.gemm1_out_size(inter)
+    layer.w13_weight = nn.Parameter(torch.empty(num_local, num_n, hidden, **factory))
+    layer.w2_weight = nn.Parameter(torch.empty(num_local, hidden, inter, **factory))
+    layer.has_bias = has_bias
+    if has_bias:
+        layer.w13_bias = nn.Parameter(torch.empty(num_local, num_n, **factory))
+        layer.w2_bias = nn.Parameter(torch.empty(num_local, hidden, **factory))
+    else:
+        layer.register_parameter("w13_bias", None)
+        layer.register_parameter("w2_bias", None)
 
 
 def expert_params(layer) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,81 @@
+"""The FusedMoE layer's backends: the problem it poses the oracle, and what its calls run.
+
+    layer.backend     a backend name or class, or "auto" (the oracle's choice)
+    layer._kernels    (device, dtype, requires_grad) -> (BackendChoice, runner), made at the
+                      first call of each signature; emptied where the choice may change
+                      (set_backend, .to(), quantize_, a new placement), which also retires the
+                      layer's CUDA graphs (fusedmoe.layer_graphs)
+
+The runner is the backend itself where it routes inside, else a modular kernel around it
+(fusedmoe.parallel.wiring.make_runner).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fusedmoe.modular.experts import Experts
+from fusedmoe.modular.kernel import FusedMoEModularKernel
+from fusedmoe.modular.types import MoEProblem
+from fusedmoe.oracle import BackendChoice, get_backend, select_backend
+from fusedmoe.parallel.wiring import make_runner
+from fusedmoe.weights.quantize import call_quant_config
+
+if TYPE_CHECKING:
+    from fusedmoe.layer import FusedMoE
+
+
+def layer_problem(
+    layer: FusedMoE, device: torch.device, dtype: torch.dtype, requires_grad: bool
+) -> MoEProblem:
+    """What a call of the layer on `device` / `dtype` asks of a backend."""
+    pc = layer.parallel_config
+    return MoEProblem(
+        device=device,
+        dtype=dtype,
+        hidden_size=layer.hidden_size,
+        intermediate_size=layer.padded_intermediate_size,
+        num_experts=layer.num_experts,
+        top_k=layer.top_k,
+        activation=layer.activation,
+        quant_config=call_quant_config(layer),
+        has_bias=layer.has_bias,
+        # a block of logical experts runs on a shift (monolithic); anything else on a map
+        has_expert_map=layer.expert_start is None,
+        ep_size=pc.ep_size,
+        all2all_backend=pc.all2all_backend if pc.moves_tokens else None,
+        sequence_parallel=pc.sequence_parallel,
+        requires_grad=requires_grad,
+        has_router_logits=True,
+    )
+
+
+def kernel(
+    layer: FusedMoE, device: torch.device, dtype: torch.dtype, requires_grad: bool
+) -> tuple[BackendChoice, Experts | FusedMoEModularKernel]:
+    """FusedMoE._kernel: the backend chosen for calls of this signature, and their runner."""
+    key = (device, dtype, requires_grad)
+    if key not in layer._kernels:
+        problem = layer_problem(layer, device, dtype, requires_grad)
+        choice = select_backend(problem, backend=layer.backend)
+        pc, placement = layer.parallel_config, layer.placement
+        runner = make_runner(choice.create(), pc, placement, layer.chunk_size)
+        layer._kernels[key] = (choice, runner)
+    return layer._kernels[key]
+
+
+def set_backend(layer: FusedMoE, backend: str | type[Experts]) -> None:
+    """FusedMoE.set_backend: checked at once for the parameters' device and dtype; a refused
+    choice changes nothing."""
+    if not (isinstance(backend, str) and backend == "auto"):
+        get_backend(backend)
+    previous = getattr(layer, "backend", None), getattr(layer, "_kernels", None)
+    layer.backend = backend
+    layer._kernels = {}
+    try:
+        layer.backend_choice()
+    except (ValueError, TypeError):
+        layer.backend, layer._kernels = previous
+        raise
