@@ -1,4 +1,4 @@
-"""The MoE benchmark behind the README's performance table, now `fusedmoe bench`
+"""The MoE benchmark behind the README's first performance table, now `fusedmoe bench`
 (fusedmoe/tools/bench/).
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py [--quick] [any fusedmoe bench flag]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs behind the README's bench plot and the shipped tuned tables (issue 5).
+# The GPU runs behind the README's bench table and plot and the shipped tuned tables.
 #
 #   OUT=/some/dir bash benchmarks/cli_gpu_runs.sh tune-bf16|tune-fp8|bench
 #

@@ -137,8 +137,8 @@ class FusedMoEQuantConfig:
     #: permission, like torch._scaled_mm(use_fast_accum=True): GEMMs without such a path (the
     #: Triton GEMMs, the DeepGEMM library) promote as before. Taken by the deep_gemm backend's
     #: wgmma engine from deep_gemm.FAST_ACCUM_MIN_SLOTS_PER_EXPERT. The layer's error against
-    #: the exact quantized computation is 2-3x (README: "Fast accumulation"); against the
-    #: unquantized layer it did not move in the measured presets.
+    #: the exact quantized computation is 2-3x (docs/performance.md, "Fast accumulation");
+    #: against the unquantized layer it did not move in the measured presets.
     fast_accum: bool = False
 
     @property
