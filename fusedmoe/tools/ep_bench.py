@@ -134,10 +134,15 @@ def _init_distributed(device: str):
             "fusedmoe.tools.ep_bench runs under torchrun: "
             "torchrun --nproc-per-node 2 -m fusedmoe.tools.ep_bench [options]"
         )
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    local = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if device == "cuda" else None
+    )
+    if local is not None:
+        torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        # the rank's GPU named up front: NCCL binds to it at once, and collectives (the barriers
+        # included) neither guess it from the global rank nor warn that they did
+        dist.init_process_group("nccl" if local is not None else "gloo", device_id=local)
     return dist
 
 

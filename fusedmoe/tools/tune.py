@@ -554,7 +554,7 @@ def tune_engines(
     import triton.testing
 
     from fusedmoe.experts.deep_gemm import DeepGemmExperts
-    from fusedmoe.modular.kernel import FusedMoEModularKernel
+    from fusedmoe.modular.kernel import FusedMoEModularKernel, WorkspaceCache
     from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
     from fusedmoe.modular.types import ActivationSpec, ExpertWeights
 
@@ -567,12 +567,15 @@ def tune_engines(
     experts = quantize_expert_set(w13, w2, scheme, with_plain=False)
     del w13, w2
     weights = ExpertWeights(experts.w13, experts.w2)
-    kernels = {
-        engine: FusedMoEModularKernel(
-            NoEPPrepareFinalize(), DeepGemmExperts(strict=True, engine=engine)
+    # workspaces of their own, freed after each timing: the benchmark captures on a new stream
+    # each time, and the shared cache keeps buffers per stream
+    workspaces = WorkspaceCache()
+    kernels = {}
+    for engine in ("library", "wgmma"):
+        experts_on = DeepGemmExperts(strict=True, engine=engine)
+        kernels[engine] = FusedMoEModularKernel(
+            NoEPPrepareFinalize(), experts_on, workspaces=workspaces
         )
-        for engine in ("library", "wgmma")
-    }
     results = []
     for m in tokens:
         routings = [
@@ -593,6 +596,7 @@ def tune_engines(
                 times[name].append(
                     triton.testing.do_bench_cudagraph(call, rep=rep_ms, return_mode="median")
                 )
+                workspaces.clear()
             ok, err = _close_enough(outputs["wgmma"], outputs["library"], dtype_key)
             if not ok:
                 raise RuntimeError(
