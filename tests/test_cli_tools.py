@@ -2,6 +2,7 @@
 the ceilings' cache."""
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -172,6 +173,45 @@ def test_tune_table_is_what_the_backend_loads(tmp_path):
     path = write_table(tmp_path, "NVIDIA Test GPU", shape, "bf16", results[1:])  # merged
     assert path == mc.table_path(tmp_path, "NVIDIA Test GPU", 8, 192, 256, "bfloat16")
     assert mc._load_table(str(path)) == configs
+
+
+def test_tuned_engine_table_is_what_the_backend_reads(tmp_path, monkeypatch):
+    from fusedmoe.kernels import moe_config as mc
+    from fusedmoe.tools.tune import EngineResult, TuneShape, write_engine_table
+
+    shape = TuneShape("t", 8, 2, 256, 96)
+    times = {"library": (2.0, 1.5), "wgmma": (1.8, 1.0)}
+    first = [EngineResult(512, "wgmma", times, 1e-3)]
+    write_engine_table(tmp_path, "NVIDIA Test GPU", shape, "fp8_block", first)
+    path = write_engine_table(  # merged with the bucket already there
+        tmp_path, "NVIDIA Test GPU", shape, "fp8_block", [EngineResult(4096, "library", times, 0)]
+    )
+    assert path == mc.engine_table_path(tmp_path, "NVIDIA Test GPU", 8, 192, 256, "fp8_block")
+    monkeypatch.setenv("FUSEDMOE_TUNED_CONFIGS", str(tmp_path))
+    engine = functools.partial(
+        mc.measured_engine, num_local_experts=8, gemm1_rows=192, hidden_size=256,
+        dtype="fp8_block", device_name="NVIDIA Test GPU",
+    )  # fmt: skip
+    assert [engine(m) for m in (1, 2000, 2400, 16384)] == ["wgmma", "wgmma", "library", "library"]
+    assert engine(512, device_name="Another GPU") is None  # measured on one GPU only
+
+
+def test_tune_engines_only_measures_the_engines_alone(monkeypatch, tmp_path, capsys):
+    import fusedmoe._triton as triton_module
+    from fusedmoe.tools import tune
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(triton_module, "has_triton", lambda: True)
+    monkeypatch.setattr(tune, "tune_shape", lambda *a, **kw: pytest.fail("configs tuned"))
+    monkeypatch.setattr(tune, "engines_unmeasurable", lambda shape, dtype: None)
+    monkeypatch.setattr(tune, "tune_engines", lambda shape, *a, **kw: seen.append(shape) or [])
+    monkeypatch.setattr(tune, "write_engine_table", lambda *a: tmp_path / "engines.json")
+    argv = ["tune", "--preset", "qwen3-30b-a3b,mixtral-8x7b", "--dtype", "fp8_block"]
+    assert main([*argv, "--out", str(tmp_path), "--engines-only"]) == 0
+    assert [s.name for s in seen] == ["qwen3-30b-a3b", "mixtral-8x7b"]
+    assert "engines.json" in capsys.readouterr().out
 
 
 def test_tuned_tables_default_to_the_user_cache(tmp_path, monkeypatch):

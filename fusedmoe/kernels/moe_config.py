@@ -143,23 +143,34 @@ def table_path(root: Path, device_name: str, e: int, n: int, k: int, dtype: str)
     return root / _safe(device_name) / f"E={e},N={n},K={k},dtype={dtype}.json"
 
 
+def _read_table(p: Path, what: str, entry_of) -> dict:
+    """{M: entry_of(entry, where)} of a JSON table {"<M>": entry}; a clear ValueError for
+    anything else."""
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{what} {p} is not readable JSON: {exc}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{what} {p}: expected an object of token counts -> entries")
+    table = {}
+    for m, entry in raw.items():
+        if not str(m).isdigit():
+            raise ValueError(f"{what} {p}: key {m!r} is not a token count")
+        table[int(m)] = entry_of(entry, f"{what} {p} [{m}]")
+    return table
+
+
+def _nearest(table: dict, m: int):
+    """The entry of the token count nearest m (the smaller on a tie)."""
+    return table[min(table, key=lambda key: (abs(key - m), key))]
+
+
 @functools.lru_cache(maxsize=256)
 def _load_table(path: str) -> dict[int, MoEKernelConfig] | None:
     p = Path(path)
     if not p.is_file():
         return None
-    try:
-        raw = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"tuned config table {p} is not readable JSON: {exc}") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"tuned config table {p}: expected an object of M -> config")
-    table = {}
-    for m, entry in raw.items():
-        if not str(m).isdigit():
-            raise ValueError(f"tuned config table {p}: key {m!r} is not a token count")
-        table[int(m)] = MoEKernelConfig.from_json(entry, f"{p} [{m}]")
-    return table
+    return _read_table(p, "tuned config table", MoEKernelConfig.from_json)
 
 
 def _tuned(device_name: str | None, e: int, n: int, k: int, dtype: str, m: int):
@@ -168,7 +179,7 @@ def _tuned(device_name: str | None, e: int, n: int, k: int, dtype: str, m: int):
     for root in (user_tables_dir(), SHIPPED_DIR):
         table = _load_table(str(table_path(root, device_name, e, n, k, dtype)))
         if table:
-            return table[min(table, key=lambda key: (abs(key - m), key))]
+            return _nearest(table, m)
     return None
 
 
@@ -189,23 +200,14 @@ def _load_engine_table(path: Path) -> dict[int, str] | None:
 
 @functools.lru_cache(maxsize=64)
 def _parse_engine_table(path: str, _mtime_ns: int) -> dict[int, str]:
-    p = Path(path)
-    try:
-        raw = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"engine table {p} is not readable JSON: {exc}") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"engine table {p}: expected an object of M -> {{'engine': ...}}")
-    table = {}
-    for m, entry in raw.items():
-        engine = entry.get("engine") if isinstance(entry, dict) else None
-        if not str(m).isdigit() or engine not in TABLE_ENGINES:
-            raise ValueError(
-                f"engine table {p} [{m!r}]: expected a token count -> {{'engine': one of "
-                f"{TABLE_ENGINES}}}, got {entry!r}"
-            )
-        table[int(m)] = engine
-    return table
+    return _read_table(Path(path), "engine table", _engine_of)
+
+
+def _engine_of(entry: object, where: str) -> str:
+    engine = entry.get("engine") if isinstance(entry, dict) else None
+    if engine not in TABLE_ENGINES:
+        raise ValueError(f"{where}: expected {{'engine': one of {TABLE_ENGINES}}}, got {entry!r}")
+    return engine
 
 
 def engine_table(
@@ -248,8 +250,7 @@ def _measured_engine(
     found = engine_table(num_local_experts, gemm1_rows, hidden_size, dtype, device_name)
     if found is None:
         return None
-    table = found[0]
-    return table[min(table, key=lambda key: (abs(key - num_tokens), key))]
+    return _nearest(found[0], num_tokens)
 
 
 def moe_kernel_config(
