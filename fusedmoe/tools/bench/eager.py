@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import json
 import statistics
 import time
@@ -55,7 +56,7 @@ from pathlib import Path
 import torch
 
 from fusedmoe.functional import fused_experts
-from fusedmoe.modular.types import MoEProblem
+from fusedmoe.layer_backends import layer_problem
 from fusedmoe.oracle import select_backend
 from fusedmoe.tools.baselines import grouped_mm_experts, grouped_mm_unavailable
 from fusedmoe.tools.bench.inputs import make_routing
@@ -251,16 +252,11 @@ def _fused_experts_backend(layer, requested: str, dtype: torch.dtype, device: to
     choice = layer.backend_choice()
     if not choice.experts_cls.routes_inside:
         return ("auto" if requested == "auto" else choice.name), choice.name
-    problem = MoEProblem(
-        device=device,
-        dtype=dtype,
-        hidden_size=layer.hidden_size,
-        intermediate_size=layer.padded_intermediate_size,
-        num_experts=layer.num_experts,
-        top_k=layer.top_k,
-        activation=layer.activation,
+    # the layer's problem as fused_experts poses it: no router logits, the layer's quant config
+    problem = dataclasses.replace(
+        layer_problem(layer, device, dtype, requires_grad=False),
         quant_config=layer.quant_config,
-        has_bias=layer.has_bias,
+        has_router_logits=False,
     )
     name = select_backend(problem).name
     return ("auto" if requested == "auto" else name), name
