@@ -103,8 +103,9 @@ _GROUP_ACTS = (keys.FP8_DYNAMIC_GROUP128, keys.FP8_DYNAMIC_GROUP128_UE8M0)
 ENGINES = ("auto", "library", "wgmma", "triton")
 #: why "auto" leaves the library for the wgmma engine where both run a call: `fusedmoe tune
 #: --dtype fp8_block` measured the engine faster at this shape's nearest bucket on this GPU
-#: (the engine table beside the configs). On an H100, deepseek-v3 at M = 4096 took 7.65 ms on
-#: the library and 5.53 ms on the engine; at M = 16384 the library won (14.18 vs 15.35 ms)
+#: (the engine table beside the configs). On an H100, deepseek-v3 at M = 4096 took 7.56 ms on
+#: the library and 5.69 ms on the engine; at M = 16384 the library won (13.99 vs 14.58 ms;
+#: benchmarks/results/session42_h100/tune_engines_h100.log)
 MEASURED_FASTER = "the wgmma engine measured faster at this shape and token count (fusedmoe tune)"
 #: chosen by the oracle (not by name), a call with fewer slots per expert (M * k / E) than this
 #: runs on the triton backend: on an H200 (benchmarks/bench_fp8_backends.py, the four fp8_block
