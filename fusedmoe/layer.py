@@ -60,7 +60,7 @@ from fusedmoe.layer_graphs import (
 from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.graphs import DEFAULT_MAX_TOKENS, may_replay
 from fusedmoe.modular.kernel import default_chunk_size
-from fusedmoe.modular.types import ActivationSpec, ExpertWeights, InsideRouting
+from fusedmoe.modular.types import ActivationSpec, InsideRouting
 from fusedmoe.oracle import BackendChoice
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
@@ -272,10 +272,6 @@ class FusedMoE(nn.Module):
         """Random init as nn.Linear does: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
         reset_experts(self)
         loading.forget_writes(self)  # random, valid, and not loaded
-
-    def _expert_weights(self, alignment: int) -> ExpertWeights:
-        """The weights as a backend of this H alignment consumes them (weights.tensors)."""
-        return expert_weights(self, alignment)
 
     # ---- backend (fusedmoe.layer_backends) ----
     def set_backend(self, backend: str | type[Experts]) -> None:

@@ -7,10 +7,11 @@
     naive_ep      NaiveEPPrepareFinalize: all-gather dispatch, reduce-scatter combine
     all_to_all_ep AllToAllEPPrepareFinalize: tokens to the ranks of their experts
     dp_dispatch   the all-gather dispatch of a backend that routes inside (monolithic)
-    wiring        the layer's parallel parts: initial placement, prepare/finalize choice
+    wiring        the layer's parallel parts: config checks, placement and its buffers, the
+                  prepare/finalize and runner of a call, the DP dispatch
 
 Importing this package does not import torch.distributed: only comm and the modules that
-move tensors do, and the layer imports them when a dispatch is asked for.
+move tensors do, and wiring imports them when a dispatch is asked for.
 """
 
 from fusedmoe.parallel.config import ParallelConfig, get_compressed_expert_map

@@ -2,8 +2,10 @@
 buffers that go with it, and the objects that move its tokens.
 
     check_parallel     the config against the layer (before anything is built)
+    ep_partial         whether each rank's output is a partial sum the caller all-reduces
     initial_placement  the placement parallel_config asks for (fusedmoe.parallel.placement)
     set_placement      a placement and its buffers on the layer: expert_map, EPLB replica table
+    describe_placement the placement in the layer's repr
     prepare_finalize   the modular kernel's PrepareFinalize: NoEP unless tokens travel
     make_runner        what a call runs: a modular kernel around the backend, or the backend
     dp_dispatch        the DP all-gather a backend that routes inside is handed (or None)

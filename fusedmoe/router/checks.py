@@ -1,5 +1,6 @@
 """The routers' argument checks, shared by the routers and the fused routing kernels' entry
-points (fusedmoe.router.fused): one home below both, so the kernels' module imports no router.
+points (fusedmoe.router.fused): one home below both, so that the kernels' module imports no
+router kind (only router.base, for the scoring functions) and the routers import in no cycle.
 
 Each raises ValueError / TypeError naming the argument, before anything is routed.
 """

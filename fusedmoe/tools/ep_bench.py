@@ -37,6 +37,7 @@ from fusedmoe.layer import FusedMoE
 from fusedmoe.modular.types import ExpertsCall
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.tools.presets import get_preset
+from fusedmoe.weights.tensors import expert_weights
 
 #: required on the lent multi-GPU machines (no NVLink multicast / NVLS)
 _ENV_DEFAULTS = {
@@ -210,7 +211,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     -> (dispatch ms, experts ms, combine ms)."""
     _, kernel = layer._kernel(x.device, x.dtype, False)
     pf, experts = kernel.prepare_finalize, kernel.experts
-    weights = layer._expert_weights(experts.hidden_size_alignment)
+    weights = expert_weights(layer, experts.hidden_size_alignment)
     topk_weights, topk_ids = layer.router.select_experts(x, logits)
     qc = layer.quant_config
     num_physical = layer.placement.num_physical  # the ids the experts see (E without replicas)
