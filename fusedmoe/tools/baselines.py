@@ -20,8 +20,8 @@ where torch._grouped_mm does not run (`grouped_mm_unavailable` says why).
 grouped_mm_experts is differentiable (every op is out of place or an autograd-aware index
 copy): under autograd it is what transformers' "grouped_mm" experts implementation runs when
 training, gradients to x, the weights, their biases and topk_weights included. torch._grouped_mm
-has a backward on Hopper; `grouped_mm_backward_unavailable` says where it has none (the CPU),
-and the loop twin differentiates there.
+has a backward on Hopper; `grouped_mm_backward_unavailable` probes, at run time, where it has
+none (the CPU of some torch builds), and the loop twin differentiates there.
 """
 
 from __future__ import annotations

@@ -342,8 +342,8 @@ def _add_bench(sub) -> None:
         "--ceilings",
         default="auto",
         choices=["auto", *NAMED_CEILINGS],
-        help="floor ceilings: measured once per device and cached (auto), or "
-        "PERFORMANCE.md's figures",
+        help="floor ceilings: measured once per device and cached (auto), or the figures of "
+        "the lent H200 / H100 (docs/performance.md)",
     )
     p.add_argument("--hbm-gbps", type=float, default=None, help="HBM read bandwidth, GB/s")
     p.add_argument("--bf16-tflops", type=float, default=None, help="bf16 matmul peak")
