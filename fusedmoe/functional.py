@@ -241,7 +241,7 @@ def _quant_tensors(quant_config: FusedMoEQuantConfig | None) -> tuple:
     if quant_config is None:
         return ()
     operands = (quant_config.a1, quant_config.a2, quant_config.w1, quant_config.w2)
-    return tuple(t for o in operands for t in (o.scale, o.global_scale))
+    return tuple(t for o in operands for t in (o.scale, o.global_scale, o.zero_point))
 
 
 def fused_experts(

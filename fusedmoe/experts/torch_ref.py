@@ -155,7 +155,8 @@ def _expert_weight(w: torch.Tensor, operand, expert: int) -> torch.Tensor:
         return w[expert].to(_COMPUTE)
     one = slice(expert, expert + 1)
     g = None if operand.global_scale is None else operand.global_scale[one]
-    return dequantize(w[one], operand.scale[one], operand.key, g)[0].to(_COMPUTE)
+    z = None if operand.zero_point is None else operand.zero_point[one]
+    return dequantize(w[one], operand.scale[one], operand.key, g, z)[0].to(_COMPUTE)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, expert: int):

@@ -39,6 +39,8 @@ EXPERT_TENSORS = (
     "w2_weight_scale",
     "w13_weight_global_scale",
     "w2_weight_global_scale",
+    "w13_weight_zero_point",
+    "w2_weight_zero_point",
 )
 
 

@@ -15,7 +15,15 @@ Schemes (weights x activations), each a name for `quantize_experts` and `FusedMo
     mxfp4_w4a8    MXFP4 (E2M1 packed) 1x32 E8M0  x FP8 dynamic 1x128 groups
     mxfp4_w4a16   MXFP4                          x unquantized (bf16/fp16/fp32)
     nvfp4         NVFP4 1x16 e4m3 + global       x NVFP4 dynamic
+    nvfp4_w4a16   NVFP4                          x unquantized
     int8          INT8 per-channel               x INT8 dynamic per-token
+    int4_w4a16    INT4 1 x g groups (g 32, 64, 128; 128 by default), symmetric or with zero
+                  points (GPTQ / AWQ)            x unquantized
+    int8_w8a16    INT8 per-channel, or 1 x g groups  x unquantized
+
+The weight-only schemes (*_w4a16, *_w8a16) leave the activations in the layer's dtype: the
+weights are dequantized inside the GEMM. INT4 / INT8 weight-only scales may be float32, float16
+or bfloat16 (checkpoints store float16); the group size follows from the scale's shape.
 """
 
 from __future__ import annotations
@@ -40,7 +48,10 @@ SCHEMES = (
     "mxfp4_w4a8",
     "mxfp4_w4a16",
     "nvfp4",
+    "nvfp4_w4a16",
     "int8",
+    "int4_w4a16",
+    "int8_w8a16",
 )
 
 #: scheme -> (weight key, activation key); None activation key: activations stay unquantized
@@ -52,18 +63,32 @@ _SCHEME_KEYS: dict[str, tuple[QuantKey, QuantKey | None]] = {
     "mxfp4_w4a8": (keys.MXFP4, keys.FP8_DYNAMIC_GROUP128),
     "mxfp4_w4a16": (keys.MXFP4, None),
     "nvfp4": (keys.NVFP4, keys.NVFP4),
+    "nvfp4_w4a16": (keys.NVFP4, None),
     "int8": (keys.INT8_CHANNEL, keys.INT8_DYNAMIC_TOKEN),
+    "int4_w4a16": (keys.INT4_GROUP128, None),
+    "int8_w8a16": (keys.INT8_CHANNEL, None),
 }
+#: the weight-only integer schemes: group size and zero points chosen per config
+INT_WEIGHT_ONLY = {"int4_w4a16": ElementFormat.INT4, "int8_w8a16": ElementFormat.INT8}
+_INT_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _STORAGE_DTYPE = {
     ElementFormat.FP8: FP8_DTYPE,
     ElementFormat.INT8: torch.int8,
     ElementFormat.FP4: torch.uint8,
+    ElementFormat.INT4: torch.uint8,
 }
 
 
-def weight_key(scheme: str) -> QuantKey:
-    return _SCHEME_KEYS[check_scheme(scheme)][0]
+def weight_key(scheme: str, group_size: int | None | str = "default") -> QuantKey:
+    """The scheme's weight key; for int4_w4a16 / int8_w8a16, of the given group size (None:
+    int8 per channel; "default": 128 for int4, per channel for int8)."""
+    key = _SCHEME_KEYS[check_scheme(scheme)][0]
+    if scheme in INT_WEIGHT_ONLY and group_size != "default":
+        return keys.int_weight_key(INT_WEIGHT_ONLY[scheme], group_size)
+    if group_size not in ("default", None) and scheme not in INT_WEIGHT_ONLY:
+        raise ValueError(f"group_size applies to int4_w4a16 / int8_w8a16, not {scheme}")
+    return key
 
 
 def check_scheme(scheme: object) -> str:
@@ -111,6 +136,7 @@ class OperandQuant:
     scale: torch.Tensor | None = None  # weights: always; activations: static keys only
     global_scale: torch.Tensor | None = None  # NVFP4 weights: float32 [E]
     column_major_scales: bool = False  # activations with a GROUP layout
+    zero_point: torch.Tensor | None = None  # INT4 weights with zero points: uint8 [E, N, K/g]
 
     @property
     def quantized(self) -> bool:
@@ -161,7 +187,7 @@ class FusedMoEQuantConfig:
         tensors = (
             t
             for operand in (self.a1, self.a2, self.w1, self.w2)
-            for t in (operand.scale, operand.global_scale)
+            for t in (operand.scale, operand.global_scale, operand.zero_point)
         )
         return (
             self.scheme,
@@ -169,6 +195,11 @@ class FusedMoEQuantConfig:
             self.gemm1_alpha, self.gemm1_beta, self.gemm1_clamp_limit, self.fast_accum,
             *(None if t is None else id(t) for t in tensors),
         )  # fmt: skip
+
+    @property
+    def weight_only(self) -> bool:
+        """The weights are quantized and the activations are not (dequantized in the GEMM)."""
+        return self.w1.quantized and not self.a1.quantized
 
     @property
     def w1_scale(self) -> torch.Tensor | None:
@@ -213,7 +244,7 @@ class FusedMoEQuantConfig:
 
 def logical_k(w: torch.Tensor, key: QuantKey | None) -> int:
     k = w.shape[-1]
-    return 2 * k if key is not None and key.element is ElementFormat.FP4 else k
+    return 2 * k if key is not None and key.packed else k
 
 
 def expected_scale_shape(key: QuantKey, e: int, n: int, k: int) -> tuple[int, ...]:
@@ -244,10 +275,29 @@ def check_quantized_weight(name: str, w: torch.Tensor, operand: OperandQuant) ->
     scale_dtype = {ScaleFormat.E8M0: torch.uint8, ScaleFormat.E4M3_GLOBAL: FP8_DTYPE}.get(
         key.scale_format, torch.float32
     )
-    if scale.dtype != scale_dtype:
+    int_weight_only = key.element is ElementFormat.INT4 or (
+        key.element is ElementFormat.INT8 and scale.dtype in _INT_SCALE_DTYPES
+    )
+    if int_weight_only and scale.dtype not in _INT_SCALE_DTYPES:
+        raise TypeError(
+            f"{name} scale must be float32, float16 or bfloat16 for {key.name}, got {scale.dtype}"
+        )
+    if not int_weight_only and scale.dtype != scale_dtype:
         raise TypeError(f"{name} scale must be {scale_dtype} for {key.name}, got {scale.dtype}")
     if scale.device != w.device:
         raise ValueError(f"{name} scale is on {scale.device}, the weights on {w.device}")
+    zero = operand.zero_point
+    if zero is not None:
+        if key.element is not ElementFormat.INT4:
+            raise ValueError(f"{name}: only int4 weights take zero points, not {key.name}")
+        if not isinstance(zero, torch.Tensor) or zero.dtype != torch.uint8:
+            got = zero.dtype if isinstance(zero, torch.Tensor) else type(zero).__name__
+            raise TypeError(f"{name} zero points must be a uint8 tensor, got {got}")
+        if tuple(zero.shape) != shape or zero.device != w.device:
+            raise ValueError(
+                f"{name} zero points must have the scale's shape {shape} on {w.device}, got "
+                f"{tuple(zero.shape)} on {zero.device}"
+            )
     if key.scale_format is ScaleFormat.E4M3_GLOBAL:
         g = operand.global_scale
         if not isinstance(g, torch.Tensor) or tuple(g.shape) != (e,):
@@ -271,9 +321,21 @@ def make_quant_config(
     gemm1_beta: float | None = None,
     gemm1_clamp_limit: float | None = None,
     fast_accum: bool = False,
+    w1_zero_point: torch.Tensor | None = None,
+    w2_zero_point: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> FusedMoEQuantConfig:
-    """The config of `scheme` for weights already quantized (scales as quantize_experts makes)."""
+    """The config of `scheme` for weights already quantized (scales as quantize_experts makes).
+
+    int4_w4a16 / int8_w8a16: group_size is the scales' group along K (32, 64 or 128; int8 may
+    omit it for per-channel [E, N] scales); zero points (int4) are uint8 of the scales' shape."""
     weight_key, act_key = _SCHEME_KEYS[check_scheme(scheme)]
+    if scheme in INT_WEIGHT_ONLY:
+        weight_key = _int_key(scheme, group_size, w1_scale)
+    elif group_size is not None:
+        raise ValueError(f"group_size applies to int4_w4a16 / int8_w8a16, not {scheme}")
+    if (w1_zero_point is not None or w2_zero_point is not None) and scheme != "int4_w4a16":
+        raise ValueError(f"zero points apply to int4_w4a16, not {scheme}")
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
     if fast_accum and scheme not in FAST_ACCUM_SCHEMES:
@@ -313,8 +375,8 @@ def make_quant_config(
         scheme=scheme,
         a1=act(a1_scale),
         a2=act(a2_scale),
-        w1=OperandQuant(weight_key, w1_scale, w1_global_scale),
-        w2=OperandQuant(weight_key, w2_scale, w2_global_scale),
+        w1=OperandQuant(weight_key, w1_scale, w1_global_scale, zero_point=w1_zero_point),
+        w2=OperandQuant(weight_key, w2_scale, w2_global_scale, zero_point=w2_zero_point),
         gemm1_alpha=gemm1_alpha,
         gemm1_beta=gemm1_beta,
         gemm1_clamp_limit=gemm1_clamp_limit,
@@ -322,27 +384,49 @@ def make_quant_config(
     )
 
 
+def _int_key(scheme: str, group_size, w1_scale) -> QuantKey:
+    """The int4 / int8 weight-only key: group_size along K, or (int8, per-channel [E, N]
+    scales) none."""
+    if group_size is None and isinstance(w1_scale, torch.Tensor) and w1_scale.dim() == 3:
+        raise ValueError(f"{scheme}: [E, N, K / g] group scales need group_size=g")
+    if group_size is None and scheme == "int4_w4a16":
+        raise ValueError(f"int4_w4a16 needs group_size, one of {keys.WEIGHT_ONLY_GROUPS}")
+    return keys.int_weight_key(INT_WEIGHT_ONLY[scheme], group_size)
+
+
 #: elements of w quantized at once: the spec holds a few float32 copies of what it quantizes,
 #: so a whole DeepSeek-V3 layer (3.8e9 elements per weight) goes a few experts at a time
 _CHUNK_ELEMENTS = 1 << 28
 
 
-def quantize_weight(w: torch.Tensor, scheme: str, what: str = "w"):
+def quantize_weight(
+    w: torch.Tensor,
+    scheme: str,
+    what: str = "w",
+    *,
+    group_size: int | None | str = "default",
+    zero_points: bool = False,
+):
     """One expert weight [E, N, K] -> Quantized in the scheme's weight format, a few experts at
-    a time (every weight scale layout is per expert, so the chunks concatenate along E)."""
-    key = weight_key(scheme)
+    a time (every weight scale layout is per expert, so the chunks concatenate along E).
+    group_size / zero_points: int4_w4a16 / int8_w8a16 (see weight_key; zero points int4)."""
+    key = weight_key(scheme, group_size)
     step = max(1, _CHUNK_ELEMENTS // max(w[0].numel(), 1)) if w.dim() == 3 else len(w)
     if w.dim() != 3 or w.shape[0] <= step:
-        return quantize(w, key, what=what)
-    parts = [quantize(w[e : e + step], key, what=what) for e in range(0, w.shape[0], step)]
-    global_scale = None
-    if parts[0].global_scale is not None:
-        global_scale = torch.cat([p.global_scale for p in parts])
+        return quantize(w, key, what=what, zero_point=zero_points)
+    parts = [
+        quantize(w[e : e + step], key, what=what, zero_point=zero_points)
+        for e in range(0, w.shape[0], step)
+    ]
+
+    def cat(name):
+        first = getattr(parts[0], name)
+        return None if first is None else torch.cat([getattr(p, name) for p in parts])
+
     return Quantized(
-        q=torch.cat([p.q for p in parts]),
-        scale=torch.cat([p.scale for p in parts]),
-        global_scale=global_scale,
-    )
+        q=cat("q"), scale=cat("scale"), global_scale=cat("global_scale"),
+        zero_point=cat("zero_point"),
+    )  # fmt: skip
 
 
 def first_nonfinite_expert(w: torch.Tensor) -> tuple[int, str] | None:
@@ -367,6 +451,8 @@ def quantize_experts(
 ) -> tuple[torch.Tensor, torch.Tensor, FusedMoEQuantConfig]:
     """Online quantization of float experts: (w13 [E, N, H], w2 [E, H, I]) -> (w13_q, w2_q, config).
 
+    int4_w4a16 / int8_w8a16 take group_size= (32, 64 or 128; int8 per channel without it) and
+    int4 zero_points=True (asymmetric, with uint8 zero points as GPTQ / AWQ store them).
     MXFP4 weights come back as uint8 [E, N, K/2] with uint8 E8M0 scales [E, N, K/32]; FP8
     block weights as float8_e4m3fn [E, N, K] with float32 scales [E, ceil(N/128), ceil(K/128)].
     `config_kwargs` go to make_quant_config (static a1/a2 scales, per-token, UE8M0, ...).
@@ -387,13 +473,25 @@ def quantize_experts(
                 f"{name} holds {bad[1]} (first in expert {bad[0]}); quantizing would poison its "
                 "scales"
             )
-    q13, q2 = quantize_weight(w13, scheme, "w13"), quantize_weight(w2, scheme, "w2")
+    group_size = config_kwargs.pop("group_size", "default")
+    zero_points = config_kwargs.pop("zero_points", False)
+    if not isinstance(zero_points, bool):
+        raise TypeError(f"zero_points must be a bool, got {type(zero_points).__name__}")
+    if zero_points and scheme != "int4_w4a16":
+        raise ValueError(f"zero_points applies to int4_w4a16, not {scheme}")
+    key = weight_key(scheme, group_size)
+    if scheme in INT_WEIGHT_ONLY:
+        config_kwargs["group_size"] = None if key.group is None else key.group[1]
+    q13 = quantize_weight(w13, scheme, "w13", group_size=group_size, zero_points=zero_points)
+    q2 = quantize_weight(w2, scheme, "w2", group_size=group_size, zero_points=zero_points)
     config = make_quant_config(
         scheme,
         q13.scale,
         q2.scale,
         w1_global_scale=q13.global_scale,
         w2_global_scale=q2.global_scale,
+        w1_zero_point=q13.zero_point,
+        w2_zero_point=q2.zero_point,
         **config_kwargs,
     )
     return q13.q, q2.q, config

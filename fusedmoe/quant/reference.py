@@ -10,6 +10,13 @@ For an operand x [..., R, K] (2-D activations [M, K], or 3-D expert weights [E, 
     q     = encode(x / scale)                     saturating at the format's max
     x    ~= q * scale                             (dequantize)
 
+INT4 (weights only, codes q in [0, 16) around a zero point):
+    symmetric:   scale = amax / 7, zero = 8,     q = clamp(round(x / scale) + 8, 1, 15)
+    zero points: scale = (max - min) / 15 (max >= 0 >= min over the cell),
+                 zero = clamp(round(-min / scale), 0, 15) (uint8), q = clamp(round(x / scale) + zero,
+                 0, 15)                            (the GPTQ / AWQ asymmetric convention)
+    x ~= (q - zero) * scale
+
 An all-zero cell gets the scale of amax = 1e-10 (float32 formats), the smallest exponent
 (E8M0) or the smallest e4m3 subnormal 2**-9 times g (NVFP4), so q is 0 and no scale is 0 or NaN.
 """
@@ -52,6 +59,7 @@ class Quantized:
     q: torch.Tensor  # fp8 / int8 [..., R, K], or uint8 [..., R, K/2] for FP4
     scale: torch.Tensor | None  # in the key's layout and format; None: q is unquantized
     global_scale: torch.Tensor | None = None  # NVFP4: float32 [1] (2-D) or [E] (3-D)
+    zero_point: torch.Tensor | None = None  # INT4 with zero points: uint8, the scale's shape
 
 
 def check_quantizable(x: torch.Tensor, key: QuantKey, what: str = "x") -> None:
@@ -65,10 +73,10 @@ def check_quantizable(x: torch.Tensor, key: QuantKey, what: str = "x") -> None:
     if key.group is not None and key.exact_groups and k % key.group[1] != 0:
         raise ValueError(
             f"{what}: K = {k} is not a multiple of the {key.group[1]}-wide groups of "
-            f"{key.name} (MX and NVFP4 need whole groups)"
+            f"{key.name} (MX, NVFP4 and INT4 need whole groups)"
         )
-    if key.element is ElementFormat.FP4 and k % 2 != 0:
-        raise ValueError(f"{what}: FP4 packs two values per byte, K = {k} must be even")
+    if key.packed and k % 2 != 0:
+        raise ValueError(f"{what}: 4-bit formats pack two values per byte, K = {k} must be even")
 
 
 def _cells(x: torch.Tensor, key: QuantKey) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -125,9 +133,15 @@ def quantize(
     *,
     column_major_scales: bool = False,
     what: str = "x",
+    zero_point: bool = False,
 ) -> Quantized:
-    """x [M, K] or [E, N, K] -> Quantized. `scale` is the given scale of a static key."""
+    """x [M, K] or [E, N, K] -> Quantized. `scale` is the given scale of a static key;
+    zero_point: INT4 with a zero point per group (asymmetric), else symmetric."""
     check_quantizable(x, key, what)
+    if zero_point and key.element is not ElementFormat.INT4:
+        raise ValueError(f"zero points are for int4 weights, not {key.name}")
+    if key.element is ElementFormat.INT4:
+        return _quantize_int4(x, key, zero_point)
     if key.static and scale is None:
         raise ValueError(f"{key.name}: a static key needs its scale")
     if not key.static and scale is not None:
@@ -186,10 +200,40 @@ def quantize(
     return Quantized(q=q, scale=stored, global_scale=global_scale)
 
 
+def _quantize_int4(x: torch.Tensor, key: QuantKey, zero_point: bool) -> Quantized:
+    """INT4 group quantization (see the module docstring); scales float32 [..., R, K/g]."""
+    if key.layout is not ScaleLayout.GROUP:
+        raise ValueError(f"int4 weights take group scales, got {key.name}")
+    xb = _as_batched(x).float()
+    b, r, k = xb.shape
+    g = key.group[1]
+    cells = xb.view(b, r, k // g, g)
+    if zero_point:
+        high = cells.amax(dim=-1).clamp(min=0.0)
+        low = cells.amin(dim=-1).clamp(max=0.0)
+        scale = ((high - low) / _full_like(high, 15.0)).clamp(min=AMAX_EPS)
+        zero = (-low / scale).round().clamp(0, 15)
+    else:
+        amax = cells.abs().amax(dim=-1)
+        scale = amax.clamp(min=AMAX_EPS) / _full_like(amax, 7.0)
+        zero = torch.full_like(scale, 8.0)
+    codes = (cells / scale[..., None]).round() + zero[..., None]
+    codes = codes.clamp(0 if zero_point else 1, 15).to(torch.uint8).view(b, r, k)
+    q = pack_fp4(codes)
+    zeros = zero.to(torch.uint8) if zero_point else None
+    if x.dim() == 2:
+        q, scale = q[0], scale[0]
+        zeros = None if zeros is None else zeros[0]
+    return Quantized(q=q, scale=scale, zero_point=zeros)
+
+
 def decode_elements(q: torch.Tensor, key: QuantKey) -> torch.Tensor:
-    """Stored elements -> float32 values before scaling (FP4 unpacked: K/2 bytes -> K)."""
+    """Stored elements -> float32 values before scaling (4-bit unpacked: K/2 bytes -> K; INT4:
+    the unsigned codes, before the zero point is taken off)."""
     if key.element is ElementFormat.FP4:
         return e2m1_decode(unpack_fp4(q))
+    if key.element is ElementFormat.INT4:
+        return unpack_fp4(q).float()
     return q.float()
 
 
@@ -198,10 +242,20 @@ def dequantize(
     scale: torch.Tensor,
     key: QuantKey,
     global_scale: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Quantized operand -> float32 x ~= q * scale, of the operand's logical shape."""
+    """Quantized operand -> float32 x ~= q * scale (INT4: (q - zero) * scale), of the
+    operand's logical shape."""
     values = _as_batched(decode_elements(q, key))
     b = values.shape[0]
+    if key.element is ElementFormat.INT4:
+        if zero_point is None:
+            values = values - 8.0
+        else:
+            zeros = zero_point.float().reshape(b, *_cell_dims(key, values.shape))
+            values = values - _expand(zeros, key, tuple(values.shape))
+    elif zero_point is not None:
+        raise ValueError(f"{key.name}: only int4 weights have zero points")
     cells = e8m0_decode(scale) if key.scale_format is ScaleFormat.E8M0 else scale.float()
     cells = cells.reshape(b, *_cell_dims(key, values.shape))
     if key.scale_format is ScaleFormat.E4M3_GLOBAL:

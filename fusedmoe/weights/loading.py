@@ -41,6 +41,8 @@ RECORDED = (
     "w2_weight_scale",
     "w13_weight_global_scale",
     "w2_weight_global_scale",
+    "w13_weight_zero_point",
+    "w2_weight_zero_point",
 )
 
 

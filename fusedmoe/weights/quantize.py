@@ -18,6 +18,7 @@ from torch import nn
 
 from fusedmoe.activation import MoEActivation
 from fusedmoe.quant.config import (
+    INT_WEIGHT_ONLY,
     FusedMoEQuantConfig,
     check_scheme,
     first_nonfinite_expert,
@@ -57,7 +58,7 @@ def quantize_(layer, scheme: str, **config_kwargs):
             f"quantize_: {', '.join(gemm1)}: a layer takes its activation parameters "
             "from activation_params="
         )
-    key = weight_key(scheme)
+    key = weight_key(scheme, config_kwargs.get("group_size", "default"))
     _check_finite(layer)
     group_k = key.group[1] if key.exact_groups else 1
     padded = -(-layer.intermediate_size // group_k) * group_k
@@ -83,14 +84,18 @@ def quantize_(layer, scheme: str, **config_kwargs):
         ("w2_weight_scale", config.w2.scale),
         ("w13_weight_global_scale", config.w1.global_scale),
         ("w2_weight_global_scale", config.w2.global_scale),
+        ("w13_weight_zero_point", config.w1.zero_point),
+        ("w2_weight_zero_point", config.w2.zero_point),
         ("a1_scale", config.a1.scale),
         ("a2_scale", config.a2.scale),
     ):
         layer.register_buffer(name, value)
     layer.quant_scheme = scheme
     layer._quant_options = {
-        k: v for k, v in config_kwargs.items() if k not in ("a1_scale", "a2_scale")
+        k: v for k, v in config_kwargs.items() if k not in ("a1_scale", "a2_scale", "zero_points")
     }
+    if scheme in INT_WEIGHT_ONLY:  # the group size the scales were made with
+        layer._quant_options["group_size"] = None if key.group is None else key.group[1]
     carry_writes_to_quantized(layer, writes)
     layer.set_backend(layer.backend)  # the quantized weights may need another backend
     return layer
@@ -106,6 +111,8 @@ def quant_config(layer) -> FusedMoEQuantConfig | None:
         layer.w2_weight_scale,
         w1_global_scale=layer.w13_weight_global_scale,
         w2_global_scale=layer.w2_weight_global_scale,
+        w1_zero_point=getattr(layer, "w13_weight_zero_point", None),
+        w2_zero_point=getattr(layer, "w2_weight_zero_point", None),
         a1_scale=layer.a1_scale,
         a2_scale=layer.a2_scale,
         **layer._quant_options,
@@ -114,7 +121,8 @@ def quant_config(layer) -> FusedMoEQuantConfig | None:
 
 #: the layer's tensors a quant config is made of
 _SCALES = ("w13_weight_scale", "w2_weight_scale", "w13_weight_global_scale",
-           "w2_weight_global_scale", "a1_scale", "a2_scale")  # fmt: skip
+           "w2_weight_global_scale", "w13_weight_zero_point", "w2_weight_zero_point",
+           "a1_scale", "a2_scale")  # fmt: skip
 
 
 def call_quant_config(layer) -> FusedMoEQuantConfig | None:

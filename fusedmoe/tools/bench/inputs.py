@@ -37,7 +37,7 @@ import torch
 
 from fusedmoe.activation import MoEActivation
 from fusedmoe.quant import dequantize, make_quant_config, quantize_experts
-from fusedmoe.quant.config import FusedMoEQuantConfig
+from fusedmoe.quant.config import INT_WEIGHT_ONLY, FusedMoEQuantConfig
 from fusedmoe.router import create_router
 
 __all__ = [
@@ -138,20 +138,25 @@ def quantize_expert_set(
     def cat(values: list[torch.Tensor | None]) -> torch.Tensor | None:
         return None if values[0] is None else torch.cat(values)
 
+    group = configs[0].w1.key.group
     config = make_quant_config(
         scheme,
         cat([qc.w1.scale for qc in configs]),
         cat([qc.w2.scale for qc in configs]),
         w1_global_scale=cat([qc.w1.global_scale for qc in configs]),
         w2_global_scale=cat([qc.w2.global_scale for qc in configs]),
+        w1_zero_point=cat([qc.w1.zero_point for qc in configs]),
+        w2_zero_point=cat([qc.w2.zero_point for qc in configs]),
         fast_accum=fast_accum,
+        **({"group_size": None if group is None else group[1]} if scheme in INT_WEIGHT_ONLY else {}),
     )
     plain13 = torch.empty_like(w13)
     plain2 = torch.empty_like(w2)
     for c in _chunks(w13, w2):
         for out, q, operand in ((plain13, q13, config.w1), (plain2, q2, config.w2)):
             g = None if operand.global_scale is None else operand.global_scale[c]
-            out[c] = dequantize(q[c], operand.scale[c], operand.key, g).to(out.dtype)
+            z = None if operand.zero_point is None else operand.zero_point[c]
+            out[c] = dequantize(q[c], operand.scale[c], operand.key, g, z).to(out.dtype)
     return ExpertSet(q13, q2, config, plain13, plain2)
 
 
