@@ -9,8 +9,10 @@ for torch.compile (fusedmoe.kernels.fused_moe).
 
 Schemes: bf16 / fp16 / fp32; FP8 per-tensor (static or dynamic activations, or per-token),
 per-channel x per-token, 128 x 128 blocks x 1 x 128 groups (float32 or UE8M0 scales); INT8
-per-channel x per-token. Biases, expert_map, every activation. It reduces itself (finalize:
-NoOp), so its output is [M, H].
+per-channel x per-token; and the weight-only schemes (mxfp4_w4a16, nvfp4_w4a16, int4_w4a16,
+int8_w8a16), whose 4- and 8-bit weights are dequantized inside the GEMMs
+(fusedmoe.kernels.wo_moe: the weights stay in their stored format). Biases, expert_map, every
+activation. It reduces itself (finalize: NoOp), so its output is [M, H].
 
 A call that autograd records (training; unquantized only) runs the training op instead
 (fusedmoe.kernels.moe_train): GPU kernels forward and backward, differentiable in x, the
@@ -48,6 +50,21 @@ _ACT_MODES = {
     keys.INT8_DYNAMIC_TOKEN: ("row", "int8_dynamic_token"),
 }
 _DTYPE_KEY = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+#: weight-only scheme -> the weight format of fusedmoe.kernels.wo_moe
+_WEIGHT_ONLY = {
+    "mxfp4_w4a16": "mxfp4",
+    "nvfp4_w4a16": "nvfp4",
+    "int4_w4a16": "int4",
+    "int8_w8a16": "int8",
+}
+
+
+def _weight_only(quant_config: FusedMoEQuantConfig | None) -> tuple[str, int] | None:
+    """(weight format, scale group along K; 0: per channel) of a weight-only scheme."""
+    if quant_config is None or quant_config.scheme not in _WEIGHT_ONLY:
+        return None
+    group = quant_config.w1.key.group
+    return _WEIGHT_ONLY[quant_config.scheme], 0 if group is None else group[1]
 
 
 def _modes(quant_config: FusedMoEQuantConfig | None) -> tuple[str, str, str, str] | None:
@@ -83,7 +100,7 @@ class TritonExperts(Experts):
 
     @classmethod
     def supports_quant_config(cls, quant_config):
-        return _modes(quant_config) is not None
+        return _modes(quant_config) is not None or _weight_only(quant_config) is not None
 
     @classmethod
     def supports_activation(cls, activation):
@@ -120,16 +137,22 @@ class TritonExperts(Experts):
         from fusedmoe.quant.kernels import resolve_params
 
         qc = call.quant_config
+        weight_only = _weight_only(qc)
         modes = _modes(qc)
-        if modes is None:  # the oracle refuses these; a direct call gets the reason
+        if modes is None and weight_only is None:  # the oracle refuses these
             raise ValueError(f"the triton backend does not support {qc!r}")
-        a_mode, w_mode, a2_mode, dtype_key = modes
         weights, activation = call.weights, call.activation
         if needs_grad(call.hidden_states, weights, call.topk_weights):
             if gate is not None:
                 raise ValueError("a gated call is inference only (run under torch.no_grad())")
             self._apply_recorded(call)
             return
+        if weight_only is not None:
+            if gate is not None:
+                raise ValueError(f"a gated call does not run {qc.scheme} (weight-only)")
+            self._apply_weight_only(call, *weight_only)
+            return
+        a_mode, w_mode, a2_mode, dtype_key = modes
         fused_experts_triton(
             call.output,
             call.hidden_states,
@@ -154,6 +177,37 @@ class TritonExperts(Experts):
             mul_routed_weight=not call.apply_router_weight_on_input,
             dtype_key=dtype_key or _DTYPE_KEY[call.output.dtype],
             gate=gate,
+        )
+
+    def _apply_weight_only(self, call, w_format: str, group: int) -> None:
+        """4- and 8-bit weights x activations in the layer's dtype (fusedmoe.kernels.wo_moe)."""
+        from fusedmoe.kernels.wo_moe import fused_experts_weight_only
+        from fusedmoe.quant.kernels import resolve_params
+
+        qc, weights, activation = call.quant_config, call.weights, call.activation
+        fused_experts_weight_only(
+            call.output,
+            call.hidden_states,
+            weights.w13,
+            weights.w2,
+            call.topk_weights.float().contiguous(),
+            call.topk_ids,
+            w_format=w_format,
+            group=group,
+            w13_scale=qc.w1.scale,
+            w2_scale=qc.w2.scale,
+            w13_zero=qc.w1.zero_point,
+            w2_zero=qc.w2.zero_point,
+            w13_global_scale=qc.w1.global_scale,
+            w2_global_scale=qc.w2.global_scale,
+            activation=activation.kind,
+            params=resolve_params(activation.kind, activation.params),
+            workspace13=call.workspace13,
+            workspace2=call.workspace2,
+            w13_bias=weights.w13_bias,
+            w2_bias=weights.w2_bias,
+            expert_map=call.expert_map,
+            mul_routed_weight=not call.apply_router_weight_on_input,
         )
 
     def _apply_recorded(self, call) -> None:

@@ -4,6 +4,7 @@ fusedmoe demo      [--preset qwen3-30b-a3b] [--tokens N] [--device cpu|cuda] [--
 fusedmoe bench     [--preset a,b | --experts E --top-k k --hidden H --intermediate I]
                    [--quant bf16,fp8_block] [--tokens 1,8,64] [--routing uniform,skewed]
                    [--backends triton,...] [--json F] [--csv F] [--plot F.png]     (tools.bench)
+                   [--peers triton_kernels]: other libraries in the same table  (tools.peers)
                    [--eager]: eager vs CUDA-graph time, host us, launches, syncs per call
                    [--backward]: forward + backward vs grouped_mm under autograd: time,
                    peak memory, roofline, gradients checked
@@ -234,6 +235,10 @@ def _add_shape_arguments(p: argparse.ArgumentParser, preset_help: str) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.ep > 1:
+        if getattr(args, "peers", None):
+            print("fusedmoe bench: --peers applies to the single-GPU bench, not --ep",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         return run_ep_bench(args)
     from fusedmoe.tools.bench.command import run_bench_command
 
@@ -298,6 +303,7 @@ def _add_bench(sub) -> None:
     from fusedmoe.tools.bench.command import CPU_SCALE, CPU_TOKENS, GPU_TOKENS
     from fusedmoe.tools.bench.sweep import QUANTS
     from fusedmoe.tools.ceilings import NAMED_CEILINGS
+    from fusedmoe.tools.peers import PEERS
 
     p = sub.add_parser(
         "bench",
@@ -330,6 +336,16 @@ def _add_bench(sub) -> None:
         type=csv_list(str),
         default=None,
         help="backends to time (default: every one that supports the config here)",
+    )
+    p.add_argument(
+        "--peers",
+        type=csv_list(str, PEERS),
+        default=None,
+        help="other libraries' MoE kernels to time in the same table, on the same weights and "
+        "routing (routing included in their time): triton_kernels (OpenAI's MXFP4 MoE, as "
+        "gpt-oss runs on Hopper: mxfp4_w4a16 rows, swigluoai or silu, an sm90 GPU, "
+        "triton_kernels importable, e.g. PYTHONPATH=.vendor). Rows a peer does not run are "
+        "named in the notes with why",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(

@@ -4,6 +4,7 @@ Shapes: presets (real sizes on a GPU; on the CPU divided by --scale, default 16,
 "(scaled 1/16)") or one custom --experts --top-k --hidden --intermediate shape, as given.
 --eager times host cost per call instead (fusedmoe.tools.bench.eager); --backward a training
 step, forward and backward, against grouped_mm under autograd (fusedmoe.tools.bench.backward).
+--peers adds other libraries' kernels to the forward bench's table (fusedmoe.tools.peers).
 """
 
 from __future__ import annotations
@@ -82,10 +83,17 @@ def run_bench_command(args: argparse.Namespace) -> int:
         known = [*backend_names(), *BASELINES]
         unknown = [b for b in args.backends if b not in known]
         if unknown:
-            return _fail(f"unknown backend(s) {unknown}; expected names of {known}")
+            from fusedmoe.tools.peers import PEERS
+
+            peers = [b for b in unknown if b in PEERS]
+            hint = f" ({', '.join(peers)}: a peer, give it with --peers)" if peers else ""
+            return _fail(f"unknown backend(s) {unknown}; expected names of {known}{hint}")
     eager, backward = getattr(args, "eager", False), getattr(args, "backward", False)
+    peers = getattr(args, "peers", None) or []
     if eager and backward:
         return _fail("--eager and --backward are two modes: give one")
+    if (eager or backward) and peers:
+        return _fail("--peers applies to the forward bench, not --eager / --backward")
     if (eager or backward) and getattr(args, "fast_accum", False):
         return _fail("--fast-accum applies to the forward bench, not --eager / --backward")
     if backward:
@@ -119,6 +127,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             rep_ms=args.rep_ms,
             ref_max_slots=args.ref_max_slots,
             fast_accum=getattr(args, "fast_accum", False),
+            peers=list(peers),
         )
     except ValueError as exc:
         return _fail(str(exc))

@@ -10,6 +10,8 @@ named with --backends, a backend runs wherever it supports the problem.
     routes inside          Experts.apply_monolithic(x, router_logits, ...) with a plain softmax
     (monolithic)           top-k router over the row's logits: the same ids as the others get,
                            and the top-k selection is inside its time
+    peers (--peers)        other libraries on the same weights and routing, built by
+                           fusedmoe.tools.peers; timed after the backends, before the baselines
     grouped_mm, eager      fusedmoe.tools.baselines on the weights' values in the activation dtype
 
 The reference for rel_err is fused_experts(..., backend="torch") on the same inputs (float64
@@ -51,6 +53,9 @@ class Contender:
     #: False: known to read device values on the host (timed by launches, no CUDA graph)
     capturable: bool = True
     note: str = ""  # how it runs, where that is worth saying
+    #: an untimed check of a row's inputs, a line for the notes where something is off (a peer
+    #: that routes the logits itself: whether it picked topk_ids' experts)
+    check: Callable[[RoutingInputs], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,12 +128,15 @@ def make_contenders(
     act_name: str,
     quant: str,
     device: torch.device,
+    peers: Sequence[Contender] = (),
 ) -> list[Contender]:
-    """The row's contenders: `backends` in order, then grouped_mm and eager."""
+    """The row's contenders: `backends` in order, then `peers` (fusedmoe.tools.peers), then
+    grouped_mm and eager."""
     out = [
         Contender(name, quant, _backend_run(name, experts, activation, num_experts, top_k))
         for name in backends
     ]
+    out += peers
     w13, w2 = experts.w13_plain, experts.w2_plain
     bias = dict(w13_bias=experts.w13_bias, w2_bias=experts.w2_bias)
     unavailable = grouped_mm_unavailable(device, w13.dtype)

@@ -12,6 +12,10 @@ reference backend on the same inputs:
                   read the scheme's values as 16-bit weights: their floor is a 16-bit one)
     tflops, gbps  the floor's flops and bytes over the measured time
     roofline_pct  floor_ms / time_ms * 100
+
+Peers (--peers, fusedmoe.tools.peers): other libraries' kernels on the same weights and
+routing, one contender each after the backends; built once per shape and scheme (their weight
+conversion untimed), or named in the notes with why they do not run that row.
 """
 
 from __future__ import annotations
@@ -82,11 +86,19 @@ class BenchSpec:
     rep_ms: float = 50.0  # timed milliseconds per contender and row
     ref_max_slots: int = 1 << 17  # rows with more M * k slots skip the float64 reference
     fast_accum: bool = False  # fp8_block rows: FusedMoEQuantConfig.fast_accum (quant label +)
+    #: other libraries timed beside the backends (fusedmoe.tools.peers.PEERS)
+    peers: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         bad = [q for q in self.quants if q not in QUANTS]
         if bad:
             raise ValueError(f"unknown --quant {bad}; expected names of {list(QUANTS)}")
+        if self.peers:
+            from fusedmoe.tools.peers import PEERS  # no triton: the adapter loads it lazily
+
+            unknown = [p for p in self.peers if p not in PEERS]
+            if unknown:
+                raise ValueError(f"unknown --peers {unknown}; expected names of {list(PEERS)}")
         if not self.tokens or any(m < 1 for m in self.tokens):
             raise ValueError(f"--tokens must be counts >= 1, got {self.tokens}")
         if not self.presets or not self.quants or not self.routings:
@@ -160,10 +172,11 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
         note(f"{where}: the oracle finds no backend ({selection.choice_error})")
     for name, why in selection.refused.items():
         note(f"{where}: not timing {name}: {why}")
+    peers = _peers(preset, quant, experts, dtype, spec, note, where)
     contenders = make_contenders(
         selection.backends, experts, activation=preset.activation,
         num_experts=preset.num_experts, top_k=preset.top_k, act_name=act_name, quant=quant,
-        device=device,
+        device=device, peers=peers,
     )  # fmt: skip
     for c in contenders:
         if c.note.startswith("per-expert loop ("):
@@ -180,6 +193,25 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
             if step is not None:
                 step(f"{where}, {routing}, M={m}")
     return rows
+
+
+def _peers(preset, quant, experts, dtype, spec: BenchSpec, note: Note, where: str):
+    """The peers that run this shape and scheme, each noted with how it runs; the others
+    noted with why not. Imports fusedmoe.tools.peers only when --peers names one."""
+    if not spec.peers:
+        return []
+    from fusedmoe.tools.peers import peer_contenders
+
+    peers, refused = peer_contenders(
+        spec.peers, experts, quant=quant, activation=preset.activation, top_k=preset.top_k,
+        hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
+        act_dtype=dtype, device=spec.device,
+    )  # fmt: skip
+    for name, why in refused.items():
+        note(f"{where}: not timing peer {name}: {why}")
+    for c in peers:
+        note(f"{where}: peer {c.name}: {c.note}")
+    return peers
 
 
 def _fast_accum(quant: str, spec: BenchSpec) -> bool:
@@ -204,6 +236,15 @@ def _bench_case(
                 outputs[c.name] = c.run(inputs)
             except Exception as exc:  # one contender failing must not end the sweep
                 note(f"{preset_label(preset)}, {quant}, M={m}: {c.name} failed: {exc!r:.300}")
+        for c in contenders:
+            if c.check is None or c.name not in outputs:
+                continue
+            try:
+                found = c.check(inputs)
+            except Exception as exc:
+                found = f"its check failed: {exc!r:.300}"
+            if found is not None:
+                note(f"{preset_label(preset)}, {quant}, {routing}, M={m}: {c.name}: {found}")
         ref, ref_name = None, "none"
         if m * k <= spec.ref_max_slots:
             ref = outputs.get(REFERENCE)

@@ -1,0 +1,256 @@
+"""The weight-only fused-experts op: align, GEMM1 + activation, GEMM2 x router weight, top-k
+sum, with 4- and 8-bit weights dequantized inside the GEMMs (fusedmoe.kernels.wo_gemm).
+
+    routing = moe_align_block_size(topk_ids, BM)          # none for M = 1 (direct rows)
+    a2      = act(x[rows // k] @ deq(w13[e]).T + b13)     # GEMM1, a2 in the activation dtype
+    y       = round(a2[rows] @ deq(w2[e]).T + b2) * topk_weights
+    output  = sum over the k slots of each token          # moe_sum
+
+Registered as a custom op (it writes `output` and the workspaces only), so a layer that calls
+it traces under torch.compile; no host synchronisation, so it captures in a CUDA graph. The
+weights stay in their stored format: no dequantized copy is ever made.
+
+Tiles (WoConfig): BM slots x BN weight rows x BK, per GEMM. The heuristic (wo_kernel_config)
+follows the slots per expert: 16-slot tiles while experts see a few tokens (decode reads each
+weight once; the tile's width only multiplies padding), then 64 and 128 (tensor-core bound);
+`use_wo_config` overrides it (sweeps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from fusedmoe._pdl import pdl_args
+from fusedmoe._triton import cdiv, device_guard, launch, op_or_impl
+from fusedmoe.activation import MoEActivation
+from fusedmoe.kernels import wo_gemm as wg
+from fusedmoe.kernels.fused_moe import _ACT_CODES, TL_DTYPE, gemm_rows, moe_sum
+
+__all__ = [
+    "W_FORMATS",
+    "WoConfig",
+    "WoGemmConfig",
+    "fused_experts_weight_only",
+    "use_wo_config",
+    "wo_kernel_config",
+]
+
+#: the weight formats by name (the quant config's weight element)
+W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
+
+
+@dataclass(frozen=True)
+class WoGemmConfig:
+    block_n: int  # weight rows per program (GEMM1 gated: of gate and of up each)
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class WoConfig:
+    block_m: int  # slots per tile (the aligned layout's block height)
+    gemm1: WoGemmConfig
+    gemm2: WoGemmConfig
+
+
+_override: contextvars.ContextVar[WoConfig | None] = contextvars.ContextVar(
+    "fusedmoe_wo_config", default=None
+)
+
+
+@contextlib.contextmanager
+def use_wo_config(config: WoConfig | None) -> Iterator[None]:
+    """Run the weight-only op with `config` in this scope (None: the heuristic)."""
+    token = _override.set(config)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def wo_kernel_config(num_tokens: int, top_k: int, num_local_experts: int) -> WoConfig:
+    """The scoped override, else the heuristic (see the module docstring)."""
+    override = _override.get()
+    if override is not None:
+        return override
+    slots_per_expert = num_tokens * top_k / max(num_local_experts, 1)
+    if slots_per_expert <= 16:
+        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        return WoConfig(16, gemm, gemm)
+    if slots_per_expert <= 48:
+        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3)
+        return WoConfig(32, gemm, gemm)
+    if slots_per_expert <= 160:
+        gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        return WoConfig(64, gemm, gemm)
+    gemm1 = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    gemm2 = WoGemmConfig(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    return WoConfig(128, gemm1, gemm2)
+
+
+def _launch(
+    a, a_row_div, w, scale, zero, global_scale, bias, out, topk_weights, rows, num_slots, cfg,
+    block_m, *, w_format, group, activation, params, mul_routed_weight, h_dtype,
+):  # fmt: skip
+    n_out = out.shape[1]
+    k = a.shape[1]
+    alpha, beta, limit, has_limit = params
+    act_code = -1 if activation is None else _ACT_CODES[activation]
+    dummy = rows.ids
+    s3 = scale if scale.dim() == 3 else scale.unsqueeze(-1)  # per channel: stride_sk unused
+    args = (
+        a, a.stride(0), a.stride(1),
+        w, w.stride(0), w.stride(1), w.stride(2),
+        s3, s3.stride(0), s3.stride(1), s3.stride(2),
+        *((zero, *zero.stride()) if zero is not None else (dummy, 0, 0, 0)),
+        dummy if global_scale is None else global_scale,
+        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
+        out, out.stride(0), out.stride(1),
+        topk_weights,
+        *rows.kernel_args(),
+        n_out, k, num_slots, rows.num_blocks,
+        alpha, beta, limit,
+    )  # fmt: skip
+    on_cuda = a.is_cuda
+    constexprs = dict(
+        A_ROW_DIV=a_row_div,
+        W_FORMAT=w_format,
+        GROUP=group,
+        HAS_ZERO=zero is not None,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=act_code,
+        GATED=activation is not None and activation.is_gated,
+        HAS_LIMIT=has_limit,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        H_DTYPE=h_dtype,
+        DOT_DTYPE=TL_DTYPE[a.dtype] if on_cuda and a.dtype != torch.float32 else tl.float32,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 or not on_cuda else "tf32",
+        ROUND_IN_FP32=not on_cuda,
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        DIRECT=rows.routing is None,
+        HAS_MAP=rows.expert_map is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_args(a),
+    )
+    grid = (rows.num_blocks * cdiv(n_out, cfg.block_n),)
+    launch(wg._wo_gemm_kernel, grid, args, constexprs, on_cuda)
+
+
+def _fused_experts_weight_only_impl(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_zero: torch.Tensor | None,
+    w2_zero: torch.Tensor | None,
+    w13_global_scale: torch.Tensor | None,
+    w2_global_scale: torch.Tensor | None,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    workspace13: torch.Tensor,
+    workspace2: torch.Tensor,
+    activation: str,
+    alpha: float,
+    beta: float,
+    limit: float,
+    has_limit: bool,
+    w_format: str,
+    group: int,
+    mul_routed_weight: bool,
+) -> None:
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return
+    num_slots = num_tokens * top_k
+    num_local, gemm1_rows = w13.shape[0], w13.shape[1]
+    hidden = x.shape[1]
+    act = MoEActivation(activation)
+    width = act.output_size(gemm1_rows)
+    config = wo_kernel_config(num_tokens, top_k, num_local)
+    fmt = W_FORMATS[w_format]
+    h_dtype = TL_DTYPE[output.dtype]
+    params = (alpha, beta, limit, has_limit)
+    with device_guard(x):
+        rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
+        a2 = workspace2.view(-1)[: num_slots * width].view(num_slots, width)
+        _launch(
+            x, top_k, w13, w13_scale, w13_zero, w13_global_scale, w13_bias, a2, topk_weights,
+            rows, num_slots, config.gemm1, config.block_m, w_format=fmt, group=group,
+            activation=act, params=params, mul_routed_weight=False, h_dtype=h_dtype,
+        )  # fmt: skip
+        y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
+        _launch(
+            a2, 1, w2, w2_scale, w2_zero, w2_global_scale, w2_bias, y, topk_weights.reshape(-1),
+            rows, num_slots, config.gemm2, config.block_m, w_format=fmt, group=group,
+            activation=None, params=params, mul_routed_weight=mul_routed_weight,
+            h_dtype=h_dtype,
+        )  # fmt: skip
+        moe_sum(y, output, topk_ids, expert_map, num_local)
+
+
+_fused_experts_weight_only_op = torch.library.custom_op(
+    "fusedmoe::fused_experts_weight_only", mutates_args=("output", "workspace13", "workspace2")
+)(_fused_experts_weight_only_impl)
+
+
+@_fused_experts_weight_only_op.register_fake
+def _(output, x, w13, w2, w13_scale, w2_scale, w13_zero, w2_zero, w13_global_scale,
+      w2_global_scale, w13_bias, w2_bias, topk_weights, topk_ids, expert_map, workspace13,
+      workspace2, activation, alpha, beta, limit, has_limit, w_format, group,
+      mul_routed_weight):  # fmt: skip
+    return None
+
+
+def fused_experts_weight_only(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w_format: str,
+    group: int,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    activation: MoEActivation,
+    params: tuple[float, float, float, bool],
+    workspace13: torch.Tensor,
+    workspace2: torch.Tensor,
+    w13_zero: torch.Tensor | None = None,
+    w2_zero: torch.Tensor | None = None,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    mul_routed_weight: bool = True,
+) -> None:
+    """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
+    the caller (TritonExperts): w_format one of W_FORMATS, group the scales' group along K (0:
+    int8 per channel), topk_weights float32 [M, k]; params (alpha, beta, limit, has_limit)."""
+    alpha, beta, limit, has_limit = params
+    op_or_impl(_fused_experts_weight_only_op, _fused_experts_weight_only_impl)(
+        output, x, w13, w2, w13_scale, w2_scale, w13_zero, w2_zero, w13_global_scale,
+        w2_global_scale, w13_bias, w2_bias, topk_weights, topk_ids, expert_map, workspace13,
+        workspace2, activation.value, alpha, beta, limit, has_limit, w_format, group,
+        mul_routed_weight,
+    )  # fmt: skip
