@@ -289,9 +289,9 @@ def _wo_gemm_kernel(
             acc_u *= tl.load(su_rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     if HAS_BIAS:
         bias_base = bias_ptr + e * stride_be
-        acc_g += tl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(
-            tl.float32
-        )[:, None]
+        acc_g += tl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[
+            :, None
+        ]
         if GATED:
             acc_u += tl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(
                 tl.float32

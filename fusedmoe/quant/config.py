@@ -80,7 +80,7 @@ _STORAGE_DTYPE = {
 }
 
 
-def weight_key(scheme: str, group_size: int | None | str = "default") -> QuantKey:
+def weight_key(scheme: str, group_size: int | str | None = "default") -> QuantKey:
     """The scheme's weight key; for int4_w4a16 / int8_w8a16, of the given group size (None:
     int8 per channel; "default": 128 for int4, per channel for int8)."""
     key = _SCHEME_KEYS[check_scheme(scheme)][0]
@@ -404,7 +404,7 @@ def quantize_weight(
     scheme: str,
     what: str = "w",
     *,
-    group_size: int | None | str = "default",
+    group_size: int | str | None = "default",
     zero_points: bool = False,
 ):
     """One expert weight [E, N, K] -> Quantized in the scheme's weight format, a few experts at

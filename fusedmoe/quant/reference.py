@@ -13,8 +13,8 @@ For an operand x [..., R, K] (2-D activations [M, K], or 3-D expert weights [E, 
 INT4 (weights only, codes q in [0, 16) around a zero point):
     symmetric:   scale = amax / 7, zero = 8,     q = clamp(round(x / scale) + 8, 1, 15)
     zero points: scale = (max - min) / 15 (max >= 0 >= min over the cell),
-                 zero = clamp(round(-min / scale), 0, 15) (uint8), q = clamp(round(x / scale) + zero,
-                 0, 15)                            (the GPTQ / AWQ asymmetric convention)
+                 zero = clamp(round(-min / scale), 0, 15) (uint8),
+                 q = clamp(round(x / scale) + zero, 0, 15)   (GPTQ / AWQ's asymmetric rule)
     x ~= (q - zero) * scale
 
 An all-zero cell gets the scale of amax = 1e-10 (float32 formats), the smallest exponent

@@ -139,6 +139,7 @@ def quantize_expert_set(
         return None if values[0] is None else torch.cat(values)
 
     group = configs[0].w1.key.group
+    int_group = {"group_size": None if group is None else group[1]}
     config = make_quant_config(
         scheme,
         cat([qc.w1.scale for qc in configs]),
@@ -148,7 +149,7 @@ def quantize_expert_set(
         w1_zero_point=cat([qc.w1.zero_point for qc in configs]),
         w2_zero_point=cat([qc.w2.zero_point for qc in configs]),
         fast_accum=fast_accum,
-        **({"group_size": None if group is None else group[1]} if scheme in INT_WEIGHT_ONLY else {}),
+        **(int_group if scheme in INT_WEIGHT_ONLY else {}),
     )
     plain13 = torch.empty_like(w13)
     plain2 = torch.empty_like(w2)
