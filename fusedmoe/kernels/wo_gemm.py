@@ -173,6 +173,26 @@ def _dequant_tile(
 
 
 @triton.jit
+def _mx_operand(
+    w_rows_ptr, stride_wk, s_rows_ptr, stride_sk, k0, K, n_mask, EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The packed MXFP4 tile [BN, BK / 2] (uint8) and its E8M0 scales [BN, BK / 32], as
+    tl.dot_scaled takes them (columns past K: code 0, scale 1)."""
+    cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    ptrs = w_rows_ptr[:, None] + cols[None, :] * stride_wk
+    s_ptrs = s_rows_ptr[:, None] + groups[None, :] * stride_sk
+    if EVEN_K:
+        packed = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        scales = tl.load(s_ptrs, mask=n_mask[:, None], other=127)
+    else:
+        packed = tl.load(ptrs, mask=n_mask[:, None] & (cols < K // 2)[None, :], other=0)
+        scales = tl.load(s_ptrs, mask=n_mask[:, None] & (groups < K // 32)[None, :], other=127)
+    return packed, scales
+
+
+@triton.jit
 def _wo_gemm_kernel(
     a_ptr, stride_am, stride_ak,  # [rows of A, K] activation dtype
     w_ptr, stride_we, stride_wn, stride_wk,  # [E_l, N_w, K / 2] uint8 | [E_l, N_w, K] int8
@@ -199,6 +219,8 @@ def _wo_gemm_kernel(
     H_DTYPE: tl.constexpr,  # where the reference rounds h (the activation dtype)
     DOT_DTYPE: tl.constexpr,  # the operands' dtype in the dot (fp32 on the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32)
+    MX_DOT: tl.constexpr,  # MXFP4 through tl.dot_scaled (A in bf16 / fp16: its A_FORMAT)
+    A_FORMAT: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,  # slots per tile (the dot's N)
@@ -269,18 +291,29 @@ def _wo_gemm_kernel(
             a = tl.load(a_ptrs, mask=row_mask[None, :], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_mask[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-        a = a.to(DOT_DTYPE)
-        w_g = _dequant_tile(
-            wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, g_scale, k0, K, n_mask,
-            W_FORMAT, HAS_ZERO, GROUP, EVEN_K, DOT_DTYPE, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        acc_g = tl.dot(w_g, a, acc_g, input_precision=DOT_PRECISION)
-        if GATED:
-            w_u = _dequant_tile(
-                wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, g_scale, k0, K,
+        if MX_DOT:  # Triton's own E2M1 upcast and scaling, in the dot operand's layout
+            w_g, s_g = _mx_operand(
+                wg_rows, stride_wk, sg_rows, stride_sk, k0, K, n_mask, EVEN_K, BLOCK_K
+            )
+            acc_g = tl.dot_scaled(w_g, s_g, "e2m1", a, None, A_FORMAT, acc_g, fast_math=True)
+            if GATED:
+                w_u, s_u = _mx_operand(
+                    wu_rows, stride_wk, su_rows, stride_sk, k0, K, n_mask, EVEN_K, BLOCK_K
+                )
+                acc_u = tl.dot_scaled(w_u, s_u, "e2m1", a, None, A_FORMAT, acc_u, fast_math=True)
+        else:
+            a = a.to(DOT_DTYPE)
+            w_g = _dequant_tile(
+                wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, g_scale, k0, K,
                 n_mask, W_FORMAT, HAS_ZERO, GROUP, EVEN_K, DOT_DTYPE, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            acc_u = tl.dot(w_u, a, acc_u, input_precision=DOT_PRECISION)
+            acc_g = tl.dot(w_g, a, acc_g, input_precision=DOT_PRECISION)
+            if GATED:
+                w_u = _dequant_tile(
+                    wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, g_scale, k0, K,
+                    n_mask, W_FORMAT, HAS_ZERO, GROUP, EVEN_K, DOT_DTYPE, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+                acc_u = tl.dot(w_u, a, acc_u, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
 
     if GROUP == 0:  # INT8 per channel: the scale of each row, on the accumulator

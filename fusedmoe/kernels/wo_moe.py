@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ __all__ = [
     "wo_kernel_config",
 ]
 
+_A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "1") != "0"
 #: the weight formats by name (the quant config's weight element)
 W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
 
@@ -120,6 +123,8 @@ def _launch(
         alpha, beta, limit,
     )  # fmt: skip
     on_cuda = a.is_cuda
+    # MXFP4 x bf16 / fp16 through tl.dot_scaled (FUSEDMOE_WO_DOT_SCALED=0: our dequantization)
+    mx_dot = w_format == wg.WF_MXFP4 and a.dtype in _A_FORMAT and _DOT_SCALED
     constexprs = dict(
         A_ROW_DIV=a_row_div,
         W_FORMAT=w_format,
@@ -133,6 +138,8 @@ def _launch(
         H_DTYPE=h_dtype,
         DOT_DTYPE=TL_DTYPE[a.dtype] if on_cuda and a.dtype != torch.float32 else tl.float32,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or not on_cuda else "tf32",
+        MX_DOT=mx_dot,
+        A_FORMAT=_A_FORMAT.get(a.dtype, "bf16"),
         ROUND_IN_FP32=not on_cuda,
         EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=block_m,

@@ -6,8 +6,9 @@ table as fusedmoe's backends, on the same weights and the same routing (`--peers
                      the swigluoai or silu activation, a power-of-two top_k, on an sm90 GPU,
                      with `import triton_kernels` working (on the lent GPUs: PYTHONPATH=.vendor).
 
-Nothing here imports triton or triton_kernels until a peer is built for a row: `fusedmoe bench`
-without --peers, and every row a peer refuses before its library check, never load them.
+Nothing here imports triton or triton_kernels until a row has passed every other check of a
+peer (scheme, activation, shape, an sm90 GPU): `fusedmoe bench` without --peers, and on a CPU
+with it, never load them.
 
 How the triton_kernels peer is called, per (shape, scheme) and per call:
 
@@ -15,7 +16,8 @@ How the triton_kernels peer is called, per (shape, scheme) and per call:
         weights    our w13 [E, N, H/2] and w2 [E, H, I/2] (uint8, two E2M1 codes per byte along
                    K, the even k in the low nibble) are viewed K-major: [E, K/2, N], packed
                    along K, the layout matmul_ogs takes as "w [E, K, N]", then swizzled into its
-                   Hopper value layout (HopperMXValueLayout, mx_axis=1)
+                   Hopper value layout (HopperMXValueLayout, mx_axis=1); with torch < 2.8.1
+                   values and scales stay strided, as vLLM keeps them there
         scales     our E8M0 [E, N, K/32] -> [E, G, N], G = K/32 rounded up to a multiple of 4
                    with code 0 (the Hopper kernel reads the scales of BLOCK_K = 128 values,
                    4 groups, without a mask), then HopperMXScaleLayout (mx_axis=1, 8 warps:
@@ -40,19 +42,24 @@ pairs, the even column as the gate g and the odd one as the up value u, and comp
     out = (g * sigmoid(alpha * g)) * (u + 1)             written as fma(s, u, s)
 
 which is fusedmoe's swigluoai exactly (fusedmoe.activation: gate row 2c, up row 2c + 1, the
-same clamps, alpha 1.702, limit 7, the + 1 on u). What differs is precision only: the peer
-applies it to the float32 accumulator plus bias and rounds its output to bf16; our reference
-computes in float64. For silu (silu(g) * u on the halves [gate | up]) there is no + 1 to turn
-off: the peer runs swiglu with alpha 1 and no clamp on (g, u - 1), with w13's rows (and
-scales) interleaved from halves into pairs and the - 1 folded into GEMM1's bias (a float32
-[E, 2I] read the layer itself would not need). silu(g) * ((u - 1) + 1) = silu(g) * u, up to
-one float32 rounding of u - 1.
+same clamps, alpha 1.702, limit 7, the + 1 on u). What differs is precision only, against the
+float64 reference of the rel_err column: the peer dequantizes the weights exactly (an E2M1
+value times 2**e is a bf16; an all-zero block's code 0 reads as 0, not 2**-127), accumulates
+in float32, applies the activation to the float32 accumulator plus bias, stores h in bf16,
+and in GEMM2 rounds each slot's weighted output to bf16 before the float32 sum of the k slots;
+the router weights stay float32.
+
+For silu (silu(g) * u on the halves [gate | up]) there is no + 1 to turn off: the peer runs
+swiglu with alpha 1 and no clamp on (g, u - 1), with w13's rows (and scales) interleaved from
+halves into pairs and the - 1 folded into GEMM1's bias (a float32 [E, 2I] read the layer
+itself would not need). silu(g) * ((u - 1) + 1) = silu(g) * u, up to one float32 rounding of
+u - 1. (vLLM runs silu on triton_kernels unfused instead: GEMM1, a separate activation, GEMM2.)
 
 Routing. The bench's routing is fusedmoe's plain TopKRouter: softmax over all E, top-k,
 renormalize; the peer takes the top-k of the raw logits and a softmax over those k: the same
 weights (renormalized softmax = softmax of the k picked), and the same ids unless two logits
-round to the same softmax value at the k-th place (float32 ties; triton_kernels then keeps the
-lower expert index, torch.topk either). `TritonKernelsMoE.routing_mismatch` compares the
+round to the same softmax value at the k-th place (float32 ties: triton_kernels then keeps the
+lower expert index, torch.topk promises no order). `TritonKernelsMoE.routing_mismatch` compares the
 peer's ids with the row's topk_ids once per row (untimed) and the bench notes any difference;
 the rel_err column shows its effect.
 """
@@ -88,7 +95,7 @@ TK_SCALE_GROUP_MULTIPLE = 4
 TK_NUM_WARPS = 8
 #: on Hopper, its MXFP4 GEMM takes block_n = 256 where N > 128; a smaller N has no such block
 TK_MIN_N = 129
-#: vLLM turns the Hopper swizzle off below this torch (a torch bug); so does this adapter
+#: vLLM keeps the Hopper layouts off (strided weights) below this torch; so does this adapter
 TK_SWIZZLE_MIN_TORCH = (2, 8, 1)
 TK_HINT = (
     "put OpenAI's triton_kernels (its matmul_ogs / routing API, as in .vendor/triton_kernels) "
@@ -182,8 +189,13 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
 def import_triton_kernels() -> types.SimpleNamespace:
     """What the adapter calls of triton_kernels (ImportError, AttributeError where it is absent
     or of another API generation)."""
-    from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig
-    from triton_kernels.matmul_ogs import matmul_ogs
+    from triton_kernels.matmul_ogs import (
+        FlexCtx,
+        FnSpecs,
+        FusedActivation,
+        PrecisionConfig,
+        matmul_ogs,
+    )
     from triton_kernels.matmul_ogs_details.opt_flags import update_opt_flags_constraints
     from triton_kernels.numerics import InFlexData
     from triton_kernels.routing import routing
@@ -238,8 +250,9 @@ def refusal_reason(
     quant_config=None,
 ) -> str | None:
     """Why peer `name` does not run a (shape, scheme) row, or None when it does. Checks what
-    the row is first, then the device, then (last, so that the library loads only where it
-    could run) whether triton_kernels imports."""
+    the row is first (scheme, activation, dtype, top_k), then the device, then the Hopper
+    kernel's sizes, and last, so that the library loads only where it could run, whether
+    triton_kernels imports."""
     if name not in PEERS:
         return f"unknown peer {name!r}; expected one of {list(PEERS)}"
     if quant != TK_SCHEME:
@@ -251,20 +264,16 @@ def refusal_reason(
             f"fuses a swiglu (gate, up + 1) that gives {names} only; this row's activation is "
             f"{act.value}"
         )
-    if act is MoEActivation.SILU and quant_config is not None and (
-        quant_config.gemm1_clamp_limit is not None or quant_config.gemm1_alpha is not None
+    if (
+        act is MoEActivation.SILU
+        and quant_config is not None
+        and (quant_config.gemm1_clamp_limit is not None or quant_config.gemm1_alpha is not None)
     ):
         return "silu with a clamp limit or alpha has no swiglu equivalent here"
     if act_dtype != torch.bfloat16:
         return f"its Hopper MXFP4 GEMM takes bf16 activations; this row's are {act_dtype}"
     if top_k < 1 or top_k & (top_k - 1):
         return f"its routing kernels need a power-of-two top_k; this shape's is {top_k}"
-    n_min = min(hidden_size, 2 * intermediate_size if act.is_gated else intermediate_size)
-    if n_min < TK_MIN_N:
-        return (
-            f"its Hopper MXFP4 GEMMs need N > {TK_MIN_N - 1} (block_n 256) in both GEMMs; "
-            f"this shape has H = {hidden_size}, 2I = {2 * intermediate_size}"
-        )
     if device.type != "cuda":
         return f"runs on a CUDA GPU only; this row is on {device.type}"
     major, minor = _cuda_capability(device)
@@ -272,6 +281,11 @@ def refusal_reason(
         return (
             f"the adapter implements triton_kernels' Hopper (sm90) MXFP4 layouts only; this GPU "
             f"is sm{major}{minor}"
+        )
+    if min(hidden_size, 2 * intermediate_size) < TK_MIN_N:
+        return (
+            f"its Hopper MXFP4 GEMMs need N > {TK_MIN_N - 1} (block_n 256) in both GEMMs; "
+            f"this shape has H = {hidden_size}, 2I = {2 * intermediate_size}"
         )
     return library_refusal()
 
@@ -381,8 +395,8 @@ class TritonKernelsMoE:
         if count:
             return (
                 f"its routing picked other experts than topk_ids for {count} of "
-                f"{r.topk_ids.shape[0]} tokens (float32 ties at the k-th logit); rel_err "
-                "there compares two routings"
+                f"{r.topk_ids.shape[0]} tokens (the expected cause: float32 ties at the k-th "
+                "place); rel_err there compares two routings"
             )
         ours_w = torch.gather(r.topk_weights.float(), 1, order)
         theirs_w = torch.gather(weights.float(), 1, their_order)
@@ -422,7 +436,5 @@ def peer_contenders(
         except Exception as exc:
             refused[name] = f"its weight conversion failed: {exc!r:.300}"
             continue
-        contenders.append(
-            Contender(name, quant, peer, note=peer.note, check=peer.routing_mismatch)
-        )
+        contenders.append(Contender(name, quant, peer, note=peer.note, check=peer.routing_mismatch))
     return contenders, refused

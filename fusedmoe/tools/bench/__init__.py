@@ -7,6 +7,7 @@ plain-PyTorch baselines, timed against the roofline floor and checked against th
 
 inputs       expert weights in each format and the routing of one row (seeded)
 contenders   which backends run (oracle.BACKENDS and their predicates) and the baselines
+             (peers, other libraries timed beside them with --peers: fusedmoe.tools.peers)
 timing       CUDA-graph replay on a GPU, perf_counter on the CPU; rel_err
 sweep        the loops, the floor of each row
 report       table, JSON, CSV, plot, progress
