@@ -105,7 +105,7 @@ def test_nibble_order_matters():
 
 
 def test_oracle_runs_weight_only_on_triton_on_cuda():
-    q13, q2, qc, _, _ = _experts("mxfp4_w4a16", {}, 4, 64, 64, "silu", False, device="cpu")
+    *_, qc, _, _ = _experts("mxfp4_w4a16", {}, 4, 64, 64, "silu", False, device="cpu")
     kw = dict(hidden_size=64, intermediate_size=64, num_experts=4, top_k=2, quant_config=qc)
     assert select_backend(device="cuda", **kw).name == "triton"
     assert select_backend(device="cpu", **kw).name == "torch"
