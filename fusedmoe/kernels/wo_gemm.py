@@ -68,128 +68,204 @@ def _e2m1_to_float(code):
     return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2 ** 126
 
 
-@triton.jit
-def _group_scales(
-    s_ptrs_base, stride_sk, z_ptrs_base, stride_zk, g_scale, k0, K, n_mask,
-    W_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
-):  # fmt: skip
-    """(scales, zeros) of the COLS groups from k0 // GROUP, float32 [BN, COLS] each (zeros:
-    INT4 only, else 0)."""
-    groups = k0 // GROUP + tl.arange(0, COLS)
-    mask = n_mask[:, None] & (groups < tl.cdiv(K, GROUP))[None, :]
-    s_ptrs = s_ptrs_base[:, None] + groups[None, :] * stride_sk
-    if W_FORMAT == _WF_MXFP4:
-        scale = _e8m0_to_float(tl.load(s_ptrs, mask=mask, other=127))
-    elif W_FORMAT == _WF_NVFP4:
-        scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32) * g_scale
-    else:
-        scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
-    zero = tl.zeros_like(scale)
-    if W_FORMAT == _WF_INT4:
-        if HAS_ZERO:
-            zero = tl.load(z_ptrs_base[:, None] + groups[None, :] * stride_zk, mask=mask, other=0)
-            zero = zero.to(tl.float32)
-        else:
-            zero = zero + 8.0
-    return scale, zero
+# 4-bit decoding in PTX on 32-bit words, two bf16 values per instruction (USE_ASM: CUDA, bf16
+# activations). Each word holds 4 packed bytes; prmt spreads bytes 0, 1 (and 2, 3) into the low
+# byte of the two 16-bit halves of a register, where both halves take the same shifts and masks.
+#   E2M1 (low nibble; the high one with shifts 2 and 8): bf16 bits = (x << 12 & sign) |
+#   (x << 6 & magnitude), which is e2m1 * 2 ** -126 (see _e2m1_to_float), times 2 ** 126, times
+#   the scale.
+#   INT4: bf16 bits = 0x4300 | q, which is 128 + q exactly; plus the offset -(128 + zero) (exact),
+#   times the scale.
+# Products use fma.rn.bf16x2 with -0.0 added (sm_80 on; mul.bf16x2 needs sm_90).
+_FP4_ASM = tl.constexpr("""
+{
+.reg .b32 x, y, t, u, sign, mag, bias, nzero;
+mov.b32 sign, 0x80008000;
+mov.b32 mag, 0x01C001C0;
+mov.b32 bias, 0x7E807E80;
+mov.b32 nzero, 0x80008000;
+prmt.b32 x, $4, 0, 0x5140;
+prmt.b32 y, $4, 0, 0x7362;
+shl.b32 t, x, 6;
+and.b32 t, t, mag;
+shl.b32 u, x, 12;
+lop3.b32 $0, u, sign, t, 0xEA;
+shl.b32 t, y, 6;
+and.b32 t, t, mag;
+shl.b32 u, y, 12;
+lop3.b32 $1, u, sign, t, 0xEA;
+shl.b32 t, x, 2;
+and.b32 t, t, mag;
+shl.b32 u, x, 8;
+lop3.b32 $2, u, sign, t, 0xEA;
+shl.b32 t, y, 2;
+and.b32 t, t, mag;
+shl.b32 u, y, 8;
+lop3.b32 $3, u, sign, t, 0xEA;
+fma.rn.bf16x2 $0, $0, bias, nzero;
+fma.rn.bf16x2 $1, $1, bias, nzero;
+fma.rn.bf16x2 $2, $2, bias, nzero;
+fma.rn.bf16x2 $3, $3, bias, nzero;
+fma.rn.bf16x2 $0, $0, $5, nzero;
+fma.rn.bf16x2 $1, $1, $6, nzero;
+fma.rn.bf16x2 $2, $2, $5, nzero;
+fma.rn.bf16x2 $3, $3, $6, nzero;
+}
+""")
+_INT4_ASM = tl.constexpr("""
+{
+.reg .b32 x, y, t, low, magic, one, nzero;
+mov.b32 low, 0x000F000F;
+mov.b32 magic, 0x43004300;
+mov.b32 one, 0x3F803F80;
+mov.b32 nzero, 0x80008000;
+prmt.b32 x, $4, 0, 0x5140;
+prmt.b32 y, $4, 0, 0x7362;
+lop3.b32 $0, x, low, magic, 0xEA;
+lop3.b32 $1, y, low, magic, 0xEA;
+shr.b32 t, x, 4;
+lop3.b32 $2, t, low, magic, 0xEA;
+shr.b32 t, y, 4;
+lop3.b32 $3, t, low, magic, 0xEA;
+fma.rn.bf16x2 $0, $0, one, $5;
+fma.rn.bf16x2 $1, $1, one, $6;
+fma.rn.bf16x2 $2, $2, one, $5;
+fma.rn.bf16x2 $3, $3, one, $6;
+fma.rn.bf16x2 $0, $0, $7, nzero;
+fma.rn.bf16x2 $1, $1, $8, nzero;
+fma.rn.bf16x2 $2, $2, $7, nzero;
+fma.rn.bf16x2 $3, $3, $8, nzero;
+}
+""")
 
 
 @triton.jit
-def _dequant_tile(
-    w_rows_ptr, stride_wk, s_rows_ptr, stride_sk, z_rows_ptr, stride_zk, g_scale, k0, K, n_mask,
-    W_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp4_pairs_bf16(packed, scale):
+    """uint8 E2M1 pairs [...] and a bf16 scale per byte -> (even-k values, odd-k values), bf16."""
+    return tl.inline_asm_elementwise(
+        _FP4_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _int4_pairs_bf16(packed, offset, scale):
+    """uint8 INT4 pairs, bf16 -(128 + zero) and scale per byte -> (even-k, odd-k values)."""
+    return tl.inline_asm_elementwise(
+        _INT4_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, offset, scale],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _per_byte(values, BLOCK_N: tl.constexpr, COLS: tl.constexpr, HALF: tl.constexpr):
+    """[BN, COLS] group values -> [BN, HALF], each repeated over its group's bytes."""
+    per = tl.broadcast_to(values[:, :, None], (BLOCK_N, COLS, HALF // COLS))
+    return tl.reshape(per, (BLOCK_N, HALF))
+
+
+@triton.jit
+def _load_tile(
+    w_rows_ptr, stride_wk, s_rows_ptr, stride_sk, z_rows_ptr, stride_zk, k0, K, n_mask,
+    W_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """deq(w) of rows `w_rows_ptr` [BN] (pointers to each row's start) and logical columns
-    k0 .. k0 + BK: [BN, BK] in DOT_DTYPE (columns past K read as 0)."""
+    """The stored bytes of the weight tile of logical columns k0 .. k0 + BK, as loaded (nothing
+    reads them until the next K step: the loads of one step overlap the math of the previous):
+    (w [BN, BK / 2] uint8 or [BN, BK] int8, scales [BN, COLS], zero points [BN, COLS] or the
+    scales again where there are none), COLS = max(BK / GROUP, 1). Columns past K read as code
+    0, scale code 127 / 0.0, zero 0."""
     PACKED: tl.constexpr = W_FORMAT != _WF_INT8
-    PER_CHANNEL: tl.constexpr = GROUP == 0
-    if PACKED:
-        HALF: tl.constexpr = BLOCK_K // 2
-        cols = k0 // 2 + tl.arange(0, HALF)
-        ptrs = w_rows_ptr[:, None] + cols[None, :] * stride_wk
-        if EVEN_K:
-            packed = tl.load(ptrs, mask=n_mask[:, None], other=0)
-        else:
-            packed = tl.load(ptrs, mask=n_mask[:, None] & (cols < K // 2)[None, :], other=0)
-        packed = packed.to(tl.int32)
-        low = packed & 15
-        high = (packed >> 4) & 15
-        if W_FORMAT == _WF_INT4:
-            low = low.to(tl.float32)
-            high = high.to(tl.float32)
-        else:
-            low = _e2m1_to_float(low)
-            high = _e2m1_to_float(high)
-        # the pairs (low, high) of logical columns 2c, 2c + 1: groups of GROUP / 2 pairs
-        if BLOCK_K >= GROUP:
-            COLS: tl.constexpr = BLOCK_K // GROUP
-            scale, zero = _group_scales(
-                s_rows_ptr, stride_sk, z_rows_ptr, stride_zk, g_scale, k0, K, n_mask, W_FORMAT,
-                HAS_ZERO, GROUP, COLS,
-            )  # fmt: skip
-            low = tl.reshape(low, (BLOCK_N, COLS, GROUP // 2))
-            high = tl.reshape(high, (BLOCK_N, COLS, GROUP // 2))
-            if W_FORMAT == _WF_INT4:
-                low = low - zero[:, :, None]
-                high = high - zero[:, :, None]
-            low = tl.reshape(low * scale[:, :, None], (BLOCK_N, HALF))
-            high = tl.reshape(high * scale[:, :, None], (BLOCK_N, HALF))
-        else:  # one group covers the tile
-            scale, zero = _group_scales(
-                s_rows_ptr, stride_sk, z_rows_ptr, stride_zk, g_scale, k0, K, n_mask, W_FORMAT,
-                HAS_ZERO, GROUP, 1,
-            )  # fmt: skip
-            if W_FORMAT == _WF_INT4:
-                low = low - zero
-                high = high - zero
-            low = low * scale
-            high = high * scale
-        w = tl.reshape(tl.join(low.to(DOT_DTYPE), high.to(DOT_DTYPE)), (BLOCK_N, BLOCK_K))
+    WIDTH: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
+    cols = (k0 // 2 if PACKED else k0) + tl.arange(0, WIDTH)
+    w = tl.load(
+        w_rows_ptr[:, None] + cols[None, :] * stride_wk,
+        mask=n_mask[:, None] & (cols < (K // 2 if PACKED else K))[None, :], other=0,
+    )  # fmt: skip
+    if GROUP == 0:  # per channel: applied to the accumulator
+        scale = w
+        zero = w
     else:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        ptrs = w_rows_ptr[:, None] + cols[None, :] * stride_wk
-        if EVEN_K:
-            q = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        G: tl.constexpr = max(GROUP, 1)  # (GROUP 0 never reaches here; the compiler folds it)
+        COLS: tl.constexpr = BLOCK_K // G if BLOCK_K >= G else 1
+        groups = k0 // G + tl.arange(0, COLS)
+        mask = n_mask[:, None] & (groups < tl.cdiv(K, G))[None, :]
+        s_ptrs = s_rows_ptr[:, None] + groups[None, :] * stride_sk
+        if W_FORMAT == _WF_MXFP4:
+            scale = tl.load(s_ptrs, mask=mask, other=127)
         else:
-            q = tl.load(ptrs, mask=n_mask[:, None] & (cols < K)[None, :], other=0)
-        if PER_CHANNEL:
-            w = q.to(DOT_DTYPE)
-        elif BLOCK_K >= GROUP:
-            COLS2: tl.constexpr = BLOCK_K // GROUP
-            scale, zero = _group_scales(
-                s_rows_ptr, stride_sk, z_rows_ptr, stride_zk, g_scale, k0, K, n_mask, W_FORMAT,
-                False, GROUP, COLS2,
-            )  # fmt: skip
-            w = tl.reshape(q.to(tl.float32), (BLOCK_N, COLS2, GROUP)) * scale[:, :, None]
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
-        else:
-            scale, zero = _group_scales(
-                s_rows_ptr, stride_sk, z_rows_ptr, stride_zk, g_scale, k0, K, n_mask, W_FORMAT,
-                False, GROUP, 1,
-            )  # fmt: skip
-            w = (q.to(tl.float32) * scale).to(DOT_DTYPE)
-    return w
+            scale = tl.load(s_ptrs, mask=mask, other=0.0)
+        zero = scale
+        if HAS_ZERO:
+            zero = tl.load(z_rows_ptr[:, None] + groups[None, :] * stride_zk, mask=mask, other=0)
+    return w, scale, zero
 
 
 @triton.jit
-def _mx_operand(
-    w_rows_ptr, stride_wk, s_rows_ptr, stride_sk, k0, K, n_mask, EVEN_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _decode_tile(
+    w, scale, zero, g_scale, W_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
+    GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):  # fmt: skip
-    """The packed MXFP4 tile [BN, BK / 2] (uint8) and its E8M0 scales [BN, BK / 32], as
-    tl.dot_scaled takes them (columns past K: code 0, scale 1)."""
-    cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    ptrs = w_rows_ptr[:, None] + cols[None, :] * stride_wk
-    s_ptrs = s_rows_ptr[:, None] + groups[None, :] * stride_sk
-    if EVEN_K:
-        packed = tl.load(ptrs, mask=n_mask[:, None], other=0)
-        scales = tl.load(s_ptrs, mask=n_mask[:, None], other=127)
+    """deq(w) [BN, BK] in DOT_DTYPE from _load_tile's (w, scale, zero)."""
+    PACKED: tl.constexpr = W_FORMAT != _WF_INT8
+    HALF: tl.constexpr = BLOCK_K // 2
+    G: tl.constexpr = max(GROUP, 1)
+    COLS: tl.constexpr = BLOCK_K // G if BLOCK_K >= G else 1
+    if GROUP == 0:  # INT8 per channel: the scale goes on the accumulator
+        out = w.to(DOT_DTYPE)
     else:
-        packed = tl.load(ptrs, mask=n_mask[:, None] & (cols < K // 2)[None, :], other=0)
-        scales = tl.load(s_ptrs, mask=n_mask[:, None] & (groups < K // 32)[None, :], other=127)
-    return packed, scales
+        # scales (and INT4 zero points) of the groups, float32 [BN, COLS]
+        if W_FORMAT == _WF_MXFP4:
+            s = _e8m0_to_float(scale)
+        elif W_FORMAT == _WF_NVFP4:
+            s = scale.to(tl.float32) * g_scale
+        else:
+            s = scale.to(tl.float32)
+        if HAS_ZERO:
+            z = zero.to(tl.float32)
+        else:
+            z = tl.zeros_like(s) + 8.0
+        if not PACKED:  # INT8 groups
+            if BLOCK_K >= G:
+                v = tl.reshape(w.to(tl.float32), (BLOCK_N, COLS, G)) * s[:, :, None]
+                out = tl.reshape(v, (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
+            else:
+                out = (w.to(tl.float32) * s).to(DOT_DTYPE)
+        elif USE_ASM:
+            s_b = _per_byte(s.to(tl.bfloat16), BLOCK_N, COLS, HALF)
+            if W_FORMAT == _WF_INT4:
+                offset = _per_byte((-128.0 - z).to(tl.bfloat16), BLOCK_N, COLS, HALF)
+                low, high = _int4_pairs_bf16(w, offset, s_b)
+            else:
+                low, high = _fp4_pairs_bf16(w, s_b)
+            out = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+        else:
+            codes = w.to(tl.int32)
+            low = codes & 15
+            high = (codes >> 4) & 15
+            if W_FORMAT == _WF_INT4:
+                low = low.to(tl.float32)
+                high = high.to(tl.float32)
+            else:
+                low = _e2m1_to_float(low)
+                high = _e2m1_to_float(high)
+            # the pairs (low, high) of logical columns 2c, 2c + 1: groups of G / 2 pairs
+            if BLOCK_K >= G:
+                low = tl.reshape(low, (BLOCK_N, COLS, G // 2))
+                high = tl.reshape(high, (BLOCK_N, COLS, G // 2))
+                if W_FORMAT == _WF_INT4:
+                    low = low - z[:, :, None]
+                    high = high - z[:, :, None]
+                low = tl.reshape(low * s[:, :, None], (BLOCK_N, HALF))
+                high = tl.reshape(high * s[:, :, None], (BLOCK_N, HALF))
+            else:  # one group covers the tile
+                if W_FORMAT == _WF_INT4:
+                    low = low - z
+                    high = high - z
+                low = low * s
+                high = high * s
+            out = tl.reshape(tl.join(low.to(DOT_DTYPE), high.to(DOT_DTYPE)), (BLOCK_N, BLOCK_K))
+    return out
 
 
 @triton.jit
@@ -220,9 +296,9 @@ def _wo_gemm_kernel(
     DOT_DTYPE: tl.constexpr,  # the operands' dtype in the dot (fp32 on the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32)
     MX_DOT: tl.constexpr,  # MXFP4 through tl.dot_scaled (A in bf16 / fp16: its A_FORMAT)
+    USE_ASM: tl.constexpr,  # 4-bit decoding in PTX (CUDA, bf16 activations)
     A_FORMAT: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
-    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,  # slots per tile (the dot's N)
     BLOCK_N: tl.constexpr,  # weight rows per tile (the dot's M)
     BLOCK_K: tl.constexpr,
@@ -286,34 +362,55 @@ def _wo_gemm_kernel(
     a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None] * stride_ak  # [BK, BM]
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # software pipelining by hand: the loads of step k0 + BK are issued before the math of step
+    # k0 (Triton does not pipeline loads whose values are decoded in registers)
+    a = tl.load(a_ptrs, mask=row_mask[None, :] & (offs_k[:, None] < K), other=0.0)
+    wg, sg, zg = _load_tile(
+        wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, 0, K, n_mask, W_FORMAT,
+        HAS_ZERO, GROUP, BLOCK_K,
+    )  # fmt: skip
+    wu, su, zu = wg, sg, zg
+    if GATED:
+        wu, su, zu = _load_tile(
+            wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, 0, K, n_mask, W_FORMAT,
+            HAS_ZERO, GROUP, BLOCK_K,
+        )  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_mask[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-        if MX_DOT:  # Triton's own E2M1 upcast and scaling, in the dot operand's layout
-            w_g, s_g = _mx_operand(
-                wg_rows, stride_wk, sg_rows, stride_sk, k0, K, n_mask, EVEN_K, BLOCK_K
-            )
-            acc_g = tl.dot_scaled(w_g, s_g, "e2m1", a, None, A_FORMAT, acc_g, fast_math=True)
-            if GATED:
-                w_u, s_u = _mx_operand(
-                    wu_rows, stride_wk, su_rows, stride_sk, k0, K, n_mask, EVEN_K, BLOCK_K
-                )
-                acc_u = tl.dot_scaled(w_u, s_u, "e2m1", a, None, A_FORMAT, acc_u, fast_math=True)
-        else:
-            a = a.to(DOT_DTYPE)
-            w_g = _dequant_tile(
-                wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, g_scale, k0, K,
-                n_mask, W_FORMAT, HAS_ZERO, GROUP, EVEN_K, DOT_DTYPE, BLOCK_N, BLOCK_K,
+        k1 = k0 + BLOCK_K
+        a_next = tl.load(
+            a_ptrs + BLOCK_K * stride_ak, mask=row_mask[None, :] & (offs_k[:, None] < K - k1),
+            other=0.0,
+        )  # fmt: skip
+        wg_next, sg_next, zg_next = _load_tile(
+            wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, k1, K, n_mask, W_FORMAT,
+            HAS_ZERO, GROUP, BLOCK_K,
+        )  # fmt: skip
+        wu_next, su_next, zu_next = wg_next, sg_next, zg_next
+        if GATED:
+            wu_next, su_next, zu_next = _load_tile(
+                wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, k1, K, n_mask,
+                W_FORMAT, HAS_ZERO, GROUP, BLOCK_K,
             )  # fmt: skip
-            acc_g = tl.dot(w_g, a, acc_g, input_precision=DOT_PRECISION)
+        if MX_DOT:  # Triton's own E2M1 upcast and scaling
+            acc_g = tl.dot_scaled(wg, sg, "e2m1", a, None, A_FORMAT, acc_g, fast_math=True)
             if GATED:
-                w_u = _dequant_tile(
-                    wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, g_scale, k0, K,
-                    n_mask, W_FORMAT, HAS_ZERO, GROUP, EVEN_K, DOT_DTYPE, BLOCK_N, BLOCK_K,
+                acc_u = tl.dot_scaled(wu, su, "e2m1", a, None, A_FORMAT, acc_u, fast_math=True)
+        else:
+            a_dot = a.to(DOT_DTYPE)
+            w_g = _decode_tile(
+                wg, sg, zg, g_scale, W_FORMAT, HAS_ZERO, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K,
+                USE_ASM,
+            )  # fmt: skip
+            acc_g = tl.dot(w_g, a_dot, acc_g, input_precision=DOT_PRECISION)
+            if GATED:
+                w_u = _decode_tile(
+                    wu, su, zu, g_scale, W_FORMAT, HAS_ZERO, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K,
+                    USE_ASM,
                 )  # fmt: skip
-                acc_u = tl.dot(w_u, a, acc_u, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(w_u, a_dot, acc_u, input_precision=DOT_PRECISION)
+        a = a_next
+        wg, sg, zg = wg_next, sg_next, zg_next
+        wu, su, zu = wu_next, su_next, zu_next
         a_ptrs += BLOCK_K * stride_ak
 
     if GROUP == 0:  # INT8 per channel: the scale of each row, on the accumulator

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "1") != "0"
+_DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: the weight formats by name (the quant config's weight element)
 W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
 
@@ -123,8 +123,11 @@ def _launch(
         alpha, beta, limit,
     )  # fmt: skip
     on_cuda = a.is_cuda
-    # MXFP4 x bf16 / fp16 through tl.dot_scaled (FUSEDMOE_WO_DOT_SCALED=0: our dequantization)
-    mx_dot = w_format == wg.WF_MXFP4 and a.dtype in _A_FORMAT and _DOT_SCALED
+    # 4-bit weights x bf16 on the GPU: decoded in PTX (USE_ASM); MXFP4 x fp16 (or with
+    # FUSEDMOE_WO_DOT_SCALED=1) through tl.dot_scaled; the rest in Triton ops
+    use_asm = on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8
+    mx_dot = w_format == wg.WF_MXFP4 and a.dtype in _A_FORMAT and (_DOT_SCALED or not use_asm)
+    use_asm = use_asm and not mx_dot
     constexprs = dict(
         A_ROW_DIV=a_row_div,
         W_FORMAT=w_format,
@@ -139,9 +142,9 @@ def _launch(
         DOT_DTYPE=TL_DTYPE[a.dtype] if on_cuda and a.dtype != torch.float32 else tl.float32,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or not on_cuda else "tf32",
         MX_DOT=mx_dot,
+        USE_ASM=use_asm,
         A_FORMAT=_A_FORMAT.get(a.dtype, "bf16"),
         ROUND_IN_FP32=not on_cuda,
-        EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
