@@ -3,8 +3,10 @@ experts they have written.
 
 load_weights(layer, weights, strict):
     for name, tensor in weights:
-        target = resolve_quantized_weight(name) or resolve_expert_weight(name)   (names.py)
-        an expert tensor -> copy this rank's share into param[index]; record the slots written
+        target = resolve_packed_weight(name)          (GPTQ / AWQ, gptq_awq.py)
+                 or resolve_quantized_weight(name) or resolve_expert_weight(name)   (names.py)
+        an expert tensor -> copy this rank's share into param[index] (a GPTQ / AWQ tensor
+            converted to the layer's layout first, or only checked); record the slots written
         else             -> e_score_correction_bias, shared_experts.* / shared_expert_gate.*
     strict, and some name was an expert tensor: every expert tensor of every local slot has
         been written by this or an earlier call, else ValueError naming what is missing
@@ -28,6 +30,7 @@ import torch
 
 from fusedmoe.parallel.eplb import EXPERT_TENSORS
 from fusedmoe.parallel.placement import ExpertPlacement
+from fusedmoe.weights.gptq_awq import resolve_packed_weight
 from fusedmoe.weights.names import WeightTarget, resolve_expert_weight, resolve_quantized_weight
 
 #: the expert tensors the record covers, in report order (those the layer holds)
@@ -172,7 +175,9 @@ def load_weights(
 
     Expert weights in the namings of fusedmoe.weights.names (float checkpoints into an
     unquantized layer; quantized ones, gpt-oss MXFP4 and DeepSeek FP8 included, into a layer
-    quantized to their scheme); also `e_score_correction_bias` and, when the layer has them,
+    quantized to their scheme; GPTQ / AWQ per-expert qweight / qzeros / scales / g_idx into an
+    int4_w4a16 / int8_w8a16 layer built with quant_options={"checkpoint_format": ...}, see
+    fusedmoe.weights.gptq_awq); also `e_score_correction_bias` and, when the layer has them,
     `shared_experts.*` / `shared_expert.*` / `shared_expert_gate.*`. Float tensors are cast
     to the parameters' dtype; quantized data must have the layer's storage dtype. An unknown
     name, a wrong shape or dtype is an error that names the tensor; nothing is loaded after.
@@ -210,8 +215,8 @@ def load_weights(
             loaded.append(name)
             continue
         named_experts = True
-        param = getattr(layer, target.param)
-        if param is None:
+        param = None if target.param is None else getattr(layer, target.param)
+        if param is None and target.param is not None:
             hint = " (construct with has_bias=True)" if "bias" in target.param else ""
             raise ValueError(f"{name}: the layer has no {target.param}{hint}")
         shares = [(target.index, tensor, target.shape)]
@@ -219,6 +224,12 @@ def load_weights(
             shares = _this_ranks_share(layer, name, tensor, target.index, target.shape)
             if not shares:
                 continue  # another rank's expert
+        if target.convert is not None:  # GPTQ / AWQ: checked, in the layer's layout
+            converted = target.convert(tensor)
+            shares = [(index, converted, shape) for index, _, shape in shares]
+        if param is None:  # checked only (g_idx, the qzeros of a symmetric layer)
+            loaded.append(name)
+            continue
         for index, share, shape in shares:
             slot = param[index] if index else param
             copy_checked(name, slot, share, shape, exact_dtype=target.exact_dtype)
@@ -239,7 +250,16 @@ def load_weights(
 
 
 def _resolve(layer, name: str, shapes: dict) -> WeightTarget | None:
-    target = None
+    target = resolve_packed_weight(
+        name,
+        checkpoint_format=getattr(layer, "_checkpoint_format", None),
+        scheme=layer.quant_scheme,
+        group_size=layer._quant_options.get("group_size"),
+        zero_points=getattr(layer, "w13_weight_zero_point", None) is not None,
+        **shapes,
+    )
+    if target is not None:
+        return target
     if layer.quant_scheme is not None:
         target = resolve_quantized_weight(name, scheme=layer.quant_scheme, **shapes)
     if target is None:

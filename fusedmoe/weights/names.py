@@ -9,13 +9,17 @@ Accepted names (any prefix before `experts.` is ignored, e = expert index):
     experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]
 Gate rows are [0, I) and up rows [I, 2I), or alternate for the interleaved SWIGLUOAI.
 Non-gated activations (w13 [E, I, H]) take up_proj / w1 for w13 and refuse gate_proj / w3.
+GPTQ / AWQ tensors (experts.{e}.*.qweight / qzeros / scales / g_idx): fusedmoe.weights.gptq_awq.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from fusedmoe.activation import MoEActivation
 from fusedmoe.quant.keys import ElementFormat, ScaleFormat, ScaleLayout
@@ -39,13 +43,18 @@ _ROLE = {
 class WeightTarget:
     """Where one checkpoint tensor goes."""
 
-    param: str  # "w13_weight", "w2_bias", "w13_weight_scale", ...
+    #: "w13_weight", "w2_bias", "w13_weight_scale", ...; None: the tensor is checked (by
+    #: convert) and not stored (a GPTQ g_idx, the qzeros of a symmetric layer)
+    param: str | None
     index: tuple  # index into the parameter
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have (reshaped into the slot)
     exact_dtype: bool = False  # quantized data: copied bit for bit, never cast
     #: which rows of a w13 tensor the slot covers: "gate" or "up" (one projection of a gated
     #: activation), or None for the whole expert (w2, non-gated w13, fused names)
     part: str | None = None
+    #: checkpoint layout -> the slot's (GPTQ / AWQ packed tensors, fusedmoe.weights.gptq_awq):
+    #: checks the tensor (ValueError / TypeError naming it) and returns it of `shape`
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def resolve_expert_weight(

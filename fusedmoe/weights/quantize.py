@@ -26,6 +26,7 @@ from fusedmoe.quant.config import (
     quantize_experts,
     weight_key,
 )
+from fusedmoe.weights.gptq_awq import check_checkpoint_format
 from fusedmoe.weights.loading import carry_writes_to_quantized, expert_writes
 
 
@@ -49,9 +50,15 @@ def quantize_(layer, scheme: str, **config_kwargs):
     Weights holding NaN or Inf are refused (ValueError naming the tensor and the expert).
     The quantized weights and scales count as loaded where the float weights were (see
     missing_weights): quantizing a loaded layer leaves nothing missing.
+
+    checkpoint_format ("gptq", "gptq_v2" or "awq"; int4_w4a16 / int8_w8a16) is no option of
+    the config: it tells load_weights how the GPTQ / AWQ checkpoint it will read packs its
+    tensors (fusedmoe.weights.gptq_awq).
     """
     if layer.quant_scheme is not None:
         raise ValueError(f"the layer is already quantized ({layer.quant_scheme})")
+    config_kwargs = dict(config_kwargs)
+    checkpoint_format = config_kwargs.pop("checkpoint_format", None)
     gemm1 = [k for k in config_kwargs if k.startswith("gemm1_")]
     if gemm1:
         raise ValueError(
@@ -59,6 +66,7 @@ def quantize_(layer, scheme: str, **config_kwargs):
             "from activation_params="
         )
     key = weight_key(scheme, config_kwargs.get("group_size", "default"))
+    check_checkpoint_format(scheme, checkpoint_format)
     _check_finite(layer)
     group_k = key.group[1] if key.exact_groups else 1
     padded = -(-layer.intermediate_size // group_k) * group_k
@@ -91,6 +99,7 @@ def quantize_(layer, scheme: str, **config_kwargs):
     ):
         layer.register_buffer(name, value)
     layer.quant_scheme = scheme
+    layer._checkpoint_format = checkpoint_format  # how load_weights reads GPTQ / AWQ tensors
     layer._quant_options = {
         k: v for k, v in config_kwargs.items() if k not in ("a1_scale", "a2_scale", "zero_points")
     }
