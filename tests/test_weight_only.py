@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from fusedmoe import FusedMoE, fused_experts, select_backend
+from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config
 from fusedmoe.quant import quantize_experts
 from tests.helpers import assert_close, random_routing
 from tests.reference import random_experts
@@ -77,6 +78,30 @@ def test_gpt_oss_activation_biases_and_gaps(scheme, options):
     kw = dict(activation="swigluoai", w13_bias=b13, w2_bias=b2, expert_map=expert_map)
     out, ref = _both(x, q13, q2, weights, ids, qc, **kw)
     assert ref.abs().max() > 0
+    assert_close(out, ref, torch.bfloat16, tol=1e-2)
+
+
+GEMV = WoConfig(16, WoGemmConfig(64, 64, 1, 4, 2), WoGemmConfig(64, 64, 1, 4, 2),
+                gemv=WoGemmConfig(16, 64, 1, 4, 1))  # fmt: skip
+TILES = WoConfig(16, WoGemmConfig(32, 64, 2, 4, 2), WoGemmConfig(64, 128, 2, 4, 2))
+
+
+@pytest.mark.parametrize("config", [GEMV, TILES], ids=["decode-kernel", "tensor-cores"])
+@pytest.mark.parametrize(("scheme", "options"), [VARIANTS[0], VARIANTS[3], VARIANTS[5]],
+                         ids=[IDS[0], IDS[3], IDS[5]])  # fmt: skip
+def test_both_kernels(config, scheme, options):
+    """Each kernel on the same call, whatever the heuristic would pick: the decode kernel (one
+    slot per program) and the tensor-core one, swigluoai with biases, empty slots and an
+    expert_map, K = 192 (not a multiple of the 128-wide K step)."""
+    e, h, i, k, m = 6, 192, 64, 3, 9
+    q13, q2, qc, b13, b2 = _experts(scheme, options, e, h, i, "swigluoai", True)
+    x = torch.randn(m, h, device=DEVICE).to(torch.bfloat16)
+    weights, ids = random_routing(m, 8, k, empty=0.2, device=DEVICE)
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32, device=DEVICE)
+    kw = dict(activation="swigluoai", w13_bias=b13, w2_bias=b2, expert_map=expert_map)
+    with use_wo_config(config):
+        out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
+    ref = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="torch", **kw)
     assert_close(out, ref, torch.bfloat16, tol=1e-2)
 
 

@@ -221,7 +221,7 @@ def _decode_tile(
             s = scale.to(tl.float32) * g_scale
         else:
             s = scale.to(tl.float32)
-        if HAS_ZERO:
+        if HAS_ZERO:  # noqa: SIM108 (a constexpr branch: one side is never built)
             z = zero.to(tl.float32)
         else:
             z = tl.zeros_like(s) + 8.0
@@ -445,3 +445,143 @@ def _wo_gemm_kernel(
     act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
     act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _wo_gemv_kernel(
+    a_ptr, stride_am, stride_ak,  # [rows of A, K] activation dtype
+    w_ptr, stride_we, stride_wn, stride_wk,
+    s_ptr, stride_se, stride_sn, stride_sk,
+    z_ptr, stride_ze, stride_zn, stride_zk,
+    gs_ptr,
+    bias_ptr, stride_be, stride_bn,
+    out_ptr, stride_om, stride_on,  # [S, N]
+    topk_weights_ptr,  # float32 [S]
+    ids_ptr, map_ptr,  # topk_ids [S], expert_map [E]
+    num_ids, num_local,
+    N, K,
+    alpha, beta, limit,
+    A_ROW_DIV: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    H_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # what the weights are decoded to before the float32 products
+    ROUND_IN_FP32: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Decode: one slot x BN weight rows per program, no tensor cores. Each weight element is
+    decoded once and multiplied into a float32 partial sum per (row, k lane), summed over k at
+    the end: nothing goes through shared memory, so nothing waits on a barrier, and the loads
+    of step k + 1 are in flight during the math of step k. For calls whose experts see about
+    one slot each (a slot of an expert hit twice reads its weights again)."""
+    pdl_wait(PDL)
+    slot = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int32)
+    expert = tl.where(expert < num_ids, expert, -1)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert, mask=expert >= 0, other=-1).to(tl.int32)
+    if (expert < 0) | (expert >= num_local):
+        return
+    e = expert.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if GATED:
+        if ACTIVATION == _ACT_SWIGLUOAI:
+            gate_rows = 2 * offs_n
+            up_rows = 2 * offs_n + 1
+        else:
+            gate_rows = offs_n
+            up_rows = offs_n + N
+    else:
+        gate_rows = offs_n
+        up_rows = offs_n
+    gate_rows = gate_rows.to(tl.int64)
+    up_rows = up_rows.to(tl.int64)
+    wg_rows = w_ptr + e * stride_we + gate_rows * stride_wn
+    wu_rows = w_ptr + e * stride_we + up_rows * stride_wn
+    sg_rows = s_ptr + e * stride_se + gate_rows * stride_sn
+    su_rows = s_ptr + e * stride_se + up_rows * stride_sn
+    zg_rows = z_ptr + e * stride_ze + gate_rows * stride_zn
+    zu_rows = z_ptr + e * stride_ze + up_rows * stride_zn
+    g_scale = 1.0
+    if W_FORMAT == _WF_NVFP4:
+        g_scale = tl.load(gs_ptr + e)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    a_row = a_ptr + (slot // A_ROW_DIV) * stride_am
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a = tl.load(a_row + offs_k * stride_ak, mask=offs_k < K, other=0.0)
+    wg, sg, zg = _load_tile(
+        wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, 0, K, n_mask, W_FORMAT,
+        HAS_ZERO, GROUP, BLOCK_K,
+    )  # fmt: skip
+    wu, su, zu = wg, sg, zg
+    if GATED:
+        wu, su, zu = _load_tile(
+            wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, 0, K, n_mask, W_FORMAT,
+            HAS_ZERO, GROUP, BLOCK_K,
+        )  # fmt: skip
+    for k0 in range(0, K, BLOCK_K):
+        k1 = k0 + BLOCK_K
+        a_next = tl.load(a_row + (k1 + offs_k) * stride_ak, mask=k1 + offs_k < K, other=0.0)
+        wg_next, sg_next, zg_next = _load_tile(
+            wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, k1, K, n_mask, W_FORMAT,
+            HAS_ZERO, GROUP, BLOCK_K,
+        )  # fmt: skip
+        wu_next, su_next, zu_next = wg_next, sg_next, zg_next
+        if GATED:
+            wu_next, su_next, zu_next = _load_tile(
+                wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, k1, K, n_mask,
+                W_FORMAT, HAS_ZERO, GROUP, BLOCK_K,
+            )  # fmt: skip
+        a_f = a.to(tl.float32)[None, :]
+        w_g = _decode_tile(
+            wg, sg, zg, g_scale, W_FORMAT, HAS_ZERO, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, USE_ASM
+        )
+        acc_g += w_g.to(tl.float32) * a_f
+        if GATED:
+            w_u = _decode_tile(
+                wu, su, zu, g_scale, W_FORMAT, HAS_ZERO, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K,
+                USE_ASM,
+            )  # fmt: skip
+            acc_u += w_u.to(tl.float32) * a_f
+        a = a_next
+        wg, sg, zg = wg_next, sg_next, zg_next
+        wu, su, zu = wu_next, su_next, zu_next
+
+    h_g = tl.sum(acc_g, axis=1)
+    h_u = tl.sum(acc_u, axis=1)
+    if GROUP == 0:  # INT8 per channel
+        h_g *= tl.load(sg_rows, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            h_u *= tl.load(su_rows, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias_base = bias_ptr + e * stride_be
+        h_g += tl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            h_u += tl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + slot * stride_om + offs_n * stride_on
+    if ACTIVATION == _ACT_NONE:
+        y = h_g
+        if MUL_ROUTED_WEIGHT:
+            y = _round_to(y, H_DTYPE, ROUND_IN_FP32) * tl.load(topk_weights_ptr + slot)
+        y = _round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
+        h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
+        act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+        act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_mask)

@@ -43,6 +43,9 @@ __all__ = [
 ]
 
 _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: calls of at most this many slots per expert (uniform routing: each expert about one slot)
+#: run the decode kernel
+GEMV_MAX_SLOTS_PER_EXPERT = float(os.environ.get("FUSEDMOE_WO_GEMV_MAX", "1.0"))
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: the weight formats by name (the quant config's weight element)
 W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
@@ -62,6 +65,9 @@ class WoConfig:
     block_m: int  # slots per tile (the aligned layout's block height)
     gemm1: WoGemmConfig
     gemm2: WoGemmConfig
+    #: decode: both GEMMs one slot per program on the CUDA cores (wo_gemm._wo_gemv_kernel),
+    #: BN rows x BK per step (block_m, gemm1 and gemm2 unused)
+    gemv: WoGemmConfig | None = None
 
 
 _override: contextvars.ContextVar[WoConfig | None] = contextvars.ContextVar(
@@ -85,6 +91,10 @@ def wo_kernel_config(num_tokens: int, top_k: int, num_local_experts: int) -> WoC
     if override is not None:
         return override
     slots_per_expert = num_tokens * top_k / max(num_local_experts, 1)
+    if slots_per_expert <= GEMV_MAX_SLOTS_PER_EXPERT:
+        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        gemv = WoGemmConfig(block_n=16, block_k=128, group_m=1, num_warps=4, num_stages=1)
+        return WoConfig(16, gemm, gemm, gemv)
     if slots_per_expert <= 16:
         gemm = WoGemmConfig(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
         return WoConfig(16, gemm, gemm)
@@ -159,6 +169,56 @@ def _launch(
     launch(wg._wo_gemm_kernel, grid, args, constexprs, on_cuda)
 
 
+def _launch_gemv(
+    a, a_row_div, w, scale, zero, global_scale, bias, out, topk_weights, ids, expert_map,
+    num_local, cfg, *, w_format, group, activation, params, mul_routed_weight, h_dtype,
+):  # fmt: skip
+    n_out = out.shape[1]
+    k = a.shape[1]
+    alpha, beta, limit, has_limit = params
+    act_code = -1 if activation is None else _ACT_CODES[activation]
+    s3 = scale if scale.dim() == 3 else scale.unsqueeze(-1)
+    num_ids = num_local if expert_map is None else expert_map.shape[0]
+    args = (
+        a, a.stride(0), a.stride(1),
+        w, w.stride(0), w.stride(1), w.stride(2),
+        s3, s3.stride(0), s3.stride(1), s3.stride(2),
+        *((zero, *zero.stride()) if zero is not None else (ids, 0, 0, 0)),
+        ids if global_scale is None else global_scale,
+        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (ids, 0, 0)),
+        out, out.stride(0), out.stride(1),
+        topk_weights,
+        ids, ids if expert_map is None else expert_map,
+        num_ids, num_local,
+        n_out, k,
+        alpha, beta, limit,
+    )  # fmt: skip
+    on_cuda = a.is_cuda
+    constexprs = dict(
+        A_ROW_DIV=a_row_div,
+        W_FORMAT=w_format,
+        GROUP=group,
+        HAS_ZERO=zero is not None,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=act_code,
+        GATED=activation is not None and activation.is_gated,
+        HAS_LIMIT=has_limit,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        H_DTYPE=h_dtype,
+        DOT_DTYPE=tl.bfloat16 if on_cuda and a.dtype == torch.bfloat16 else tl.float32,
+        ROUND_IN_FP32=not on_cuda,
+        USE_ASM=on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8,
+        HAS_MAP=expert_map is not None,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=1,
+        **pdl_args(a),
+    )
+    grid = (ids.numel(), cdiv(n_out, cfg.block_n))
+    launch(wg._wo_gemv_kernel, grid, args, constexprs, on_cuda)
+
+
 def _fused_experts_weight_only_impl(
     output: torch.Tensor,
     x: torch.Tensor,
@@ -199,14 +259,29 @@ def _fused_experts_weight_only_impl(
     h_dtype = TL_DTYPE[output.dtype]
     params = (alpha, beta, limit, has_limit)
     with device_guard(x):
-        rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         a2 = workspace2.view(-1)[: num_slots * width].view(num_slots, width)
+        y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
+        if config.gemv is not None:
+            ids = topk_ids.reshape(-1)
+            common = dict(w_format=fmt, group=group, params=params, h_dtype=h_dtype)
+            _launch_gemv(
+                x, top_k, w13, w13_scale, w13_zero, w13_global_scale, w13_bias, a2,
+                topk_weights, ids, expert_map, num_local, config.gemv, activation=act,
+                mul_routed_weight=False, **common,
+            )  # fmt: skip
+            _launch_gemv(
+                a2, 1, w2, w2_scale, w2_zero, w2_global_scale, w2_bias, y,
+                topk_weights.reshape(-1), ids, expert_map, num_local, config.gemv,
+                activation=None, mul_routed_weight=mul_routed_weight, **common,
+            )  # fmt: skip
+            moe_sum(y, output, topk_ids, expert_map, num_local)
+            return
+        rows = gemm_rows(topk_ids, expert_map, config.block_m, num_local)
         _launch(
             x, top_k, w13, w13_scale, w13_zero, w13_global_scale, w13_bias, a2, topk_weights,
             rows, num_slots, config.gemm1, config.block_m, w_format=fmt, group=group,
             activation=act, params=params, mul_routed_weight=False, h_dtype=h_dtype,
         )  # fmt: skip
-        y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
         _launch(
             a2, 1, w2, w2_scale, w2_zero, w2_global_scale, w2_bias, y, topk_weights.reshape(-1),
             rows, num_slots, config.gemm2, config.block_m, w_format=fmt, group=group,
