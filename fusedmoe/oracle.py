@@ -29,6 +29,7 @@ are the automatic choice for the MX schemes, which triton does not run.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -202,9 +203,39 @@ def select_backend(
                 for n, r in refused.items()
                 if n != cls.name
             }
+            if cls is TorchExperts:
+                _warn_reference_on_gpu(problem, others)
             return BackendChoice(cls.name, cls, reason, others, problem=problem)
     details = "; ".join(f"{n}: {r}" for n, r in refused.items())
     raise ValueError(f"no backend supports {_describe(problem)} ({details})")
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """A quantized call on a GPU runs on the float64 torch reference: no GPU backend runs it."""
+
+
+_WARNED: set[tuple] = set()
+
+
+def _warn_reference_on_gpu(problem: MoEProblem, refused: dict[str, str]) -> None:
+    """Once per (scheme, dtype, activation): a quantized problem on CUDA that only the reference
+    backend runs. It is correct and hundreds of times slower than a GPU kernel, and it cannot
+    be captured in a CUDA graph (it groups rows on the host)."""
+    qc = problem.quant_config
+    if problem.device.type != "cuda" or qc is None:
+        return
+    key = (qc.scheme, problem.dtype, problem.activation.kind)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    why = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
+    warnings.warn(
+        f"{_describe(problem)} runs on the torch reference backend: no GPU backend runs it "
+        f"({why}). The reference is correct but far slower, and cannot be captured in a CUDA "
+        "graph. docs/quantization.md lists which scheme runs on which GPU.",
+        ReferenceFallbackWarning,
+        stacklevel=3,
+    )
 
 
 def _preference(problem: MoEProblem) -> tuple[type[Experts], ...]:

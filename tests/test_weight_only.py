@@ -217,3 +217,40 @@ def test_compiles():
     eager = f(x, weights, ids)
     compiled = torch.compile(f, fullgraph=True)(x, weights, ids)
     assert_close(compiled, eager, torch.bfloat16, tol=1e-6)
+
+
+def test_reference_on_a_gpu_warns_once():
+    """A quantized scheme that no GPU backend runs (nvfp4: FP4 activations) goes to the torch
+    reference on CUDA with one ReferenceFallbackWarning per (scheme, dtype, activation)."""
+    import warnings
+
+    from fusedmoe import oracle
+
+    *_, qc, _, _ = _experts("nvfp4", {}, 4, 64, 64, "gelu", False, device="cpu")
+    kw = dict(hidden_size=64, intermediate_size=64, num_experts=4, top_k=2, quant_config=qc)
+    oracle._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            choice = select_backend(device="cuda", activation="gelu", **kw)
+        select_backend(device="cpu", activation="gelu", **kw)  # the CPU: no warning
+    assert choice.name == "torch"
+    found = [w for w in caught if issubclass(w.category, oracle.ReferenceFallbackWarning)]
+    assert len(found) == 1 and "nvfp4" in str(found[0].message)
+
+
+@pytest.mark.gpu
+def test_reference_refuses_graph_capture():
+    """The reference cannot be captured (it groups rows on the host): a clear error, not a
+    copy error from deep inside torch."""
+    q13, q2, qc, _, _ = _experts("nvfp4", {}, 4, 64, 64, "silu", False)
+    x = torch.randn(4, 64, device="cuda").to(torch.bfloat16)
+    weights, ids = random_routing(4, 4, 2, device="cuda")
+    fused_experts(x, q13, q2, weights, ids, quant_config=qc)  # eager: runs
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"),
+        torch.cuda.graph(graph),
+    ):
+        fused_experts(x, q13, q2, weights, ids, quant_config=qc)

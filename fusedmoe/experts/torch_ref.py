@@ -101,6 +101,14 @@ class TorchExperts(Experts):
             call.output,
         )
         num_tokens, top_k = call.topk_ids.shape
+        if output.is_cuda and torch.cuda.is_current_stream_capturing():
+            scheme = "unquantized" if qc is None else qc.scheme
+            raise RuntimeError(
+                f"the torch reference backend cannot be captured in a CUDA graph (it groups rows "
+                f"by expert on the host); this {scheme} call runs on it because no GPU backend "
+                "supports it (see backend_choice().explain()). Run it eagerly, or use a scheme "
+                "that a GPU backend runs (docs/quantization.md)."
+            )
         store = output.dtype  # where a fused pipeline writes h and act(h) to memory
         y_slots = output.view(num_tokens * top_k, weights.hidden_size)
         y_slots.zero_()

@@ -45,7 +45,7 @@ __all__ = [
 _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: calls of at most this many slots per expert (uniform routing: each expert about one slot)
 #: run the decode kernel
-GEMV_MAX_SLOTS_PER_EXPERT = float(os.environ.get("FUSEDMOE_WO_GEMV_MAX", "1.0"))
+GEMV_MAX_SLOTS_PER_EXPERT = 0.25
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: the weight formats by name (the quant config's weight element)
 W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
@@ -92,21 +92,17 @@ def wo_kernel_config(num_tokens: int, top_k: int, num_local_experts: int) -> WoC
         return override
     slots_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     if slots_per_expert <= GEMV_MAX_SLOTS_PER_EXPERT:
-        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
         gemv = WoGemmConfig(block_n=16, block_k=128, group_m=1, num_warps=4, num_stages=1)
         return WoConfig(16, gemm, gemm, gemv)
     if slots_per_expert <= 16:
-        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
         return WoConfig(16, gemm, gemm)
-    if slots_per_expert <= 48:
-        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3)
-        return WoConfig(32, gemm, gemm)
     if slots_per_expert <= 160:
-        gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
         return WoConfig(64, gemm, gemm)
-    gemm1 = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
-    gemm2 = WoGemmConfig(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-    return WoConfig(128, gemm1, gemm2)
+    gemm = WoGemmConfig(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=2)
+    return WoConfig(128, gemm, gemm)
 
 
 def _launch(

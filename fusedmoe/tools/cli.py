@@ -40,6 +40,9 @@ QUANT_TOLERANCE = {
     "mxfp4_w4a8": 0.3,
     "mxfp4_w4a16": 0.3,
     "nvfp4": 0.3,
+    "nvfp4_w4a16": 0.3,
+    "int4_w4a16": 0.3,
+    "int8_w8a16": 0.05,
 }
 #: on the CPU the demo divides hidden and intermediate sizes by this, so it runs in seconds
 CPU_SCALE = 16

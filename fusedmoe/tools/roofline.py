@@ -137,10 +137,13 @@ _SCHEME_BYTES = {
     "mxfp4_w4a8": 0.5,
     "mxfp4_w4a16": 0.5,
     "nvfp4": 0.5,
+    "nvfp4_w4a16": 0.5,
     "int8": 1.0,
+    "int4_w4a16": 0.5,
+    "int8_w8a16": 1.0,
 }
 #: schemes whose activations stay 16-bit: their GEMMs run at the bf16 peak
-_A16_SCHEMES = frozenset({"mxfp4_w4a16"})
+_A16_SCHEMES = frozenset({"mxfp4_w4a16", "nvfp4_w4a16", "int4_w4a16", "int8_w8a16"})
 
 
 def _check_format(quant: str) -> str:
@@ -171,26 +174,31 @@ def scale_bytes(
     """Bytes of the weight scales of D experts: w13 [D, N1, H] and w2 [D, H, I], N1 = gemm1_rows.
 
     fp8_tensor             float32 per expert and tensor          D * 4 * 2
-    fp8_channel, int8      float32 per output row                 D * 4 * (N1 + H)
+    fp8_channel, int8,     float32 per output row                 D * 4 * (N1 + H)
+    int8_w8a16 (default)
     fp8_block              float32 per 128 x 128 block            (fp8_block_scale_bytes)
     mxfp8, mxfp4_*         one E8M0 byte per 32 values along K    D * (N1 H + H I) / 32
-    nvfp4                  one E4M3 byte per 16 values, plus a     D * (N1 H + H I) / 16
+    nvfp4, nvfp4_w4a16     one E4M3 byte per 16 values, plus a     D * (N1 H + H I) / 16
                            float32 global scale per tensor           + D * 4 * 2
+    int4_w4a16             float32 per 128 values (the default     D * (N1 H + H I) / 32
+                           group; zero points, if any, not counted)
     """
     quant = _check_format(quant)
     d, h, i, n1 = num_distinct, hidden_size, intermediate_size, gemm1_rows
     values = d * (n1 * h + h * i)
     if quant == "fp8_tensor":
         return float(d * 4 * 2)
-    if quant in ("fp8_channel", "int8"):
+    if quant in ("fp8_channel", "int8", "int8_w8a16"):
         return float(d * 4 * (n1 + h))
     if quant == "fp8_block":
         h_blocks = math.ceil(h / 128)
         return float(d * 4 * (math.ceil(n1 / 128) * h_blocks + h_blocks * math.ceil(i / 128)))
     if quant in ("mxfp8", "mxfp4_w4a8", "mxfp4_w4a16"):
         return values / 32
-    if quant == "nvfp4":
+    if quant in ("nvfp4", "nvfp4_w4a16"):
         return values / 16 + d * 4 * 2
+    if quant == "int4_w4a16":
+        return values * 4 / 128
     return 0.0
 
 
