@@ -7,7 +7,8 @@ dequantizes as a float32 product q * scale), and a quantized MoE pipeline comput
 Nothing here imports the package.
 
 Formats: e4m3fn (max 448, subnormals k * 2**-9), E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6; sign bit 8;
-the element of even index in the low nibble), E8M0 (2 ** (code - 127)), INT8 (+-127).
+the element of even index in the low nibble), E8M0 (2 ** (code - 127)), INT8 (+-127), INT4
+(unsigned codes 0 .. 15 packed as E2M1 is, worth (code - zero) * scale; zero 8 when symmetric).
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def decode_fp4_bytes(packed: torch.Tensor) -> torch.Tensor:
     return table[nibbles.long()]
 
 
+def int4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> int64 codes [..., K]: the low nibble is the element of even index."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+
+
 def gemm_rows(x: torch.Tensor) -> list[list[float]]:
     return x.float().tolist()
 
@@ -114,6 +120,62 @@ def mxfp4_quant_loops(w: torch.Tensor) -> tuple[list, list]:
         packed.append(p_e)
         codes.append(c_e)
     return packed, codes
+
+
+def int4_quant_loops(
+    w: torch.Tensor, group: int, zero_points: bool
+) -> tuple[list, list, list | None]:
+    """w [E, N, K] -> (packed bytes [E][N][K/2], float32 scales [E][N][K/g], zero points
+    [E][N][K/g] or None). Symmetric: s = amax / 7, q = clamp(round(v / s) + 8, 1, 15). Zero
+    points (GPTQ / AWQ): the range [min(lo, 0), max(hi, 0)] over 15 steps, s = (max - min) / 15
+    (at least the amax floor), zero = clamp(round(-min / s), 0, 15), q = clamp(round(v / s) +
+    zero, 0, 15). round(): ties to even."""
+    packed, scales, zeros = [], [], []
+    for expert in w.float().tolist():
+        p_e, s_e, z_e = [], [], []
+        for row in expert:
+            p_row, s_row, z_row = [], [], []
+            for start in range(0, len(row), group):
+                chunk = row[start : start + group]
+                if zero_points:
+                    high, low = max(max(chunk), 0.0), min(min(chunk), 0.0)
+                    s = max(f32(f32(high - low) / 15.0), AMAX_EPS)
+                    zero = max(0, min(15, round(f32(-low / s))))
+                    codes = [max(0, min(15, round(f32(v / s)) + zero)) for v in chunk]
+                else:
+                    s = f32(max(max(abs(v) for v in chunk), AMAX_EPS) / 7.0)
+                    zero = 8
+                    codes = [max(1, min(15, round(f32(v / s)) + 8)) for v in chunk]
+                s_row.append(s)
+                z_row.append(zero)
+                p_row += [lo | (hi << 4) for lo, hi in zip(codes[0::2], codes[1::2], strict=True)]
+            p_e.append(p_row)
+            s_e.append(s_row)
+            z_e.append(z_row)
+        packed.append(p_e)
+        scales.append(s_e)
+        zeros.append(z_e)
+    return packed, scales, zeros if zero_points else None
+
+
+def int8_group_quant_loops(w: torch.Tensor, group: int) -> tuple[list, list]:
+    """w [E, N, K] -> (int8 values [E][N][K], float32 scales [E][N][ceil(K/g)]): s = amax / 127
+    per 1 x g group, q = clamp(round(v / s), -127, 127)."""
+    values, scales = [], []
+    for expert in w.float().tolist():
+        v_e, s_e = [], []
+        for row in expert:
+            v_row, s_row = [], []
+            for start in range(0, len(row), group):
+                chunk = row[start : start + group]
+                s = f32(max(max(abs(v) for v in chunk), AMAX_EPS) / 127.0)
+                s_row.append(s)
+                v_row += [max(-127, min(127, round(f32(v / s)))) for v in chunk]
+            v_e.append(v_row)
+            s_e.append(s_row)
+        values.append(v_e)
+        scales.append(s_e)
+    return values, scales
 
 
 # ---- fake quantizers: x [R, K] -> float32 [R, K], what the pipeline computes with --------------
@@ -220,6 +282,24 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
     cells = scale.float() * global_scale.float().view(-1, 1, 1)  # float32 products, as the spec
     values = decode_fp4_bytes(packed).float()
     return (values * cells.repeat_interleave(16, dim=-1)).double()
+
+
+def dequant_int4(
+    packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """INT4 weights [E, N, K/2] with group scales [E, N, K/g] (g = K / the scale's columns) and
+    uint8 zero points of the scale's shape (None: 8): (code - zero) * scale, a float32 product."""
+    codes = int4_codes(packed)
+    group = codes.shape[-1] // scale.shape[-1]
+    zero = torch.full(scale.shape, 8) if zero_point is None else zero_point.long()
+    values = (codes - zero.repeat_interleave(group, dim=-1)).float()
+    return (values * scale.float().repeat_interleave(group, dim=-1)).double()
+
+
+def dequant_int8_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """INT8 weights [E, N, K] with 1 x g group scales [E, N, K/g]."""
+    group = q.shape[-1] // scale.shape[-1]
+    return (q.float() * scale.float().repeat_interleave(group, dim=-1)).double()
 
 
 # ---- the quantized MoE pipeline ----------------------------------------------------------------

@@ -1,11 +1,16 @@
 """quantize / dequantize (fusedmoe.quant.reference) for every QuantKey, from first principles.
 
 Per key and shape: the scale shapes and dtypes the keys docstring states, the scale values
-computed here from the cell amax, element-wise round-trip bounds of the element format,
-and bit-exact agreement with independent per-element loops (pure python,
-tests/quant_reference.py) for the FP8 1 x 128 group and MXFP4 formats. Then the edge cases:
-all-zero cells, huge elements, subnormals, K that the MX / NVFP4 groups do not divide,
-column-major scales, static scales.
+computed here from the cell amax (INT4 with zero points: from the cell's min and max),
+element-wise round-trip bounds of the element format, and bit-exact agreement with independent
+per-element loops (pure python, tests/quant_reference.py) for the FP8 1 x 128 group, MXFP4,
+INT4 (symmetric and with zero points) and INT8 group formats. Then the edge cases: all-zero
+cells, huge elements, subnormals, K that the MX / NVFP4 / INT4 groups do not divide,
+column-major scales, static scales; and INT4 / INT8 group codes checked by hand (nibble order,
+the zero point of an all-positive, all-negative and all-zero group, the codes' ends 0 and 15).
+
+The weight-only groups of 32 and 64 have no name in fusedmoe.quant.keys (keys.int_weight_key
+makes them): the cases name them INT4_GROUP32, INT8_GROUP64, ... (DERIVED_KEYS).
 
 Legend: M tokens, K reduced dim, E experts, N rows of a weight; a cell is the set of elements
 sharing one scale (tensor, row, 1 x g group, bn x bk block).
@@ -31,22 +36,46 @@ from fusedmoe.quant.activation import (
     quantize_nvfp4,
 )
 from fusedmoe.quant.config import OperandQuant
-from fusedmoe.quant.keys import ElementFormat, QuantKey, ScaleFormat, ScaleLayout
+from fusedmoe.quant.keys import (
+    WEIGHT_ONLY_GROUPS,
+    ElementFormat,
+    QuantKey,
+    ScaleFormat,
+    ScaleLayout,
+    int_weight_key,
+)
 from fusedmoe.quant.reference import dequantize, quantize
 from tests.helpers import assert_close, assert_equal
 from tests.quant_reference import (
     AMAX_EPS,
     ceil_log2,
     decode_fp4_bytes,
+    dequant_int4,
     e2m1_code,
     f32,
     floor_log2,
     fp8_round,
     group_quant_fp8_loops,
+    int4_codes,
+    int4_quant_loops,
+    int8_group_quant_loops,
     mxfp4_quant_loops,
 )
 
 FP8 = torch.float8_e4m3fn
+INT4, INT8 = ElementFormat.INT4, ElementFormat.INT8
+
+#: the weight-only group keys without a name in keys (INT4_GROUP128 has one): name -> key
+DERIVED_KEYS = {
+    f"{element.name}_GROUP{g}": int_weight_key(element, g)
+    for element in (INT4, INT8)
+    for g in WEIGHT_ONLY_GROUPS
+    if not hasattr(keys, f"{element.name}_GROUP{g}")
+}
+
+
+def key_of(name: str) -> QuantKey:
+    return getattr(keys, name) if hasattr(keys, name) else DERIVED_KEYS[name]
 
 
 # ---- what each key produces: the table of the keys docstring ---------------------------------
@@ -59,14 +88,16 @@ class Case:
     scale_shape: tuple[int, ...]
     scale_dtype: torch.dtype
     global_shape: tuple[int, ...] | None = None
+    zero_point: bool = False  # INT4: with uint8 zero points of the scale's shape
 
     @property
     def key(self) -> QuantKey:
-        return getattr(keys, self.key_name)
+        return key_of(self.key_name)
 
     @property
     def id(self) -> str:
-        return f"{self.key_name}-{'x'.join(map(str, self.shape))}"
+        zp = "-zero_points" if self.zero_point else ""
+        return f"{self.key_name}{zp}-{'x'.join(map(str, self.shape))}"
 
 
 F32, U8 = torch.float32, torch.uint8
@@ -92,6 +123,19 @@ CASES = [
     Case("MXFP4", (3, 40, 64), (3, 40, 32), U8, (3, 40, 2), U8),
     Case("NVFP4", (37, 48), (37, 24), U8, (37, 3), FP8, (1,)),
     Case("NVFP4", (3, 40, 80), (3, 40, 40), U8, (3, 40, 5), FP8, (3,)),
+    # INT4 weights (GROUP 1 x g, g 32 / 64 / 128): uint8 [E, N, K/2], float32 [E, N, K/g], and
+    # with zero points uint8 [E, N, K/g]; [M, K] operands as the activation GROUP layout
+    Case("INT4_GROUP128", (3, 40, 256), (3, 40, 128), U8, (3, 40, 2), F32),
+    Case("INT4_GROUP128", (3, 40, 256), (3, 40, 128), U8, (3, 40, 2), F32, zero_point=True),
+    Case("INT4_GROUP64", (3, 40, 192), (3, 40, 96), U8, (3, 40, 3), F32),
+    Case("INT4_GROUP64", (2, 24, 128), (2, 24, 64), U8, (2, 24, 2), F32, zero_point=True),
+    Case("INT4_GROUP32", (3, 40, 96), (3, 40, 48), U8, (3, 40, 3), F32),
+    Case("INT4_GROUP32", (3, 40, 96), (3, 40, 48), U8, (3, 40, 3), F32, zero_point=True),
+    Case("INT4_GROUP32", (37, 64), (37, 32), U8, (37, 2), F32, zero_point=True),
+    # INT8 weight-only group scales: int8 [E, N, K], float32 [E, N, K/g]
+    Case("INT8_GROUP32", (3, 40, 96), (3, 40, 96), torch.int8, (3, 40, 3), F32),
+    Case("INT8_GROUP64", (2, 24, 128), (2, 24, 128), torch.int8, (2, 24, 2), F32),
+    Case("INT8_GROUP128", (3, 40, 256), (3, 40, 256), torch.int8, (3, 40, 2), F32),
     # BLOCK bn x bk: weights [E, ceil(N/bn), ceil(K/bk)] (and [ceil(M/bn), ceil(K/bk)] in 2-D)
     Case("FP8_BLOCK128", (3, 200, 72), (3, 200, 72), FP8, (3, 2, 1), F32),
     Case("FP8_BLOCK128", (2, 72, 200), (2, 72, 200), FP8, (2, 1, 2), F32),
@@ -103,7 +147,13 @@ CASE_IDS = [c.id for c in CASES]
 
 def test_every_key_has_a_case():
     every_key = {name for name, v in vars(keys).items() if isinstance(v, QuantKey)}
-    assert every_key == {c.key_name for c in CASES}
+    assert every_key | set(DERIVED_KEYS) == {c.key_name for c in CASES}
+    # every INT4 / INT8 weight-only group size, INT4 symmetric and with zero points
+    assert {key_of(n).group[1] for n in DERIVED_KEYS} | {128} == set(WEIGHT_ONLY_GROUPS)
+    int4 = [c for c in CASES if c.key.element is INT4]
+    assert {(c.key.group[1], c.zero_point) for c in int4} == {
+        (g, zp) for g in WEIGHT_ONLY_GROUPS for zp in (False, True)
+    }
 
 
 def random_operand(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -119,7 +169,11 @@ def static_scale(case: Case) -> torch.Tensor | None:
 
 
 def run(case: Case, x: torch.Tensor):
-    return quantize(x, case.key, static_scale(case))
+    return quantize(x, case.key, static_scale(case), zero_point=case.zero_point)
+
+
+def dequant(qx, key: QuantKey) -> torch.Tensor:
+    return dequantize(qx.q, qx.scale, key, qx.global_scale, qx.zero_point)
 
 
 # ---- cells, computed here independently (flat cell id per element, scatter amax) -------------
@@ -150,11 +204,31 @@ def cell_ids(key: QuantKey, shape3: tuple[int, int, int]) -> torch.Tensor:
     return ids.expand(b, r, k)
 
 
-def cell_amax(x3: torch.Tensor, key: QuantKey) -> torch.Tensor:
+def cell_reduce(x3: torch.Tensor, key: QuantKey, reduce: str) -> torch.Tensor:
+    """amax, amin of the (signed) elements of each cell: float32 [cells], flat."""
     grid = cell_grid(key, tuple(x3.shape))
     ids = cell_ids(key, tuple(x3.shape)).reshape(-1)
-    amax = torch.zeros(math.prod(grid), dtype=torch.float32)
-    return amax.scatter_reduce(0, ids, x3.abs().reshape(-1).float(), "amax")
+    out = torch.zeros(math.prod(grid), dtype=torch.float32)
+    return out.scatter_reduce(0, ids, x3.reshape(-1).float(), reduce, include_self=False)
+
+
+def cell_amax(x3: torch.Tensor, key: QuantKey) -> torch.Tensor:
+    return cell_reduce(x3.abs(), key, "amax")
+
+
+def expected_int4(x3: torch.Tensor, key: QuantKey, zero_point: bool):
+    """INT4: (the float32 scale, the zero point) of every cell. Symmetric: amax / 7 and 8; zero
+    points: the cell's range stretched to hold 0, [min(lo, 0), max(hi, 0)], in 15 steps."""
+    if not zero_point:
+        return [f32(max(a, AMAX_EPS) / 7.0) for a in cell_amax(x3, key).tolist()], None
+    scales, zeros = [], []
+    high, low = cell_reduce(x3, key, "amax").tolist(), cell_reduce(x3, key, "amin").tolist()
+    for hi, lo in zip(high, low, strict=True):
+        hi, lo = max(hi, 0.0), min(lo, 0.0)
+        s = max(f32(f32(hi - lo) / 15.0), AMAX_EPS)
+        scales.append(s)
+        zeros.append(max(0, min(15, round(f32(-lo / s)))))
+    return scales, zeros
 
 
 def expected_scales(x3: torch.Tensor, key: QuantKey) -> tuple[list[float], list[float] | None]:
@@ -197,7 +271,13 @@ def element_scales(q, key: QuantKey, shape3) -> torch.Tensor:
 
 
 def element_values(q, key: QuantKey, shape3) -> torch.Tensor:
-    """The stored elements decoded, before scaling: float64 [B, R, K]."""
+    """The stored elements decoded, before scaling: float64 [B, R, K] (INT4: code - zero)."""
+    if key.element is INT4:
+        codes = int4_codes(q.q).reshape(shape3)
+        if q.zero_point is None:
+            return (codes - 8).double()
+        zeros = q.zero_point.reshape(-1).long()[cell_ids(key, shape3)]
+        return (codes - zeros).double()
     values = decode_fp4_bytes(q.q) if key.element is ElementFormat.FP4 else q.q.double()
     return values.reshape(shape3)
 
@@ -217,7 +297,11 @@ def test_shapes_and_dtypes(case):
     else:
         assert qx.global_scale.shape == case.global_shape
         assert qx.global_scale.dtype == torch.float32
-    deq = dequantize(qx.q, qx.scale, case.key, qx.global_scale)
+    if case.zero_point:
+        assert qx.zero_point.shape == case.scale_shape and qx.zero_point.dtype == U8
+    else:
+        assert qx.zero_point is None
+    deq = dequant(qx, case.key)
     assert deq.shape == case.shape and deq.dtype == torch.float32
 
 
@@ -225,6 +309,13 @@ def test_shapes_and_dtypes(case):
 def test_scale_values_from_the_cell_amax(case):
     x = random_operand(case.shape)
     qx = run(case, x)
+    if case.key.element is INT4:
+        want, want_zeros = expected_int4(as3(x), case.key, case.zero_point)
+        assert qx.scale.reshape(-1).tolist() == want
+        if want_zeros is not None:
+            assert qx.zero_point.reshape(-1).tolist() == want_zeros
+            assert len(set(want_zeros)) > 1, "zero points that differ from cell to cell"
+        return
     want, want_global = expected_scales(as3(x), case.key)
     stored = qx.scale.reshape(-1)
     got = stored.float().tolist() if stored.dtype == FP8 else stored.tolist()
@@ -243,6 +334,8 @@ def test_round_trip_bounds_element_wise(case, dtype):
     INT8       <= 0.5 s
     FP4 E2M1   |v| < 6: half the grid gap at |v| (0.25 below 2, 0.5 below 4, 1 below 6) * s
                |v| >= 6: saturated, x_hat = +-6 s exactly
+    INT4       <= 0.5 s (the amax is 7 s, the range 15 s: the codes' ends 0 and 15 only cut off
+               a tie that rounds outwards, by half a step)
     """
     x = random_operand(case.shape, dtype)
     key = case.key
@@ -251,13 +344,13 @@ def test_round_trip_bounds_element_wise(case, dtype):
     s = element_scales(qx, key, shape3)
     x64 = as3(x).double()
     # dequantize, as the spec defines it, equals the product computed here
-    x_hat = dequantize(qx.q, qx.scale, key, qx.global_scale).double().reshape(shape3)
+    x_hat = dequant(qx, key).double().reshape(shape3)
     assert_close(x_hat, element_values(qx, key, shape3) * s, tol=2e-7, what="dequantize")
 
     err = (x_hat - x64).abs()
     v = x64.abs() / s
     slack = 1 + 2.0**-18  # float32 x / s and q * s
-    if key.element is ElementFormat.INT8:
+    if key.element in (INT8, INT4):
         bound = 0.5 * s
         saturated = torch.zeros_like(v, dtype=torch.bool)
     else:
@@ -318,6 +411,143 @@ def test_mxfp4_weights_match_per_element_loops():
     assert qw.q[0, 0, :5].tolist() == [0x07, 0x22, 0x44, 0x66, 0x8C]
 
 
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize("group", WEIGHT_ONLY_GROUPS)
+def test_int4_weights_match_per_element_loops(group, zero_points):
+    w = random_operand((2, 3, 256))
+    # ties (scale 1: amax 7, or the range [-3.5, 11.5]), a group all of one sign, an all-zero one
+    w[0, 0, :group] = torch.rand(group) - 0.5
+    w[0, 0, :8] = torch.tensor([7.0, 0.5, 1.5, -2.5, 3.5, -0.5, 6.5, -7.0])
+    if zero_points:
+        w[0, 0, :8] = torch.tensor([11.5, -3.5, 0.5, 1.5, -2.5, 2.5, 5.5, 0.0])
+    w[1, 1, :group] = w[1, 1, :group].abs() + 0.5
+    w[1, 2, -group:] = -w[1, 2, -group:].abs() - 0.5
+    w[0, 1, :group] = 0.0
+    key = int_weight_key(INT4, group)
+    qw = quantize(w, key, zero_point=zero_points)
+    packed, scales, zeros = int4_quant_loops(w, group, zero_points)
+    assert qw.q.tolist() == packed
+    assert qw.scale.tolist() == scales
+    assert (qw.zero_point is None) == (zeros is None)
+    if zeros is not None:
+        assert qw.zero_point.tolist() == zeros
+    assert scales[0][0][0] == 1.0 and (zeros is None or zeros[0][0][0] == 4)  # the ties above
+    # dequantize: (code - zero) * scale, the low nibble being the element of even k
+    want = dequant_int4(qw.q, qw.scale, qw.zero_point).float()
+    assert_equal(dequantize(qw.q, qw.scale, key, zero_point=qw.zero_point), want)
+
+
+def test_int4_symmetric_codes_by_hand():
+    """scale = amax / 7, code = round(x / scale) + 8 (ties to even) in [1, 15], two codes per
+    byte with the element of even k in the low nibble."""
+    x = torch.zeros(1, 64)
+    x[0, :8] = torch.tensor([7.0, -7.0, 0.5, 1.5, -0.5, -2.5, 3.49, -6.6])  # scale 1
+    x[0, 32:36] = torch.tensor([-14.0, 3.0, 1.0, 5.0])  # scale 2
+    x[0, 36:] = 0.25  # 0.125 steps: code 8
+    qx = quantize(x, int_weight_key(INT4, 32))
+    assert qx.scale.tolist() == [[1.0, 2.0]] and qx.zero_point is None
+    # codes 15 1 | 8 10 | 8 6 | 11 1 | 8 8 ..., then 1 10 | 8 10 | 8 8 ...
+    assert qx.q[0, :4].tolist() == [0x1F, 0xA8, 0x68, 0x1B]
+    assert qx.q[0, 4:16].tolist() == [0x88] * 12
+    assert qx.q[0, 16:].tolist() == [0xA1, 0xA8] + [0x88] * 14
+    x_hat = dequantize(qx.q, qx.scale, int_weight_key(INT4, 32))
+    assert x_hat[0, :8].tolist() == [7.0, -7.0, 0.0, 2.0, 0.0, -2.0, 3.0, -7.0]
+    assert x_hat[0, 32:36].tolist() == [-14.0, 4.0, 0.0, 4.0]
+    assert not bool(x_hat[0, 8:32].any()) and not bool(x_hat[0, 36:].any())
+    # symmetric codes never use 0: -amax is code 1 (-7 steps), +amax code 15
+    codes = int4_codes(quantize(random_operand((4, 128)), keys.INT4_GROUP128).q)
+    assert int(codes.min()) >= 1 and int(codes.max()) <= 15
+
+
+def test_int4_zero_points_by_hand():
+    """scale = (max - min) / 15 over the group's range stretched to hold 0, zero = round(-min /
+    scale) (uint8, one per group), code = round(x / scale) + zero in [0, 15]."""
+    x = torch.zeros(1, 128)
+    # range [-3.5, 11.5]: scale 1, zero round(3.5) = 4; both ends are ties that round outwards:
+    # 11.5 -> 12 + 4 = 16 saturates at code 15 (11), -3.5 -> -4 + 4 = code 0 (-4)
+    x[0, :8] = torch.tensor([11.5, -3.5, 0.0, 1.5, -1.5, 2.5, 5.0, 0.25])
+    # all positive (min 1 > 0): the range is [0, 7.5], scale 0.5, zero 0
+    x[0, 32:64] = 1.0
+    x[0, 32:36] = torch.tensor([1.0, 7.5, 3.0, 0.25])
+    # all negative: the range is [-7.5, 0], scale 0.5, zero 15: -7.5 is code 0, -0.5 code 14
+    x[0, 64:96] = -1.0
+    x[0, 64:68] = torch.tensor([-7.5, -0.5, -3.0, -0.75])
+    # x[0, 96:]: all zero: scale the amax floor, zero 0, codes 0
+    key = int_weight_key(INT4, 32)
+    qx = quantize(x, key, zero_point=True)
+    assert qx.scale.tolist() == [[1.0, 0.5, 0.5, AMAX_EPS]]
+    assert qx.zero_point.dtype == torch.uint8 and qx.zero_point.tolist() == [[4, 0, 15, 0]]
+    q = qx.q[0].tolist()
+    assert q[:4] == [0x0F, 0x64, 0x62, 0x49] and q[4:16] == [0x44] * 12  # 15 0 | 4 6 | 2 6 | 9 4
+    assert q[16:18] == [0xF2, 0x06] and q[18:32] == [0x22] * 14  # 2 15 | 6 0 | 2 2 ...
+    assert q[32:34] == [0xE0, 0xD9] and q[34:48] == [0xDD] * 14  # 0 14 | 9 13 | 13 13 ...
+    assert q[48:] == [0x00] * 16
+    x_hat = dequantize(qx.q, qx.scale, key, zero_point=qx.zero_point)[0]
+    assert x_hat[:8].tolist() == [11.0, -4.0, 0.0, 2.0, -2.0, 2.0, 5.0, 0.0]
+    assert x_hat[32:36].tolist() == [1.0, 7.5, 3.0, 0.0] and x_hat[36:64].tolist() == [1.0] * 28
+    assert (
+        x_hat[64:68].tolist() == [-7.5, -0.5, -3.0, -1.0] and x_hat[68:96].tolist() == [-1.0] * 28
+    )
+    assert x_hat[96:].tolist() == [0.0] * 32
+    # the same codes read without their zero points (zero 8) are other weights
+    assert not torch.equal(dequantize(qx.q, qx.scale, key), x_hat[None])
+
+
+def test_int4_zero_point_codes_span_0_to_15():
+    """With zero points a group's min is code 0 (when below 0) and its codes reach 15: all
+    16 codes are used, not the 15 of the symmetric rule."""
+    w = random_operand((2, 8, 128))
+    qw = quantize(w, keys.INT4_GROUP128, zero_point=True)
+    codes = int4_codes(qw.q).view(2, 8, 128)
+    lows = w.argmin(dim=-1, keepdim=True)
+    assert bool((codes.gather(-1, lows) == 0).all()), "the min is code 0"
+    assert int(codes.max()) == 15 and int(codes.min()) == 0
+
+
+@pytest.mark.parametrize("group", WEIGHT_ONLY_GROUPS)
+def test_int8_group_weights_match_per_element_loops(group):
+    w = random_operand((2, 3, 256))
+    w[0, 0, :group] = 0.0
+    key = int_weight_key(INT8, group)
+    qw = quantize(w, key)
+    values, scales = int8_group_quant_loops(w, group)
+    assert qw.q.tolist() == values and qw.scale.tolist() == scales
+
+
+def test_int8_group_scales_by_hand():
+    """scale = amax / 127 per 1 x g group along K, q = round(x / scale) (ties to even)."""
+    x = torch.zeros(2, 64)
+    x[0, :32] = 1.0
+    x[0, :6] = torch.tensor([127.0, -127.0, 2.5, 3.5, -0.4, 100.6])  # scale 1
+    x[0, 32:] = -2.0
+    x[0, 32:36] = torch.tensor([254.0, -3.0, 5.0, 1.0])  # scale 2
+    x[1, 32] = 0.5  # x[1, :32] all zero
+    key = int_weight_key(INT8, 32)
+    qx = quantize(x, key)
+    assert qx.scale.tolist() == [[1.0, 2.0], [f32(AMAX_EPS / 127.0), f32(0.5 / 127.0)]]
+    assert qx.q[0, :6].tolist() == [127, -127, 2, 4, 0, 101] and qx.q[0, 6:32].tolist() == [1] * 26
+    assert qx.q[0, 32:36].tolist() == [127, -2, 2, 0] and qx.q[0, 36:].tolist() == [-1] * 28
+    assert qx.q[1].tolist() == [0] * 32 + [127] + [0] * 31
+    x_hat = dequantize(qx.q, qx.scale, key)
+    assert x_hat[0, :6].tolist() == [127.0, -127.0, 2.0, 4.0, 0.0, 101.0]
+    assert x_hat[0, 32:36].tolist() == [254.0, -4.0, 4.0, 0.0]
+    # one scale per row instead (per channel): the first group's small values lose their steps
+    per_channel = quantize(x, keys.INT8_DYNAMIC_TOKEN)
+    assert per_channel.scale[0].tolist() == [2.0] and per_channel.q[0, 2:4].tolist() == [1, 2]
+
+
+def test_int8_groups_accept_a_partial_last_group():
+    # INT8 groups, as the FP8 ones, do not require K % g == 0: K = 40 in groups of 32 has a
+    # last group of 8 scaled by its own amax (the int4 / MX / NVFP4 groups refuse such a K)
+    x = torch.randn(2, 3, 40)
+    x[..., :32] *= 100.0
+    qx = quantize(x, int_weight_key(INT8, 32))
+    assert qx.scale.shape == (2, 3, 2)
+    want = [[[f32(max(abs(v) for v in row[a:b]) / 127.0) for a, b in ((0, 32), (32, 40))]
+             for row in e] for e in x.tolist()]  # fmt: skip
+    assert qx.scale.tolist() == want
+
+
 # ---- edge cases ------------------------------------------------------------------------------
 DYNAMIC = [c for c in CASES if not c.key.static]
 
@@ -337,14 +567,14 @@ def test_all_zero_cells_give_finite_nonzero_scales_and_zero_q(case):
     assert not bool(values.isnan().any())
     zero = x3 == 0
     assert bool((values[zero] == 0).all()), "zeros quantize to zero"
-    x_hat = dequantize(qx.q, qx.scale, case.key, qx.global_scale)
+    x_hat = dequant(qx, case.key)
     assert bool((as3(x_hat)[zero] == 0).all())
     # an all-zero tensor as well
     qz = run(case, torch.zeros(case.shape))
     sz = element_scales(qz, case.key, shape3)
     assert bool(sz.isfinite().all()) and bool((sz > 0).all())
     assert bool((element_values(qz, case.key, shape3) == 0).all())
-    assert_equal(dequantize(qz.q, qz.scale, case.key, qz.global_scale), torch.zeros(case.shape))
+    assert_equal(dequant(qz, case.key), torch.zeros(case.shape))
 
 
 @pytest.mark.parametrize("huge", [1e30, 3.0e38, -3.0e38])
@@ -356,10 +586,11 @@ def test_a_huge_element_gives_no_nan(case, huge):
     shape3 = tuple(as3(x).shape)
     s = element_scales(qx, case.key, shape3)
     assert bool(s.isfinite().all()) and bool((s > 0).all())
-    x_hat = dequantize(qx.q, qx.scale, case.key, qx.global_scale)
+    x_hat = dequant(qx, case.key)
     assert bool(x_hat.isfinite().all())
-    # the huge element itself comes back within the format's relative rounding (FP4: 1/4)
-    rel = {ElementFormat.FP8: 2.0**-4, ElementFormat.INT8: 1 / 254, ElementFormat.FP4: 0.25}
+    # the huge element itself comes back within the format's relative rounding (FP4: 1/4; INT4:
+    # half a step of amax / 7, or of a range of at least |huge| / 15)
+    rel = {ElementFormat.FP8: 2.0**-4, INT8: 1 / 254, ElementFormat.FP4: 0.25, INT4: 1 / 14}
     got = float(x_hat.view(-1)[7])
     assert abs(got - huge) <= rel[case.key.element] * abs(huge) * (1 + 1e-6)
 
@@ -387,13 +618,17 @@ def test_subnormal_inputs():
 
 @pytest.mark.parametrize(
     ("key_name", "k"),
-    [("MXFP8", 48), ("MXFP8", 100), ("MXFP4", 48), ("MXFP4", 40), ("NVFP4", 40), ("NVFP4", 24)],
-)
+    [("MXFP8", 48), ("MXFP8", 100), ("MXFP4", 48), ("MXFP4", 40), ("NVFP4", 40), ("NVFP4", 24),
+     ("INT4_GROUP128", 96), ("INT4_GROUP128", 192), ("INT4_GROUP64", 96), ("INT4_GROUP32", 40)],
+)  # fmt: skip
 @pytest.mark.parametrize("ndim", [2, 3])
-def test_mx_and_nvfp4_refuse_partial_groups(key_name, k, ndim):
+def test_mx_nvfp4_and_int4_refuse_partial_groups(key_name, k, ndim):
     x = torch.randn(4, k) if ndim == 2 else torch.randn(2, 4, k)
     with pytest.raises(ValueError, match=f"K = {k} is not a multiple"):
-        quantize(x, getattr(keys, key_name))
+        quantize(x, key_of(key_name))
+    if key_of(key_name).element is INT4:
+        with pytest.raises(ValueError, match=f"K = {k} is not a multiple"):
+            quantize(x, key_of(key_name), zero_point=True)
 
 
 def test_mxfp8_activation_quantizer_refuses_partial_groups():
@@ -493,6 +728,45 @@ def test_static_scale_errors(key_name, scale, match):
 def test_quantize_bad_input(x, error, match):
     with pytest.raises(error, match=match):
         quantize(x, keys.FP8_DYNAMIC_TOKEN)
+
+
+def test_zero_points_are_for_int4_alone():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="zero points are for int4 weights, not int8/group1x32"):
+        quantize(x, key_of("INT8_GROUP32"), zero_point=True)
+    with pytest.raises(ValueError, match="zero points are for int4 weights, not fp8_e4m3/row"):
+        quantize(x, keys.FP8_DYNAMIC_TOKEN, zero_point=True)
+    q8 = quantize(x, keys.INT8_DYNAMIC_TOKEN)
+    with pytest.raises(ValueError, match="only int4 weights have zero points"):
+        dequantize(q8.q, q8.scale, keys.INT8_DYNAMIC_TOKEN, zero_point=torch.zeros(4, 1).byte())
+    with pytest.raises(ValueError, match="int4 weights take group scales, got int4/row"):
+        quantize(x, QuantKey(INT4, ScaleLayout.ROW))
+
+
+@pytest.mark.parametrize(
+    ("element", "group", "error", "match"),
+    [
+        (INT4, None, ValueError, r"int4 weights need a group size, one of \(32, 64, 128\)"),
+        (INT4, 16, ValueError, r"group_size must be one of \(32, 64, 128\), got 16"),
+        (INT8, 256, ValueError, r"group_size must be one of \(32, 64, 128\), got 256"),
+        (INT4, 32.0, TypeError, "group_size must be an int, got float"),
+        (INT8, True, TypeError, "group_size must be an int, got bool"),
+    ],
+)
+def test_weight_only_group_sizes(element, group, error, match):
+    with pytest.raises(error, match=match):
+        int_weight_key(element, group)
+
+
+def test_weight_only_keys():
+    assert int_weight_key(INT8, None) == keys.INT8_CHANNEL  # per channel
+    assert int_weight_key(INT4, 128) == keys.INT4_GROUP128
+    for g in WEIGHT_ONLY_GROUPS:
+        for element in (INT4, INT8):
+            key = int_weight_key(element, g)
+            assert key.layout is ScaleLayout.GROUP and key.group == (1, g)
+            assert key.scale_format is ScaleFormat.FLOAT32 and not key.static
+            assert key.packed == (element is INT4) and key.exact_groups == (element is INT4)
 
 
 def test_dequantize_nvfp4_needs_the_global_scale():

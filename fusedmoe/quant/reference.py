@@ -211,7 +211,10 @@ def _quantize_int4(x: torch.Tensor, key: QuantKey, zero_point: bool) -> Quantize
     if zero_point:
         high = cells.amax(dim=-1).clamp(min=0.0)
         low = cells.amin(dim=-1).clamp(max=0.0)
-        scale = ((high - low) / _full_like(high, 15.0)).clamp(min=AMAX_EPS)
+        # high / 15 - low / 15, not (high - low) / 15: the difference of two large values of
+        # opposite signs would overflow float32
+        fifteen = _full_like(high, 15.0)
+        scale = (high / fifteen - low / fifteen).clamp(min=AMAX_EPS)
         zero = (-low / scale).round().clamp(0, 15)
     else:
         amax = cells.abs().amax(dim=-1)
