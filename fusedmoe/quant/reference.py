@@ -211,10 +211,11 @@ def _quantize_int4(x: torch.Tensor, key: QuantKey, zero_point: bool) -> Quantize
     if zero_point:
         high = cells.amax(dim=-1).clamp(min=0.0)
         low = cells.amin(dim=-1).clamp(max=0.0)
-        # high / 15 - low / 15, not (high - low) / 15: the difference of two large values of
-        # opposite signs would overflow float32
         fifteen = _full_like(high, 15.0)
-        scale = (high / fifteen - low / fifteen).clamp(min=AMAX_EPS)
+        span = high - low
+        # (max - min) / 15, or max / 15 - min / 15 where the difference overflows float32
+        scale = torch.where(span.isfinite(), span / fifteen, high / fifteen - low / fifteen)
+        scale = scale.clamp(min=AMAX_EPS)
         zero = (-low / scale).round().clamp(0, 15)
     else:
         amax = cells.abs().amax(dim=-1)
