@@ -83,10 +83,14 @@ def test_gpt_oss_activation_biases_and_gaps(scheme, options):
 
 GEMV = WoConfig(16, WoGemmConfig(64, 64, 1, 4, 2), WoGemmConfig(64, 64, 1, 4, 2),
                 gemv=WoGemmConfig(16, 64, 1, 4, 1))  # fmt: skip
-TILES = WoConfig(16, WoGemmConfig(32, 64, 2, 4, 2), WoGemmConfig(64, 128, 2, 4, 2))
+TILES = WoConfig(16, WoGemmConfig(32, 64, 2, 4, 2), WoGemmConfig(32, 128, 2, 8, 2))
+#: 64 x 128 tiles, 4 warps: the weights reach wgmma in the load's registers (MMA_ORDER)
+MMA_TILES = WoConfig(16, WoGemmConfig(64, 128, 2, 4, 2), WoGemmConfig(64, 128, 2, 4, 2))
 
 
-@pytest.mark.parametrize("config", [GEMV, TILES], ids=["decode-kernel", "tensor-cores"])
+@pytest.mark.parametrize(
+    "config", [GEMV, TILES, MMA_TILES], ids=["decode-kernel", "tensor-cores", "mma-order"]
+)
 @pytest.mark.parametrize(("scheme", "options"), [VARIANTS[0], VARIANTS[3], VARIANTS[5]],
                          ids=[IDS[0], IDS[3], IDS[5]])  # fmt: skip
 def test_both_kernels(config, scheme, options):
@@ -105,10 +109,14 @@ def test_both_kernels(config, scheme, options):
     assert_close(out, ref, torch.bfloat16, tol=1e-2)
 
 
-def test_fp16_and_non_gated():
-    """fp16 activations, a non-gated activation (one accumulator)."""
+@pytest.mark.parametrize(
+    ("scheme", "options"), [("int4_w4a16", {"group_size": 32}), ("mxfp4_w4a16", {})]
+)
+def test_fp16_and_non_gated(scheme, options):
+    """fp16 activations (on the GPU: Triton-op decoding, MXFP4 through tl.dot_scaled), a
+    non-gated activation (one accumulator)."""
     e, h, i, k, m = 4, 128, 96, 2, 6
-    q13, q2, qc, _, _ = _experts("int4_w4a16", {"group_size": 32}, e, h, i, "relu2_no_mul", False)
+    q13, q2, qc, _, _ = _experts(scheme, options, e, h, i, "relu2_no_mul", False)
     x = torch.randn(m, h, device=DEVICE).to(torch.float16)
     weights, ids = random_routing(m, e, k, device=DEVICE)
     out, ref = _both(x, q13, q2, weights, ids, qc, activation="relu2_no_mul")

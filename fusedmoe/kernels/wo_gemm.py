@@ -165,9 +165,29 @@ def _per_byte(values, BLOCK_N: tl.constexpr, COLS: tl.constexpr, HALF: tl.conste
 
 
 @triton.jit
+def _mma_rows_bytes(t):
+    """[64, 64] tile (row rho = 32a + 8b + j, byte c = 16q + t) -> rows i = 16b + 8a + j and
+    bytes 4t + q: the order in which a coalesced load's registers (4 warps, 16 bytes a thread)
+    already hold wgmma's left operand for 4 warps (see MMA_ORDER), so that no data moves."""
+    t = tl.reshape(t, (2, 4, 8, 4, 16))
+    t = tl.permute(t, (1, 0, 2, 4, 3))
+    return tl.reshape(t, (64, 64))
+
+
+@triton.jit
+def _mma_k(a, BLOCK_M: tl.constexpr):
+    """[128, BM] activations, k = 32q + 2t + h -> the tensor order 8t + 2q + h of the weights'
+    k after _mma_rows_bytes and the nibble join (the dot sums over k: any common order)."""
+    a = tl.reshape(a, (4, 16, 2, BLOCK_M))
+    a = tl.permute(a, (1, 0, 2, 3))
+    return tl.reshape(a, (128, BLOCK_M))
+
+
+@triton.jit
 def _load_tile(
     w_rows_ptr, stride_wk, s_rows_ptr, stride_sk, z_rows_ptr, stride_zk, k0, K, n_mask,
     W_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+    PER_BYTE: tl.constexpr = False,
 ):  # fmt: skip
     """The stored bytes of the weight tile of logical columns k0 .. k0 + BK, as loaded (nothing
     reads them until the next K step: the loads of one step overlap the math of the previous):
@@ -189,6 +209,10 @@ def _load_tile(
         COLS: tl.constexpr = BLOCK_K // G if BLOCK_K >= G else 1
         groups = k0 // G + tl.arange(0, COLS)
         mask = n_mask[:, None] & (groups < tl.cdiv(K, G))[None, :]
+        if PER_BYTE:  # one scale (and zero) per stored byte: the weights' own layout
+            byte_groups = (k0 + 2 * tl.arange(0, WIDTH)) // G
+            groups = byte_groups
+            mask = n_mask[:, None] & (byte_groups < tl.cdiv(K, G))[None, :]
         s_ptrs = s_rows_ptr[:, None] + groups[None, :] * stride_sk
         if W_FORMAT == _WF_MXFP4:
             scale = tl.load(s_ptrs, mask=mask, other=127)
@@ -204,9 +228,10 @@ def _load_tile(
 def _decode_tile(
     w, scale, zero, g_scale, W_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
     GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    USE_ASM: tl.constexpr, MMA_ORDER: tl.constexpr = False,
 ):  # fmt: skip
-    """deq(w) [BN, BK] in DOT_DTYPE from _load_tile's (w, scale, zero)."""
+    """deq(w) [BN, BK] in DOT_DTYPE from _load_tile's (w, scale, zero); MMA_ORDER (BN 64, BK
+    128, 4 warps, USE_ASM): rows and k in _mma_rows_bytes' order."""
     PACKED: tl.constexpr = W_FORMAT != _WF_INT8
     HALF: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = max(GROUP, 1)
@@ -231,6 +256,30 @@ def _decode_tile(
                 out = tl.reshape(v, (BLOCK_N, BLOCK_K)).to(DOT_DTYPE)
             else:
                 out = (w.to(tl.float32) * s).to(DOT_DTYPE)
+        elif MMA_ORDER:  # scales (and zeros) were loaded one per byte
+            w = _mma_rows_bytes(w)
+            if USE_ASM:
+                s_b = _mma_rows_bytes(s.to(tl.bfloat16))
+                if W_FORMAT == _WF_INT4:
+                    offset = _mma_rows_bytes((-128.0 - z).to(tl.bfloat16))
+                    low, high = _int4_pairs_bf16(w, offset, s_b)
+                else:
+                    low, high = _fp4_pairs_bf16(w, s_b)
+            else:  # the same order in Triton ops (the interpreter checks the permutations)
+                s = _mma_rows_bytes(s)
+                codes = w.to(tl.int32)
+                low = codes & 15
+                high = (codes >> 4) & 15
+                if W_FORMAT == _WF_INT4:
+                    z = _mma_rows_bytes(z)
+                    low = (low.to(tl.float32) - z) * s
+                    high = (high.to(tl.float32) - z) * s
+                else:
+                    low = _e2m1_to_float(low) * s
+                    high = _e2m1_to_float(high) * s
+                low = low.to(DOT_DTYPE)
+                high = high.to(DOT_DTYPE)
+            out = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
         elif USE_ASM:
             s_b = _per_byte(s.to(tl.bfloat16), BLOCK_N, COLS, HALF)
             if W_FORMAT == _WF_INT4:
@@ -297,6 +346,7 @@ def _wo_gemm_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no tf32)
     MX_DOT: tl.constexpr,  # MXFP4 through tl.dot_scaled (A in bf16 / fp16: its A_FORMAT)
     USE_ASM: tl.constexpr,  # 4-bit decoding in PTX (CUDA, bf16 activations)
+    MMA_ORDER: tl.constexpr,  # 4-bit, BN 64, BK 128, 4 warps: the tile goes to wgmma in place
     A_FORMAT: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,  # slots per tile (the dot's N)
@@ -367,13 +417,13 @@ def _wo_gemm_kernel(
     a = tl.load(a_ptrs, mask=row_mask[None, :] & (offs_k[:, None] < K), other=0.0)
     wg, sg, zg = _load_tile(
         wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, 0, K, n_mask, W_FORMAT,
-        HAS_ZERO, GROUP, BLOCK_K,
+        HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
     )  # fmt: skip
     wu, su, zu = wg, sg, zg
     if GATED:
         wu, su, zu = _load_tile(
             wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, 0, K, n_mask, W_FORMAT,
-            HAS_ZERO, GROUP, BLOCK_K,
+            HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
         )  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
         k1 = k0 + BLOCK_K
@@ -383,13 +433,13 @@ def _wo_gemm_kernel(
         )  # fmt: skip
         wg_next, sg_next, zg_next = _load_tile(
             wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, k1, K, n_mask, W_FORMAT,
-            HAS_ZERO, GROUP, BLOCK_K,
+            HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
         )  # fmt: skip
         wu_next, su_next, zu_next = wg_next, sg_next, zg_next
         if GATED:
             wu_next, su_next, zu_next = _load_tile(
                 wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, k1, K, n_mask,
-                W_FORMAT, HAS_ZERO, GROUP, BLOCK_K,
+                W_FORMAT, HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
             )  # fmt: skip
         if MX_DOT:  # Triton's own E2M1 upcast and scaling
             acc_g = tl.dot_scaled(wg, sg, "e2m1", a, None, A_FORMAT, acc_g, fast_math=True)
@@ -397,15 +447,17 @@ def _wo_gemm_kernel(
                 acc_u = tl.dot_scaled(wu, su, "e2m1", a, None, A_FORMAT, acc_u, fast_math=True)
         else:
             a_dot = a.to(DOT_DTYPE)
+            if MMA_ORDER:
+                a_dot = _mma_k(a_dot, BLOCK_M)
             w_g = _decode_tile(
                 wg, sg, zg, g_scale, W_FORMAT, HAS_ZERO, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K,
-                USE_ASM,
+                USE_ASM, MMA_ORDER,
             )  # fmt: skip
             acc_g = tl.dot(w_g, a_dot, acc_g, input_precision=DOT_PRECISION)
             if GATED:
                 w_u = _decode_tile(
                     wu, su, zu, g_scale, W_FORMAT, HAS_ZERO, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K,
-                    USE_ASM,
+                    USE_ASM, MMA_ORDER,
                 )  # fmt: skip
                 acc_u = tl.dot(w_u, a_dot, acc_u, input_precision=DOT_PRECISION)
         a = a_next
@@ -413,6 +465,22 @@ def _wo_gemm_kernel(
         wu, su, zu = wu_next, su_next, zu_next
         a_ptrs += BLOCK_K * stride_ak
 
+    if MMA_ORDER:  # the accumulator's row i is the tile's row 32a + 8b + j, i = 16b + 8a + j
+        i = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + (i % 8) + 8 * (i // 16) + 32 * ((i // 8) % 2)
+        n_mask = offs_n < N
+        if GATED:
+            if ACTIVATION == _ACT_SWIGLUOAI:
+                gate_rows = (2 * offs_n).to(tl.int64)
+                up_rows = (2 * offs_n + 1).to(tl.int64)
+            else:
+                gate_rows = offs_n.to(tl.int64)
+                up_rows = (offs_n + N).to(tl.int64)
+        else:
+            gate_rows = offs_n.to(tl.int64)
+            up_rows = gate_rows
+        sg_rows = s_ptr + e * stride_se + gate_rows * stride_sn
+        su_rows = s_ptr + e * stride_se + up_rows * stride_sn
     if GROUP == 0:  # INT8 per channel: the scale of each row, on the accumulator
         acc_g *= tl.load(sg_rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         if GATED:

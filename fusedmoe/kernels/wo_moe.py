@@ -47,6 +47,7 @@ _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: run the decode kernel
 GEMV_MAX_SLOTS_PER_EXPERT = 0.25
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
+_MMA_ORDER = os.environ.get("FUSEDMOE_WO_MMA_ORDER", "1") == "1"
 #: the weight formats by name (the quant config's weight element)
 W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
 
@@ -132,7 +133,11 @@ def _launch(
     # 4-bit weights x bf16 on the GPU: decoded in PTX (USE_ASM); MXFP4 x fp16 (or with
     # FUSEDMOE_WO_DOT_SCALED=1) through tl.dot_scaled; the rest in Triton ops
     use_asm = on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8
-    mx_dot = w_format == wg.WF_MXFP4 and a.dtype in _A_FORMAT and (_DOT_SCALED or not use_asm)
+    mx_dot = (
+        w_format == wg.WF_MXFP4
+        and a.dtype in _A_FORMAT
+        and (_DOT_SCALED or (on_cuda and not use_asm))
+    )
     use_asm = use_asm and not mx_dot
     constexprs = dict(
         A_ROW_DIV=a_row_div,
@@ -149,6 +154,15 @@ def _launch(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or not on_cuda else "tf32",
         MX_DOT=mx_dot,
         USE_ASM=use_asm,
+        # a tile shape whose coalesced load already holds wgmma's left operand (wo_gemm)
+        MMA_ORDER=(
+            _MMA_ORDER
+            and not mx_dot
+            and w_format != wg.WF_INT8
+            and cfg.block_n == 64
+            and cfg.block_k == 128
+            and cfg.num_warps == 4
+        ),
         A_FORMAT=_A_FORMAT.get(a.dtype, "bf16"),
         ROUND_IN_FP32=not on_cuda,
         BLOCK_M=block_m,
