@@ -20,24 +20,36 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton.language as tl
 
+from fusedmoe._paths import CACHE_ENV
 from fusedmoe._pdl import pdl_args
 from fusedmoe._triton import cdiv, device_guard, launch, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import wo_gemm as wg
-from fusedmoe.kernels.fused_moe import _ACT_CODES, TL_DTYPE, gemm_rows, moe_sum
+from fusedmoe.kernels.fused_moe import _ACT_CODES, TL_DTYPE, device_name, gemm_rows, moe_sum
+from fusedmoe.kernels.moe_config import (
+    SHIPPED_DIR,
+    TUNED_CONFIGS_ENV,
+    table_path,
+    user_tables_dir,
+)
 
 __all__ = [
     "W_FORMATS",
     "WoConfig",
     "WoGemmConfig",
     "fused_experts_weight_only",
+    "heuristic_wo_config",
+    "table_dtype",
     "use_wo_config",
     "wo_kernel_config",
 ]
@@ -70,6 +82,27 @@ class WoConfig:
     #: BN rows x BK per step (block_m, gemm1 and gemm2 unused)
     gemv: WoGemmConfig | None = None
 
+    def to_json(self) -> dict:
+        return {
+            "block_m": self.block_m,
+            "gemm1": asdict(self.gemm1),
+            "gemm2": asdict(self.gemm2),
+            "gemv": None if self.gemv is None else asdict(self.gemv),
+        }
+
+    @classmethod
+    def from_json(cls, entry: object, where: str = "config") -> WoConfig:
+        try:
+            gemv = entry["gemv"]
+            return cls(
+                int(entry["block_m"]),
+                WoGemmConfig(**entry["gemm1"]),
+                WoGemmConfig(**entry["gemm2"]),
+                None if gemv is None else WoGemmConfig(**gemv),
+            )
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"{where}: not a weight-only kernel config ({exc!r})") from None
+
 
 _override: contextvars.ContextVar[WoConfig | None] = contextvars.ContextVar(
     "fusedmoe_wo_config", default=None
@@ -86,11 +119,56 @@ def use_wo_config(config: WoConfig | None) -> Iterator[None]:
         _override.reset(token)
 
 
-def wo_kernel_config(num_tokens: int, top_k: int, num_local_experts: int) -> WoConfig:
-    """The scoped override, else the heuristic (see the module docstring)."""
+def table_dtype(w_format: str) -> str:
+    """The dtype field of a weight-only table's name (fusedmoe.kernels.moe_config.table_path)."""
+    return f"wo_{w_format}"
+
+
+def wo_kernel_config(
+    num_tokens: int,
+    top_k: int,
+    num_local_experts: int,
+    gemm1_rows: int = 0,
+    hidden_size: int = 0,
+    w_format: str = "",
+    device_name: str | None = None,
+) -> WoConfig:
+    """The scoped override, else the tuned table of this shape and GPU (the tables of
+    fusedmoe.kernels.moe_config, dtype "wo_<format>"), else the heuristic."""
     override = _override.get()
     if override is not None:
         return override
+    return _resolved(
+        num_tokens, top_k, num_local_experts, gemm1_rows, hidden_size, w_format, device_name,
+        os.environ.get(TUNED_CONFIGS_ENV), os.environ.get(CACHE_ENV),
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved(num_tokens, top_k, e, n, k, w_format, device_name, _env1, _env2) -> WoConfig:
+    if device_name is not None and w_format:
+        for root in (user_tables_dir(), SHIPPED_DIR):
+            table = _load_wo_table(
+                str(table_path(root, device_name, e, n, k, table_dtype(w_format)))
+            )
+            if table:
+                return table[min(table, key=lambda key: (abs(key - num_tokens), key))]
+    return heuristic_wo_config(num_tokens, top_k, e)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_wo_table(path: str) -> dict[int, WoConfig] | None:
+    p = Path(path)
+    if not p.is_file():
+        return None
+    raw = json.loads(p.read_text())
+    if not isinstance(raw, dict) or not all(str(m).isdigit() for m in raw):
+        raise ValueError(f"weight-only config table {p}: expected token counts -> configs")
+    return {int(m): WoConfig.from_json(v, f"{p} [{m}]") for m, v in raw.items()}
+
+
+def heuristic_wo_config(num_tokens: int, top_k: int, num_local_experts: int) -> WoConfig:
+    """The tiles by slots per expert (the module docstring)."""
     slots_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     if slots_per_expert <= GEMV_MAX_SLOTS_PER_EXPERT:
         gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
@@ -99,11 +177,9 @@ def wo_kernel_config(num_tokens: int, top_k: int, num_local_experts: int) -> WoC
     if slots_per_expert <= 16:
         gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
         return WoConfig(16, gemm, gemm)
-    if slots_per_expert <= 160:
-        gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
-        return WoConfig(64, gemm, gemm)
-    gemm = WoGemmConfig(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=2)
-    return WoConfig(128, gemm, gemm)
+    # 64 x 128 tiles on 4 warps: the weights reach the tensor cores in the load's registers
+    gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
+    return WoConfig(64, gemm, gemm)
 
 
 def _launch(
@@ -264,7 +340,9 @@ def _fused_experts_weight_only_impl(
     hidden = x.shape[1]
     act = MoEActivation(activation)
     width = act.output_size(gemm1_rows)
-    config = wo_kernel_config(num_tokens, top_k, num_local)
+    config = wo_kernel_config(
+        num_tokens, top_k, num_local, gemm1_rows, hidden, w_format, device_name(x)
+    )
     fmt = W_FORMATS[w_format]
     h_dtype = TL_DTYPE[output.dtype]
     params = (alpha, beta, limit, has_limit)
