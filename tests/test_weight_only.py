@@ -10,13 +10,16 @@ check that no dequantized copy of the weights is ever made.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from fusedmoe import FusedMoE, fused_experts, select_backend
-from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config
+from fusedmoe.kernels import wo_moe
+from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config, wo_kernel_config
 from fusedmoe.quant import quantize_experts
 from tests.helpers import assert_close, random_routing
 from tests.reference import random_experts
@@ -93,7 +96,7 @@ MMA_TILES = WoConfig(16, WoGemmConfig(64, 128, 2, 4, 2), WoGemmConfig(64, 128, 2
 )
 @pytest.mark.parametrize(("scheme", "options"), [VARIANTS[0], VARIANTS[3], VARIANTS[5]],
                          ids=[IDS[0], IDS[3], IDS[5]])  # fmt: skip
-def test_both_kernels(config, scheme, options):
+def test_both_kernels(config, scheme, options, monkeypatch):
     """Each kernel on the same call, whatever the heuristic would pick: the decode kernel (one
     slot per program) and the tensor-core one, swigluoai with biases, empty slots and an
     expert_map, K = 192 (not a multiple of the 128-wide K step)."""
@@ -103,10 +106,38 @@ def test_both_kernels(config, scheme, options):
     weights, ids = random_routing(m, 8, k, empty=0.2, device=DEVICE)
     expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32, device=DEVICE)
     kw = dict(activation="swigluoai", w13_bias=b13, w2_bias=b2, expert_map=expert_map)
+    monkeypatch.setattr(wo_moe, "_MMA_ORDER", config is MMA_TILES)  # opt-in path, checked here
     with use_wo_config(config):
         out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
     ref = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="torch", **kw)
     assert_close(out, ref, torch.bfloat16, tol=1e-2)
+
+
+def test_tuned_tables(tmp_path, monkeypatch):
+    """A table of the shape and GPU (the moe_config layout, dtype wo_<format>) gives the entry
+    of the nearest token count; without one, the heuristic; a malformed one, a clear error.
+    Every shipped weight-only table parses."""
+    from fusedmoe.kernels.moe_config import SHIPPED_DIR, TUNED_CONFIGS_ENV, table_path
+
+    for shipped in SHIPPED_DIR.glob("*/E=*,dtype=wo_*.json"):
+        assert wo_moe._load_wo_table(str(shipped))
+    monkeypatch.setenv(TUNED_CONFIGS_ENV, str(tmp_path))
+    path = table_path(tmp_path, "GPU X", 8, 256, 128, wo_moe.table_dtype("int4"))
+    path.parent.mkdir(parents=True)
+    small, large = GEMV, TILES
+    path.write_text(json.dumps({"1": small.to_json(), "4096": large.to_json()}))
+    assert wo_kernel_config(3, 2, 8, 256, 128, "int4", "GPU X") == small
+    assert wo_kernel_config(3000, 2, 8, 256, 128, "int4", "GPU X") == large
+    assert wo_kernel_config(3, 2, 8, 256, 128, "int4", "GPU Y") == wo_moe.heuristic_wo_config(
+        3, 2, 8
+    )
+    path.write_text(json.dumps({"1": {"block_m": 16}}))
+    wo_moe._load_wo_table.cache_clear()
+    wo_moe._resolved.cache_clear()
+    with pytest.raises(ValueError, match="not a weight-only kernel config"):
+        wo_kernel_config(5, 2, 8, 256, 128, "int4", "GPU X")
+    wo_moe._load_wo_table.cache_clear()
+    wo_moe._resolved.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,9 @@ _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: run the decode kernel
 GEMV_MAX_SLOTS_PER_EXPERT = 0.25
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
-_MMA_ORDER = os.environ.get("FUSEDMOE_WO_MMA_ORDER", "1") == "1"
+#: FUSEDMOE_WO_MMA_ORDER=1: 64 x 128 tiles on 4 warps take the register-direct path (wo_gemm,
+#: MMA_ORDER). Off by default: 3x slower on an H100 as it stands (docs/performance.md)
+_MMA_ORDER = os.environ.get("FUSEDMOE_WO_MMA_ORDER", "0") == "1"
 #: the weight formats by name (the quant config's weight element)
 W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
 
@@ -171,15 +173,17 @@ def heuristic_wo_config(num_tokens: int, top_k: int, num_local_experts: int) -> 
     """The tiles by slots per expert (the module docstring)."""
     slots_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     if slots_per_expert <= GEMV_MAX_SLOTS_PER_EXPERT:
-        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
+        gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
         gemv = WoGemmConfig(block_n=16, block_k=128, group_m=1, num_warps=4, num_stages=1)
         return WoConfig(16, gemm, gemm, gemv)
     if slots_per_expert <= 16:
-        gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
+        gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
         return WoConfig(16, gemm, gemm)
-    # 64 x 128 tiles on 4 warps: the weights reach the tensor cores in the load's registers
-    gemm = WoGemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=2)
-    return WoConfig(64, gemm, gemm)
+    if slots_per_expert <= 64:
+        gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
+        return WoConfig(64, gemm, gemm)
+    gemm = WoGemmConfig(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=2)
+    return WoConfig(128, gemm, gemm)
 
 
 def _launch(
