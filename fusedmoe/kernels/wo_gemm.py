@@ -41,6 +41,18 @@ Then the triton backend's epilogues (fusedmoe.kernels.moe_gemm), on the transpos
     GEMM2:  y = round(acc + bias) * topk_weights[slot], stored at row `slot` of [S, N]
 
 and moe_sum adds each token's k rows.
+
+Variants (constexpr):
+    USE_ASM     CUDA, bf16 activations, 4-bit weights: the codes decoded in PTX on packed words,
+                two bf16 values per instruction (_FP4_ASM, _INT4_ASM); elsewhere Triton ops
+    MX_DOT      MXFP4 x fp16 on CUDA (or FUSEDMOE_WO_DOT_SCALED=1): tl.dot_scaled
+    MMA_ORDER   opt-in (FUSEDMOE_WO_MMA_ORDER=1), 64 x 128 tiles on 4 warps: rows and k relabelled
+                so that the coalesced load's registers are wgmma's left operand (no shared-memory
+                round trip for the weights), scales loaded one per byte; slower as it stands
+    _wo_gemv_kernel   decode: one slot x BN rows per program on the CUDA cores, no tensor cores
+
+The loads of K step k + 1 are issued before the math of step k: Triton does not pipeline loads
+whose values are decoded in registers.
 """
 
 from __future__ import annotations

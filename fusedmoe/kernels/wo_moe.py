@@ -10,10 +10,15 @@ Registered as a custom op (it writes `output` and the workspaces only), so a lay
 it traces under torch.compile; no host synchronisation, so it captures in a CUDA graph. The
 weights stay in their stored format: no dequantized copy is ever made.
 
-Tiles (WoConfig): BM slots x BN weight rows x BK, per GEMM. The heuristic (wo_kernel_config)
-follows the slots per expert: 16-slot tiles while experts see a few tokens (decode reads each
-weight once; the tile's width only multiplies padding), then 64 and 128 (tensor-core bound);
-`use_wo_config` overrides it (sweeps).
+Kernels and tiles (WoConfig): at most GEMV_MAX_SLOTS_PER_EXPERT slots per expert (decode, each
+expert about one slot), both GEMMs run the decode kernel (one slot x BN rows per program on the
+CUDA cores, no alignment); above, the tensor-core kernel on the aligned layout, BM slots x BN
+weight rows x BK per GEMM. wo_kernel_config takes, in order: the scoped override
+(`use_wo_config`, for sweeps), the tuned table of the shape and GPU (moe_config's table layout,
+dtype "wo_<format>"; an H100 table ships for gpt-oss MXFP4), the heuristic by slots per expert
+(heuristic_wo_config: 16-slot tiles while experts see a few tokens, then 64 and 128).
+
+Where each variant stands on an H100: docs/performance.md, "4-bit weight-only experts".
 """
 
 from __future__ import annotations

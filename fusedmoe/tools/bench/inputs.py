@@ -38,6 +38,7 @@ import torch
 from fusedmoe.activation import MoEActivation
 from fusedmoe.quant import dequantize, make_quant_config, quantize_experts
 from fusedmoe.quant.config import INT_WEIGHT_ONLY, FusedMoEQuantConfig
+from fusedmoe.quant.keys import WEIGHT_ONLY_GROUPS
 from fusedmoe.router import create_router
 
 __all__ = [
@@ -123,12 +124,22 @@ def quantize_expert_set(
     with_plain: bool = True,
     fast_accum: bool = False,
 ) -> ExpertSet:
-    """The experts in `scheme` (None: as they are), quantized a few experts at a time, with the
+    """The experts in `scheme` (None: as they are), quantized a few experts at a time (int4_w4a16:
+    in the widest group of 32 / 64 / 128 that divides both K; the key's name says which), with the
     dequantized values for the baselines (with_plain=False: w13_plain and w2_plain are None);
     fast_accum: that of the quant config (fp8_block)."""
     if scheme is None:
         return ExpertSet(w13, w2, None, w13, w2)
-    parts = [quantize_experts(w13[c], w2[c], scheme) for c in _chunks(w13, w2)]
+    options = {}
+    if scheme == "int4_w4a16":  # the widest group that divides both K (gpt-oss's 2880: 64)
+        fits = [g for g in WEIGHT_ONLY_GROUPS if w13.shape[-1] % g == 0 and w2.shape[-1] % g == 0]
+        if not fits:
+            raise ValueError(
+                f"int4_w4a16 needs H = {w13.shape[-1]} and I = {w2.shape[-1]} to be multiples of "
+                f"one of the groups {WEIGHT_ONLY_GROUPS}"
+            )
+        options["group_size"] = max(fits)
+    parts = [quantize_experts(w13[c], w2[c], scheme, **options) for c in _chunks(w13, w2)]
     q13 = torch.cat([p[0] for p in parts])
     q2 = torch.cat([p[1] for p in parts])
 
