@@ -67,7 +67,7 @@ _A2_SCALE = {  # the scale layout GEMM2 reads a2 with
     "fp8_dynamic_token": g.A_ROW,
     "int8_dynamic_token": g.A_ROW,
 }
-_ACT_CODES = {
+ACT_CODES = {
     **ACTIVATION_CODE,
     MoEActivation.GELU_TANH: g.ACT_GELU_TANH,
     MoEActivation.SILU_NO_MUL: g.ACT_SILU_NO_MUL,
@@ -192,7 +192,7 @@ def launch_gemm(
 ):  # fmt: skip
     n_out = out.shape[1]
     k = a.shape[1]
-    act_code = g.ACT_NONE if activation is None else _ACT_CODES[activation]
+    act_code = g.ACT_NONE if activation is None else ACT_CODES[activation]
     alpha, beta, limit, has_limit = params
     grid = (rows.num_blocks * cdiv(n_out, config.block_n),)
     dummy = rows.ids

@@ -107,7 +107,9 @@ def _silu(z):
 
 
 @triton.jit
-def _activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr):
+def epilogue_activation(
+    gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr
+):
     """fp32 -> act in fp32, as fusedmoe.activation defines it (`up` unused when non-gated)."""
     if ACTIVATION == _ACT_GELU_TANH:
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
@@ -126,7 +128,7 @@ def _activation(gate, up, alpha, beta, limit, ACTIVATION: tl.constexpr, HAS_LIMI
 
 
 @triton.jit
-def _round_to(x, DTYPE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+def round_to(x, DTYPE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. The interpreter's fp32 -> bf16
     cast truncates, so there the rounding is done on the bits (then the cast is exact)."""
     if ROUND_IN_FP32 and tl.bfloat16 == DTYPE:
@@ -213,7 +215,7 @@ def _store_group_quant(
 
 
 @triton.jit
-def _e8m0_to_float(code):
+def e8m0_to_float(code):
     """uint8 E8M0 codes -> float32 2 ** (code - 127), exactly (code 0: the subnormal 2**-127)."""
     c = code.to(tl.int32)
     normal = (c << 23).to(tl.float32, bitcast=True)
@@ -232,7 +234,7 @@ def _mx_a_tile(
         mask=row_mask[:, None] & (groups < K // _MX)[None, :], other=127,
     )  # fmt: skip
     x = tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // _MX, _MX))
-    x = x * _e8m0_to_float(codes)[:, :, None]
+    x = x * e8m0_to_float(codes)[:, :, None]
     return tl.reshape(x, (BLOCK_M, BLOCK_K)).to(DOT_DTYPE)
 
 
@@ -275,7 +277,7 @@ def _mx_w_tile(
         ws_base + rows * stride_wsn + groups[:, None] * stride_wsk,
         mask=n_mask[None, :] & (groups[:, None] < K // _MX), other=127,
     )  # fmt: skip
-    w = tl.reshape(w, (BLOCK_K // _MX, _MX, BLOCK_N)) * _e8m0_to_float(codes)[:, None, :]
+    w = tl.reshape(w, (BLOCK_K // _MX, _MX, BLOCK_N)) * e8m0_to_float(codes)[:, None, :]
     return tl.reshape(w, (BLOCK_K, BLOCK_N)).to(DOT_DTYPE)
 
 
@@ -559,7 +561,7 @@ def _moe_gemm_kernel(
         y = h_g
         if OUT_MODE == _OUT_ATOMIC:  # the top-k sum: each slot adds into its token's row
             # rounded where the reference stores a slot's output, weighted as finalize does
-            y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
+            y = round_to(y, H_DTYPE, ROUND_IN_FP32)
         if MUL_ROUTED_WEIGHT:
             w = tl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
             y = y * w[:, None]
@@ -570,14 +572,14 @@ def _moe_gemm_kernel(
             )  # fmt: skip
             tl.atomic_add(token_ptrs, y, mask=out_mask, sem="relaxed")
             return
-        y = _round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+        y = round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
         return
 
     # GEMM1: the reference stores h in the activation dtype before the activation reads it
-    h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
-    h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
-    act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+    h_g = round_to(h_g, H_DTYPE, ROUND_IN_FP32)
+    h_u = round_to(h_u, H_DTYPE, ROUND_IN_FP32)
+    act = epilogue_activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
     act = tl.where(out_mask, act, 0.0)  # padding must not count in a group's amax
     if OUT_MODE == _OUT_FP8_STATIC:
         scale = tl.load(out_scale_ptr)
@@ -597,7 +599,7 @@ def _moe_gemm_kernel(
             pid_n, N, BLOCK_M, BLOCK_N, _SCALE_UE8M0, ROUND_IN_FP32,
         )  # fmt: skip
     else:  # OUT_PLAIN (activation dtype) or OUT_FP32 (quantized after the kernel)
-        act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+        act = round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -655,6 +657,6 @@ def _moe_sum_kernel(
         if MUL_WEIGHT:
             y *= tl.load(w_ptr + m * stride_wm + j * stride_wk)
         acc += y
-    acc = _round_to(acc, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+    acc = round_to(acc, out_ptr.dtype.element_ty, ROUND_IN_FP32)
     out_ptrs = out_ptr + m * stride_om + offs_h * stride_oh
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=h_mask)

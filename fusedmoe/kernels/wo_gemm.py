@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from fusedmoe._pdl import pdl_wait
-from fusedmoe.kernels.moe_gemm import _activation, _e8m0_to_float, _round_to
+from fusedmoe.kernels.moe_gemm import e8m0_to_float, epilogue_activation, round_to
 
 # weight formats
 WF_MXFP4, WF_NVFP4, WF_INT4, WF_INT8 = 0, 1, 2, 3
@@ -253,7 +253,7 @@ def _decode_tile(
     else:
         # scales (and INT4 zero points) of the groups, float32 [BN, COLS]
         if W_FORMAT == _WF_MXFP4:
-            s = _e8m0_to_float(scale)
+            s = e8m0_to_float(scale)
         elif W_FORMAT == _WF_NVFP4:
             s = scale.to(tl.float32) * g_scale
         else:
@@ -514,16 +514,16 @@ def _wo_gemm_kernel(
         y = acc_g
         if MUL_ROUTED_WEIGHT:
             # rounded where the reference stores a slot's output, then weighted by finalize
-            y = _round_to(y, H_DTYPE, ROUND_IN_FP32)
+            y = round_to(y, H_DTYPE, ROUND_IN_FP32)
             tw = tl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
             y = y * tw[None, :]
-        y = _round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+        y = round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
         return
-    h_g = _round_to(acc_g, H_DTYPE, ROUND_IN_FP32)
-    h_u = _round_to(acc_u, H_DTYPE, ROUND_IN_FP32)
-    act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
-    act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+    h_g = round_to(acc_g, H_DTYPE, ROUND_IN_FP32)
+    h_u = round_to(acc_u, H_DTYPE, ROUND_IN_FP32)
+    act = epilogue_activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+    act = round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -656,12 +656,12 @@ def _wo_gemv_kernel(
     if ACTIVATION == _ACT_NONE:
         y = h_g
         if MUL_ROUTED_WEIGHT:
-            y = _round_to(y, H_DTYPE, ROUND_IN_FP32) * tl.load(topk_weights_ptr + slot)
-        y = _round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+            y = round_to(y, H_DTYPE, ROUND_IN_FP32) * tl.load(topk_weights_ptr + slot)
+        y = round_to(y, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        h_g = _round_to(h_g, H_DTYPE, ROUND_IN_FP32)
-        h_u = _round_to(h_u, H_DTYPE, ROUND_IN_FP32)
-        act = _activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
-        act = _round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
+        h_g = round_to(h_g, H_DTYPE, ROUND_IN_FP32)
+        h_u = round_to(h_u, H_DTYPE, ROUND_IN_FP32)
+        act = epilogue_activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+        act = round_to(act, out_ptr.dtype.element_ty, ROUND_IN_FP32)
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_mask)

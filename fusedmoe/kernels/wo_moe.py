@@ -40,7 +40,7 @@ from fusedmoe._pdl import pdl_args
 from fusedmoe._triton import cdiv, device_guard, launch, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import wo_gemm as wg
-from fusedmoe.kernels.fused_moe import _ACT_CODES, TL_DTYPE, device_name, gemm_rows, moe_sum
+from fusedmoe.kernels.fused_moe import ACT_CODES, TL_DTYPE, device_name, gemm_rows, moe_sum
 from fusedmoe.kernels.moe_config import (
     SHIPPED_DIR,
     TUNED_CONFIGS_ENV,
@@ -198,7 +198,7 @@ def _launch(
     n_out = out.shape[1]
     k = a.shape[1]
     alpha, beta, limit, has_limit = params
-    act_code = -1 if activation is None else _ACT_CODES[activation]
+    act_code = -1 if activation is None else ACT_CODES[activation]
     dummy = rows.ids
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(-1)  # per channel: stride_sk unused
     args = (
@@ -271,7 +271,7 @@ def _launch_gemv(
     n_out = out.shape[1]
     k = a.shape[1]
     alpha, beta, limit, has_limit = params
-    act_code = -1 if activation is None else _ACT_CODES[activation]
+    act_code = -1 if activation is None else ACT_CODES[activation]
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(-1)
     num_ids = num_local if expert_map is None else expert_map.shape[0]
     args = (
