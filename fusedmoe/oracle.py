@@ -24,7 +24,8 @@ Triton GEMMs deep_gemm is faster only from M ~ 16384 (1.03x to 1.08x) and 1.1x t
 slower from 256 to 4096 tokens; hpc is faster only with static per-tensor FP8 scales at M <= 64
 and trails triton with 128-block scales. The oracle picks per layer, not per call size, so
 those stay choices by name (backend="hpc" for a decode-only layer); deep_gemm and deep_gemm_fp4
-are the automatic choice for the MX schemes, which triton does not run.
+are the automatic choice for mxfp8 and mxfp4_w4a8, which triton does not run (it runs the
+weight-only schemes, mxfp4_w4a16 among them).
 """
 
 from __future__ import annotations
@@ -214,20 +215,14 @@ class ReferenceFallbackWarning(UserWarning):
     """A quantized call on a GPU runs on the float64 torch reference: no GPU backend runs it."""
 
 
-_WARNED: set[tuple] = set()
-
-
 def _warn_reference_on_gpu(problem: MoEProblem, refused: dict[str, str]) -> None:
-    """Once per (scheme, dtype, activation): a quantized problem on CUDA that only the reference
-    backend runs. It is correct and hundreds of times slower than a GPU kernel, and it cannot
-    be captured in a CUDA graph (it groups rows on the host)."""
+    """A quantized problem on CUDA that only the reference backend runs. It is correct and
+    hundreds of times slower than a GPU kernel, and it cannot be captured in a CUDA graph (it
+    groups rows on the host). Python's warning registry shows each message once (per scheme,
+    dtype and activation: they are in it) under the default filters."""
     qc = problem.quant_config
     if problem.device.type != "cuda" or qc is None:
         return
-    key = (qc.scheme, problem.dtype, problem.activation.kind)
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
     why = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
     warnings.warn(
         f"{_describe(problem)} runs on the torch reference backend: no GPU backend runs it "

@@ -582,10 +582,8 @@ def test_int_weight_only_scales_in_float16_and_bfloat16(experts, scheme, options
         assert not torch.equal(out, full), f"the {dtype} scales are read, not the float32 ones"
     for bad in (torch.float64, torch.uint8):
         wrong = _with_scale(qc, "w2", qc.w2.scale.to(bad))
-        if scheme == "int4_w4a16":
-            match = rf"w2 scale must be float32, float16 or bfloat16 for int4.*, got {bad}"
-        else:  # the int8 key is that of the int8 (w8a8) scheme: float32 there
-            match = rf"w2 scale must be torch.float32 for int8.*, got {bad}"
+        # the weight-only schemes take float16 / bfloat16 scales; the message says so
+        match = rf"w2 scale must be float32, float16 or bfloat16 for int[48].*, got {bad}"
         with pytest.raises(TypeError, match=match):
             fused_experts(x, w13_q, w2_q, weights, ids, quant_config=wrong)
 

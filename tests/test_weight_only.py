@@ -258,18 +258,63 @@ def test_compiles():
     assert_close(compiled, eager, torch.bfloat16, tol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("scheme", "options"),
+    [
+        ("int4_w4a16", {"group_size": 32, "zero_points": True}),
+        ("int4_w4a16", {"group_size": 64}),
+        ("int8_w8a16", {"group_size": 32}),
+    ],
+)
+def test_fused_checkpoint_names_round_trip(scheme, options):
+    """A layer's own tensors, under transformers 5's fused names, load back into a layer of the
+    same group size (4-bit packed, zero points included) and leave its output unchanged."""
+    from fusedmoe import FusedMoE
+
+    layer = FusedMoE(8, 2, 128, 64, quant_config=scheme, quant_options=options)
+    names = {"gate_up_proj": "w13", "down_proj": "w2"}
+    state = []
+    for name, prefix in names.items():
+        state.append((f"experts.{name}", getattr(layer, f"{prefix}_weight").clone()))
+        state.append((f"experts.{name}_scale", getattr(layer, f"{prefix}_weight_scale").clone()))
+        if options.get("zero_points"):
+            zero = getattr(layer, f"{prefix}_weight_zero_point").clone()
+            state.append((f"experts.{name}_zero_point", zero))
+    x, logits = torch.randn(3, 128).to(torch.bfloat16), torch.randn(3, 8)
+    with torch.no_grad():
+        before = layer(x, logits)
+        for param in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+            getattr(layer, param).zero_()
+        layer.load_weights(state)
+        assert torch.equal(layer(x, logits), before)
+
+
+def test_zero_points_refused_where_they_do_not_fit():
+    """Zero points into a symmetric layer, and zero points past 15, are refused clearly."""
+    from fusedmoe import FusedMoE
+    from fusedmoe.quant import make_quant_config
+
+    layer = FusedMoE(8, 2, 128, 64, quant_config="int4_w4a16", quant_options={"group_size": 32})
+    zero = torch.zeros(8, 128, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="has no zero points"):
+        layer.load_weights([("experts.gate_up_proj_zero_point", zero)])
+    s13, s2 = torch.ones(8, 128, 4), torch.ones(8, 128, 2)
+    bad = torch.full((8, 128, 4), 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"lie in \[0, 15\], got 16"):
+        make_quant_config("int4_w4a16", s13, s2, group_size=32, w1_zero_point=bad)
+
+
 def test_reference_on_a_gpu_warns_once():
     """A quantized scheme that no GPU backend runs (nvfp4: FP4 activations) goes to the torch
-    reference on CUDA with one ReferenceFallbackWarning per (scheme, dtype, activation)."""
+    reference on CUDA with a ReferenceFallbackWarning, shown once under the default filters."""
     import warnings
 
     from fusedmoe import oracle
 
     *_, qc, _, _ = _experts("nvfp4", {}, 4, 64, 64, "gelu", False, device="cpu")
     kw = dict(hidden_size=64, intermediate_size=64, num_experts=4, top_k=2, quant_config=qc)
-    oracle._WARNED.clear()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        warnings.simplefilter("default")  # once per message and place, as users see it
         for _ in range(3):
             choice = select_backend(device="cuda", activation="gelu", **kw)
         select_backend(device="cpu", activation="gelu", **kw)  # the CPU: no warning

@@ -30,9 +30,9 @@ Weight formats (W_FORMAT) and deq(w) per element, in float32, rounded once to th
 E2M1 codes are decoded with two integer ops and one multiply: the code's 3 magnitude bits are
 placed in the exponent's low bits and the mantissa's top bit of a float32, which then holds
 e2m1 * 2 ** -126 (the zero exponent makes 0.5 the subnormal it must be), times 2 ** 126. The MX
-and NVFP4 products are exact in float32, and so is the MX value in bf16 (at most 2 significant
-bits times a power of two); NVFP4 and INT rounded to bf16 lose what the torch twin keeps
-(float64 throughout), within the documented bound of each format.
+products are exact in float32 and in bf16 (at most 2 significant bits times a power of two);
+NVFP4 and INT4 are rounded to bf16 (on the PTX path twice: each
+group's scale, then each product), which the torch twin (float64 throughout) does not do.
 
 Then the triton backend's epilogues (fusedmoe.kernels.moe_gemm), on the transposed tile:
 

@@ -67,6 +67,8 @@ _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: FUSEDMOE_WO_MMA_ORDER=1: 64 x 128 tiles on 4 warps take the register-direct path (wo_gemm,
 #: MMA_ORDER). Off by default: 3x slower on an H100 as it stands (docs/performance.md)
 _MMA_ORDER = os.environ.get("FUSEDMOE_WO_MMA_ORDER", "0") == "1"
+#: the PTX decoding needs NVIDIA's backend (a ROCm build's tensors are "cuda" too)
+_PTX = torch.version.cuda is not None
 #: the weight formats by name (the quant config's weight element)
 W_FORMATS = {"mxfp4": wg.WF_MXFP4, "nvfp4": wg.WF_NVFP4, "int4": wg.WF_INT4, "int8": wg.WF_INT8}
 
@@ -79,6 +81,16 @@ class WoGemmConfig:
     num_warps: int
     num_stages: int
 
+    def __post_init__(self) -> None:
+        for name, low in (("block_n", 8), ("block_k", 32), ("num_warps", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {low}, got {value!r}")
+        for name in ("group_m", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
 
 @dataclass(frozen=True)
 class WoConfig:
@@ -88,6 +100,15 @@ class WoConfig:
     #: decode: both GEMMs one slot per program on the CUDA cores (wo_gemm._wo_gemv_kernel),
     #: BN rows x BK per step (block_m, gemm1 and gemm2 unused)
     gemv: WoGemmConfig | None = None
+
+    def __post_init__(self) -> None:
+        m = self.block_m
+        if not isinstance(m, int) or m < 16 or m & (m - 1):
+            raise ValueError(f"block_m must be a power of two >= 16, got {m!r}")
+        if any(not isinstance(g, WoGemmConfig) for g in (self.gemm1, self.gemm2)):
+            raise TypeError("gemm1 and gemm2 must be WoGemmConfig")
+        if self.gemv is not None and not isinstance(self.gemv, WoGemmConfig):
+            raise TypeError("gemv must be a WoGemmConfig or None")
 
     def to_json(self) -> dict:
         return {
@@ -217,7 +238,7 @@ def _launch(
     on_cuda = a.is_cuda
     # 4-bit weights x bf16 on the GPU: decoded in PTX (USE_ASM); MXFP4 x fp16 (or with
     # FUSEDMOE_WO_DOT_SCALED=1) through tl.dot_scaled; the rest in Triton ops
-    use_asm = on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8
+    use_asm = _PTX and on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8
     mx_dot = (
         w_format == wg.WF_MXFP4
         and a.dtype in _A_FORMAT
@@ -302,7 +323,7 @@ def _launch_gemv(
         H_DTYPE=h_dtype,
         DOT_DTYPE=tl.bfloat16 if on_cuda and a.dtype == torch.bfloat16 else tl.float32,
         ROUND_IN_FP32=not on_cuda,
-        USE_ASM=on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8,
+        USE_ASM=_PTX and on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8,
         HAS_MAP=expert_map is not None,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

@@ -239,7 +239,7 @@ class FusedMoEQuantConfig:
     def check_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """The quantized weights and their scales fit each other and this config."""
         for name, w, operand in (("w13", w13, self.w1), ("w2", w2, self.w2)):
-            check_quantized_weight(name, w, operand)
+            check_quantized_weight(name, w, operand, self.scheme in INT_WEIGHT_ONLY)
 
 
 def logical_k(w: torch.Tensor, key: QuantKey | None) -> int:
@@ -256,7 +256,12 @@ def expected_scale_shape(key: QuantKey, e: int, n: int, k: int) -> tuple[int, ..
     return (e, math.ceil(n / bn), math.ceil(k / bk))
 
 
-def check_quantized_weight(name: str, w: torch.Tensor, operand: OperandQuant) -> None:
+def check_quantized_weight(
+    name: str, w: torch.Tensor, operand: OperandQuant, int_weight_only: bool = False
+) -> None:
+    """int_weight_only: an int4_w4a16 / int8_w8a16 weight, whose scales may be float32, float16
+    or bfloat16 (checkpoints store float16); every other scheme's scales are as quantize makes
+    them."""
     key = operand.key
     expected_dtype = _STORAGE_DTYPE[key.element]
     if w.dtype != expected_dtype:
@@ -275,9 +280,7 @@ def check_quantized_weight(name: str, w: torch.Tensor, operand: OperandQuant) ->
     scale_dtype = {ScaleFormat.E8M0: torch.uint8, ScaleFormat.E4M3_GLOBAL: FP8_DTYPE}.get(
         key.scale_format, torch.float32
     )
-    int_weight_only = key.element is ElementFormat.INT4 or (
-        key.element is ElementFormat.INT8 and scale.dtype in _INT_SCALE_DTYPES
-    )
+    int_weight_only = int_weight_only or key.element is ElementFormat.INT4
     if int_weight_only and scale.dtype not in _INT_SCALE_DTYPES:
         raise TypeError(
             f"{name} scale must be float32, float16 or bfloat16 for {key.name}, got {scale.dtype}"
@@ -336,6 +339,11 @@ def make_quant_config(
         raise ValueError(f"group_size applies to int4_w4a16 / int8_w8a16, not {scheme}")
     if (w1_zero_point is not None or w2_zero_point is not None) and scheme != "int4_w4a16":
         raise ValueError(f"zero points apply to int4_w4a16, not {scheme}")
+    for name, zero in (("w1_zero_point", w1_zero_point), ("w2_zero_point", w2_zero_point)):
+        # checked once here (a host read), as the static scales are: int4 codes lie in [0, 16)
+        usable = isinstance(zero, torch.Tensor) and zero.dtype == torch.uint8 and zero.numel()
+        if usable and int(zero.max()) > 15:
+            raise ValueError(f"{name}: int4 zero points lie in [0, 15], got {int(zero.max())}")
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fast_accum must be a bool, got {type(fast_accum).__name__}")
     if fast_accum and scheme not in FAST_ACCUM_SCHEMES:

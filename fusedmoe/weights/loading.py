@@ -261,7 +261,13 @@ def _resolve(layer, name: str, shapes: dict) -> WeightTarget | None:
     if target is not None:
         return target
     if layer.quant_scheme is not None:
-        target = resolve_quantized_weight(name, scheme=layer.quant_scheme, **shapes)
+        target = resolve_quantized_weight(
+            name,
+            scheme=layer.quant_scheme,
+            group_size=layer._quant_options.get("group_size", "default"),
+            zero_points=getattr(layer, "w13_weight_zero_point", None) is not None,
+            **shapes,
+        )
     if target is None:
         target = resolve_expert_weight(name, **shapes)
         if target is not None and layer.quant_scheme is not None and "bias" not in target.param:

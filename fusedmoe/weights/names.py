@@ -111,11 +111,14 @@ def resolve_expert_weight(
 # gpt-oss MXFP4:   experts.gate_up_proj_blocks [E, N, H/32, 16] uint8 (loaded as is: [E, N, H/2])
 #                  experts.gate_up_proj_scales [E, N, H/32] uint8 E8M0; the same for down_proj
 # fused:           experts.gate_up_proj / down_proj (quantized dtype), + _scale, + _global_scale
+#                  (NVFP4), + _zero_point (INT4 with zero points; 4-bit: [E, N, K/2] packed)
 # per expert:      experts.{e}.gate_proj.weight (fp8 / int8) + .weight_scale_inv or .weight_scale
 #                  (DeepSeek-V3 FP8 block, per-channel FP8 / INT8); gate and up scale rows must
 #                  not share a block (I % 128 == 0 for 128-row blocks)
 _GPT_OSS = re.compile(r"(?:^|\.)experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
-_FUSED_QUANT = re.compile(r"(?:^|\.)experts\.(gate_up_proj|down_proj)(_scale|_global_scale)?$")
+_FUSED_QUANT = re.compile(
+    r"(?:^|\.)experts\.(gate_up_proj|down_proj)(_scale|_global_scale|_zero_point)?$"
+)
 _PER_EXPERT_QUANT = re.compile(
     r"(?:^|\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\."
     r"(weight|weight_scale_inv|weight_scale)$"
@@ -130,12 +133,15 @@ def resolve_quantized_weight(
     hidden_size: int,
     intermediate_size: int,
     activation: MoEActivation,
+    group_size: int | str | None = "default",
+    zero_points: bool = False,
 ) -> WeightTarget | None:
-    """The target of a quantized checkpoint tensor in a layer quantized to `scheme`."""
+    """The target of a quantized checkpoint tensor in a layer quantized to `scheme` (int4 /
+    int8 weight-only: with the layer's group size, and zero points if it has them)."""
     from fusedmoe.quant.config import expected_scale_shape, weight_key
 
-    key = weight_key(scheme)
-    packing = 2 if key.element is ElementFormat.FP4 else 1
+    key = weight_key(scheme, group_size)
+    packing = 2 if key.packed else 1
     num_e, num_h, num_i = num_experts, hidden_size, intermediate_size
     num_n = activation.gemm1_out_size(num_i)
     # (param prefix, rows, K) of each fused operand
@@ -165,6 +171,14 @@ def resolve_quantized_weight(
         if suffix == "_scale":
             shape = expected_scale_shape(key, num_e, rows, k)
             return WeightTarget(f"{prefix}_weight_scale", (), shape, exact_dtype=_exact_scales(key))
+        if suffix == "_zero_point":
+            if not zero_points:
+                raise ValueError(
+                    f"{name}: the layer ({scheme}) has no zero points: build it with "
+                    'quant_options={"zero_points": True} for asymmetric int4 weights'
+                )
+            shape = expected_scale_shape(key, num_e, rows, k)
+            return WeightTarget(f"{prefix}_weight_zero_point", (), shape, exact_dtype=True)
         if key.scale_format is not ScaleFormat.E4M3_GLOBAL:
             raise ValueError(
                 f"{name}: only NVFP4 weights have a global scale; the layer is {scheme}"
