@@ -455,6 +455,34 @@ def test_patch_quantized_fp8_block(name):
     assert out.shape == (1, 29)
 
 
+@pytest.mark.parametrize(
+    ("scheme", "options"),
+    [
+        ("mxfp4_w4a16", None),
+        ("nvfp4_w4a16", None),
+        ("int4_w4a16", {"group_size": 32, "zero_points": True}),
+        ("int8_w8a16", None),
+    ],
+)
+def test_patch_weight_only(scheme, options):
+    """The weight-only schemes through patch(): each block's output within the scheme's error
+    of the original block's (tests/test_quant_schemes.py's bounds)."""
+    model = build(FAMILY["qwen2_moe"])
+    original = copy.deepcopy(model)
+    report = hf.patch(model, quant=scheme, quant_options=options)
+    assert len(report.replaced) == 2 and report.skipped == {}
+    x = torch.randn(2, 7, 32)
+    for block_name in report.replaced:
+        block = model.get_submodule(block_name)
+        assert block.moe.quant_scheme == scheme
+        with torch.no_grad():
+            expected = original.get_submodule(block_name)(x)
+            actual = block(x)
+        if isinstance(expected, tuple):
+            expected, actual = expected[0], actual[0]
+        assert_close(actual, expected, tol=0.6, rms_tol=0.1, what=f"{scheme} {block_name}")
+
+
 def test_patch_passes_quant_options():
     """quant_options reach every block's quantize_; bad ones fail patch() at once (not one
     skipped block after another)."""
