@@ -128,6 +128,23 @@ def epilogue_activation(
 
 
 @triton.jit
+def gate_up_rows(offs_n, N, GATED: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The w13 rows of output columns offs_n: gate and up (halves, or gpt-oss's interleaved
+    pairs); a non-gated weight's rows twice."""
+    if GATED:
+        if ACTIVATION == _ACT_SWIGLUOAI:
+            gate_rows = 2 * offs_n
+            up_rows = 2 * offs_n + 1
+        else:
+            gate_rows = offs_n
+            up_rows = offs_n + N
+    else:
+        gate_rows = offs_n
+        up_rows = offs_n
+    return gate_rows, up_rows
+
+
+@triton.jit
 def round_to(x, DTYPE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. The interpreter's fp32 -> bf16
     cast truncates, so there the rounding is done on the bits (then the cast is exact)."""
@@ -239,7 +256,7 @@ def _mx_a_tile(
 
 
 @triton.jit
-def _e2m1_to_float(code):
+def e2m1_to_float(code):
     """4-bit E2M1 codes (int32) -> float32: sign, 2 exponent bits, 1 mantissa bit."""
     exponent = (code >> 1) & 3
     mantissa = (code & 1).to(tl.float32)
@@ -263,8 +280,8 @@ def _mx_w_tile(
             w_base + rows * stride_wn + half[:, None] * stride_wk,
             mask=n_mask[None, :] & (half[:, None] < K // 2), other=0,
         ).to(tl.int32)  # fmt: skip
-        low = _e2m1_to_float(packed & 0xF)
-        high = _e2m1_to_float(packed >> 4)
+        low = e2m1_to_float(packed & 0xF)
+        high = e2m1_to_float(packed >> 4)
         w = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
     else:
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -418,16 +435,7 @@ def _moe_gemm_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if GATED:
-        if ACTIVATION == _ACT_SWIGLUOAI:
-            gate_rows = 2 * offs_n
-            up_rows = 2 * offs_n + 1
-        else:
-            gate_rows = offs_n
-            up_rows = offs_n + N
-    else:
-        gate_rows = offs_n
-        up_rows = offs_n
+    gate_rows, up_rows = gate_up_rows(offs_n, N, GATED, ACTIVATION)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_base = w_ptr + e * stride_we

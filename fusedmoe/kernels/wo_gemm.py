@@ -27,12 +27,13 @@ Weight formats (W_FORMAT) and deq(w) per element, in float32, rounded once to th
     INT8   int8 [E_l, N_w, K]; float scales [E_l, N_w, K/G]:  q * s;  or per channel [E_l, N_w]:
            q (exact in bf16 and fp16), the scale applied to the accumulator
 
-E2M1 codes are decoded with two integer ops and one multiply: the code's 3 magnitude bits are
-placed in the exponent's low bits and the mantissa's top bit of a float32, which then holds
-e2m1 * 2 ** -126 (the zero exponent makes 0.5 the subnormal it must be), times 2 ** 126. The MX
-products are exact in float32 and in bf16 (at most 2 significant bits times a power of two);
-NVFP4 and INT4 are rounded to bf16 (on the PTX path twice: each
-group's scale, then each product), which the torch twin (float64 throughout) does not do.
+On the PTX path, E2M1 codes are decoded by placing the code's 3 magnitude bits in the exponent's
+low bits and the mantissa's top bit of a bf16, which then holds e2m1 * 2 ** -126 (the zero
+exponent makes 0.5 the subnormal it must be), times 2 ** 126; elsewhere by
+moe_gemm.e2m1_to_float. The MX products are exact in float32 and in bf16 (at most 2
+significant bits times a power of two); NVFP4 and INT4 are rounded to bf16 (on the PTX path
+twice: each group's scale, then each product), which the torch twin (float64 throughout)
+does not do.
 
 Then the triton backend's epilogues (fusedmoe.kernels.moe_gemm), on the transposed tile:
 
@@ -61,7 +62,13 @@ import triton
 import triton.language as tl
 
 from fusedmoe._pdl import pdl_wait
-from fusedmoe.kernels.moe_gemm import e8m0_to_float, epilogue_activation, round_to
+from fusedmoe.kernels.moe_gemm import (
+    e2m1_to_float,
+    e8m0_to_float,
+    epilogue_activation,
+    gate_up_rows,
+    round_to,
+)
 
 # weight formats
 WF_MXFP4, WF_NVFP4, WF_INT4, WF_INT8 = 0, 1, 2, 3
@@ -70,21 +77,13 @@ _WF_NVFP4 = tl.constexpr(WF_NVFP4)
 _WF_INT4 = tl.constexpr(WF_INT4)
 _WF_INT8 = tl.constexpr(WF_INT8)
 _ACT_NONE = tl.constexpr(-1)
-_ACT_SWIGLUOAI = tl.constexpr(2)  # interleaved gate / up rows
-
-
-@triton.jit
-def _e2m1_to_float(code):
-    """4-bit E2M1 codes (int32 in [0, 16)) -> float32 values, exactly (see the module doc)."""
-    bits = ((code & 7) << 22) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2 ** 126
 
 
 # 4-bit decoding in PTX on 32-bit words, two bf16 values per instruction (USE_ASM: CUDA, bf16
 # activations). Each word holds 4 packed bytes; prmt spreads bytes 0, 1 (and 2, 3) into the low
 # byte of the two 16-bit halves of a register, where both halves take the same shifts and masks.
 #   E2M1 (low nibble; the high one with shifts 2 and 8): bf16 bits = (x << 12 & sign) |
-#   (x << 6 & magnitude), which is e2m1 * 2 ** -126 (see _e2m1_to_float), times 2 ** 126, times
+#   (x << 6 & magnitude), which is e2m1 * 2 ** -126 (the module docstring), times 2 ** 126, times
 #   the scale.
 #   INT4: bf16 bits = 0x4300 | q, which is 128 + q exactly; plus the offset -(128 + zero) (exact),
 #   times the scale.
@@ -287,8 +286,8 @@ def _decode_tile(
                     low = (low.to(tl.float32) - z) * s
                     high = (high.to(tl.float32) - z) * s
                 else:
-                    low = _e2m1_to_float(low) * s
-                    high = _e2m1_to_float(high) * s
+                    low = e2m1_to_float(low) * s
+                    high = e2m1_to_float(high) * s
                 low = low.to(DOT_DTYPE)
                 high = high.to(DOT_DTYPE)
             out = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
@@ -308,8 +307,8 @@ def _decode_tile(
                 low = low.to(tl.float32)
                 high = high.to(tl.float32)
             else:
-                low = _e2m1_to_float(low)
-                high = _e2m1_to_float(high)
+                low = e2m1_to_float(low)
+                high = e2m1_to_float(high)
             # the pairs (low, high) of logical columns 2c, 2c + 1: groups of G / 2 pairs
             if BLOCK_K >= G:
                 low = tl.reshape(low, (BLOCK_N, COLS, G // 2))
@@ -327,6 +326,40 @@ def _decode_tile(
                 high = high * s
             out = tl.reshape(tl.join(low.to(DOT_DTYPE), high.to(DOT_DTYPE)), (BLOCK_N, BLOCK_K))
     return out
+
+
+@triton.jit
+def _int64_rows(offs_n, N, GATED: tl.constexpr, ACTIVATION: tl.constexpr):
+    """moe_gemm.gate_up_rows as int64 (pointer offsets into [E_l, N_w, ...] tensors)."""
+    gate_rows, up_rows = gate_up_rows(offs_n, N, GATED, ACTIVATION)
+    return gate_rows.to(tl.int64), up_rows.to(tl.int64)
+
+
+@triton.jit
+def _row_pointers(ptr, stride_e, stride_n, e, gate_rows, up_rows):
+    """Pointers to the gate rows and the up rows of expert e of a [E_l, N_w, ...] tensor."""
+    base = ptr + e * stride_e
+    return base + gate_rows * stride_n, base + up_rows * stride_n
+
+
+@triton.jit
+def _load_gate_up(
+    wg_rows, sg_rows, zg_rows, wu_rows, su_rows, zu_rows, stride_wk, stride_sk, stride_zk, k0, K,
+    n_mask, W_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr, GATED: tl.constexpr, PER_BYTE: tl.constexpr,
+):  # fmt: skip
+    """_load_tile of the gate rows and of the up rows (the gate's again when not gated)."""
+    wg, sg, zg = _load_tile(
+        wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, k0, K, n_mask, W_FORMAT,
+        HAS_ZERO, GROUP, BLOCK_K, PER_BYTE,
+    )  # fmt: skip
+    wu, su, zu = wg, sg, zg
+    if GATED:
+        wu, su, zu = _load_tile(
+            wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, k0, K, n_mask, W_FORMAT,
+            HAS_ZERO, GROUP, BLOCK_K, PER_BYTE,
+        )  # fmt: skip
+    return wg, sg, zg, wu, su, zu
 
 
 @triton.jit
@@ -398,24 +431,10 @@ def _wo_gemm_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if GATED:
-        if ACTIVATION == _ACT_SWIGLUOAI:
-            gate_rows = 2 * offs_n
-            up_rows = 2 * offs_n + 1
-        else:
-            gate_rows = offs_n
-            up_rows = offs_n + N
-    else:
-        gate_rows = offs_n
-        up_rows = offs_n
-    gate_rows = gate_rows.to(tl.int64)
-    up_rows = up_rows.to(tl.int64)
-    wg_rows = w_ptr + e * stride_we + gate_rows * stride_wn
-    wu_rows = w_ptr + e * stride_we + up_rows * stride_wn
-    sg_rows = s_ptr + e * stride_se + gate_rows * stride_sn
-    su_rows = s_ptr + e * stride_se + up_rows * stride_sn
-    zg_rows = z_ptr + e * stride_ze + gate_rows * stride_zn
-    zu_rows = z_ptr + e * stride_ze + up_rows * stride_zn
+    gate_rows, up_rows = _int64_rows(offs_n, N, GATED, ACTIVATION)
+    wg_rows, wu_rows = _row_pointers(w_ptr, stride_we, stride_wn, e, gate_rows, up_rows)
+    sg_rows, su_rows = _row_pointers(s_ptr, stride_se, stride_sn, e, gate_rows, up_rows)
+    zg_rows, zu_rows = _row_pointers(z_ptr, stride_ze, stride_zn, e, gate_rows, up_rows)
     g_scale = 1.0
     if W_FORMAT == _WF_NVFP4:
         g_scale = tl.load(gs_ptr + e)
@@ -427,32 +446,20 @@ def _wo_gemm_kernel(
     # software pipelining by hand: the loads of step k0 + BK are issued before the math of step
     # k0 (Triton does not pipeline loads whose values are decoded in registers)
     a = tl.load(a_ptrs, mask=row_mask[None, :] & (offs_k[:, None] < K), other=0.0)
-    wg, sg, zg = _load_tile(
-        wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, 0, K, n_mask, W_FORMAT,
-        HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
+    wg, sg, zg, wu, su, zu = _load_gate_up(
+        wg_rows, sg_rows, zg_rows, wu_rows, su_rows, zu_rows, stride_wk, stride_sk, stride_zk, 0,
+        K, n_mask, W_FORMAT, HAS_ZERO, GROUP, BLOCK_K, GATED, MMA_ORDER,
     )  # fmt: skip
-    wu, su, zu = wg, sg, zg
-    if GATED:
-        wu, su, zu = _load_tile(
-            wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, 0, K, n_mask, W_FORMAT,
-            HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
-        )  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
         k1 = k0 + BLOCK_K
         a_next = tl.load(
             a_ptrs + BLOCK_K * stride_ak, mask=row_mask[None, :] & (offs_k[:, None] < K - k1),
             other=0.0,
         )  # fmt: skip
-        wg_next, sg_next, zg_next = _load_tile(
-            wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, k1, K, n_mask, W_FORMAT,
-            HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
+        wg_next, sg_next, zg_next, wu_next, su_next, zu_next = _load_gate_up(
+            wg_rows, sg_rows, zg_rows, wu_rows, su_rows, zu_rows, stride_wk, stride_sk,
+            stride_zk, k1, K, n_mask, W_FORMAT, HAS_ZERO, GROUP, BLOCK_K, GATED, MMA_ORDER,
         )  # fmt: skip
-        wu_next, su_next, zu_next = wg_next, sg_next, zg_next
-        if GATED:
-            wu_next, su_next, zu_next = _load_tile(
-                wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, k1, K, n_mask,
-                W_FORMAT, HAS_ZERO, GROUP, BLOCK_K, MMA_ORDER,
-            )  # fmt: skip
         if MX_DOT:  # Triton's own E2M1 upcast and scaling
             acc_g = tl.dot_scaled(wg, sg, "e2m1", a, None, A_FORMAT, acc_g, fast_math=True)
             if GATED:
@@ -481,18 +488,8 @@ def _wo_gemm_kernel(
         i = tl.arange(0, BLOCK_N)
         offs_n = pid_n * BLOCK_N + (i % 8) + 8 * (i // 16) + 32 * ((i // 8) % 2)
         n_mask = offs_n < N
-        if GATED:
-            if ACTIVATION == _ACT_SWIGLUOAI:
-                gate_rows = (2 * offs_n).to(tl.int64)
-                up_rows = (2 * offs_n + 1).to(tl.int64)
-            else:
-                gate_rows = offs_n.to(tl.int64)
-                up_rows = (offs_n + N).to(tl.int64)
-        else:
-            gate_rows = offs_n.to(tl.int64)
-            up_rows = gate_rows
-        sg_rows = s_ptr + e * stride_se + gate_rows * stride_sn
-        su_rows = s_ptr + e * stride_se + up_rows * stride_sn
+        gate_rows, up_rows = _int64_rows(offs_n, N, GATED, ACTIVATION)
+        sg_rows, su_rows = _row_pointers(s_ptr, stride_se, stride_sn, e, gate_rows, up_rows)
     if GROUP == 0:  # INT8 per channel: the scale of each row, on the accumulator
         acc_g *= tl.load(sg_rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         if GATED:
@@ -576,24 +573,10 @@ def _wo_gemv_kernel(
     e = expert.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if GATED:
-        if ACTIVATION == _ACT_SWIGLUOAI:
-            gate_rows = 2 * offs_n
-            up_rows = 2 * offs_n + 1
-        else:
-            gate_rows = offs_n
-            up_rows = offs_n + N
-    else:
-        gate_rows = offs_n
-        up_rows = offs_n
-    gate_rows = gate_rows.to(tl.int64)
-    up_rows = up_rows.to(tl.int64)
-    wg_rows = w_ptr + e * stride_we + gate_rows * stride_wn
-    wu_rows = w_ptr + e * stride_we + up_rows * stride_wn
-    sg_rows = s_ptr + e * stride_se + gate_rows * stride_sn
-    su_rows = s_ptr + e * stride_se + up_rows * stride_sn
-    zg_rows = z_ptr + e * stride_ze + gate_rows * stride_zn
-    zu_rows = z_ptr + e * stride_ze + up_rows * stride_zn
+    gate_rows, up_rows = _int64_rows(offs_n, N, GATED, ACTIVATION)
+    wg_rows, wu_rows = _row_pointers(w_ptr, stride_we, stride_wn, e, gate_rows, up_rows)
+    sg_rows, su_rows = _row_pointers(s_ptr, stride_se, stride_sn, e, gate_rows, up_rows)
+    zg_rows, zu_rows = _row_pointers(z_ptr, stride_ze, stride_zn, e, gate_rows, up_rows)
     g_scale = 1.0
     if W_FORMAT == _WF_NVFP4:
         g_scale = tl.load(gs_ptr + e)
@@ -603,29 +586,17 @@ def _wo_gemv_kernel(
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     a = tl.load(a_row + offs_k * stride_ak, mask=offs_k < K, other=0.0)
-    wg, sg, zg = _load_tile(
-        wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, 0, K, n_mask, W_FORMAT,
-        HAS_ZERO, GROUP, BLOCK_K,
+    wg, sg, zg, wu, su, zu = _load_gate_up(
+        wg_rows, sg_rows, zg_rows, wu_rows, su_rows, zu_rows, stride_wk, stride_sk, stride_zk, 0,
+        K, n_mask, W_FORMAT, HAS_ZERO, GROUP, BLOCK_K, GATED, False,
     )  # fmt: skip
-    wu, su, zu = wg, sg, zg
-    if GATED:
-        wu, su, zu = _load_tile(
-            wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, 0, K, n_mask, W_FORMAT,
-            HAS_ZERO, GROUP, BLOCK_K,
-        )  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
         k1 = k0 + BLOCK_K
         a_next = tl.load(a_row + (k1 + offs_k) * stride_ak, mask=k1 + offs_k < K, other=0.0)
-        wg_next, sg_next, zg_next = _load_tile(
-            wg_rows, stride_wk, sg_rows, stride_sk, zg_rows, stride_zk, k1, K, n_mask, W_FORMAT,
-            HAS_ZERO, GROUP, BLOCK_K,
+        wg_next, sg_next, zg_next, wu_next, su_next, zu_next = _load_gate_up(
+            wg_rows, sg_rows, zg_rows, wu_rows, su_rows, zu_rows, stride_wk, stride_sk,
+            stride_zk, k1, K, n_mask, W_FORMAT, HAS_ZERO, GROUP, BLOCK_K, GATED, False,
         )  # fmt: skip
-        wu_next, su_next, zu_next = wg_next, sg_next, zg_next
-        if GATED:
-            wu_next, su_next, zu_next = _load_tile(
-                wu_rows, stride_wk, su_rows, stride_sk, zu_rows, stride_zk, k1, K, n_mask,
-                W_FORMAT, HAS_ZERO, GROUP, BLOCK_K,
-            )  # fmt: skip
         a_f = a.to(tl.float32)[None, :]
         w_g = _decode_tile(
             wg, sg, zg, g_scale, W_FORMAT, HAS_ZERO, GROUP, DOT_DTYPE, BLOCK_N, BLOCK_K, USE_ASM

@@ -212,17 +212,11 @@ def heuristic_wo_config(num_tokens: int, top_k: int, num_local_experts: int) -> 
     return WoConfig(128, gemm, gemm)
 
 
-def _launch(
-    a, a_row_div, w, scale, zero, global_scale, bias, out, topk_weights, rows, num_slots, cfg,
-    block_m, *, w_format, group, activation, params, mul_routed_weight, h_dtype,
-):  # fmt: skip
-    n_out = out.shape[1]
-    k = a.shape[1]
-    alpha, beta, limit, has_limit = params
-    act_code = -1 if activation is None else ACT_CODES[activation]
-    dummy = rows.ids
+def _weight_args(a, w, scale, zero, global_scale, bias, out, dummy) -> tuple:
+    """The arguments both kernels take first: A, w, scales, zero points, global scale, bias,
+    out (with their strides; dummy where a tensor is absent)."""
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(-1)  # per channel: stride_sk unused
-    args = (
+    return (
         a, a.stride(0), a.stride(1),
         w, w.stride(0), w.stride(1), w.stride(2),
         s3, s3.stride(0), s3.stride(1), s3.stride(2),
@@ -230,36 +224,65 @@ def _launch(
         dummy if global_scale is None else global_scale,
         *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
         out, out.stride(0), out.stride(1),
-        topk_weights,
-        *rows.kernel_args(),
-        n_out, k, num_slots, rows.num_blocks,
-        alpha, beta, limit,
     )  # fmt: skip
-    on_cuda = a.is_cuda
-    # 4-bit weights x bf16 on the GPU: decoded in PTX (USE_ASM); MXFP4 x fp16 (or with
-    # FUSEDMOE_WO_DOT_SCALED=1) through tl.dot_scaled; the rest in Triton ops
-    use_asm = _PTX and on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8
-    mx_dot = (
-        w_format == wg.WF_MXFP4
-        and a.dtype in _A_FORMAT
-        and (_DOT_SCALED or (on_cuda and not use_asm))
-    )
-    use_asm = use_asm and not mx_dot
-    constexprs = dict(
+
+
+def _use_asm(a: torch.Tensor, w_format: int) -> bool:
+    """4-bit weights x bf16 on an NVIDIA GPU: the codes decoded in PTX."""
+    return _PTX and a.is_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8
+
+
+def _epilogue_constexprs(
+    a, a_row_div, w_format, group, zero, bias, activation, params, mul_routed_weight, h_dtype
+) -> dict:
+    """The constexprs both kernels take: the operands' formats and the epilogue."""
+    return dict(
         A_ROW_DIV=a_row_div,
         W_FORMAT=w_format,
         GROUP=group,
         HAS_ZERO=zero is not None,
         HAS_BIAS=bias is not None,
-        ACTIVATION=act_code,
+        ACTIVATION=-1 if activation is None else ACT_CODES[activation],
         GATED=activation is not None and activation.is_gated,
-        HAS_LIMIT=has_limit,
+        HAS_LIMIT=params[3],
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         H_DTYPE=h_dtype,
+        ROUND_IN_FP32=not a.is_cuda,
+        **pdl_args(a),
+    )
+
+
+def _launch(
+    a, a_row_div, w, scale, zero, global_scale, bias, out, topk_weights, rows, num_slots, cfg,
+    block_m, *, w_format, group, activation, params, mul_routed_weight, h_dtype,
+):  # fmt: skip
+    n_out = out.shape[1]
+    alpha, beta, limit, _ = params
+    args = (
+        *_weight_args(a, w, scale, zero, global_scale, bias, out, rows.ids),
+        topk_weights,
+        *rows.kernel_args(),
+        n_out, a.shape[1], num_slots, rows.num_blocks,
+        alpha, beta, limit,
+    )  # fmt: skip
+    on_cuda = a.is_cuda
+    # 4-bit weights x bf16 on the GPU: decoded in PTX (USE_ASM); MXFP4 x fp16 (or with
+    # FUSEDMOE_WO_DOT_SCALED=1) through tl.dot_scaled; the rest in Triton ops
+    use_asm = _use_asm(a, w_format)
+    mx_dot = (
+        w_format == wg.WF_MXFP4
+        and a.dtype in _A_FORMAT
+        and (_DOT_SCALED or (on_cuda and not use_asm))
+    )
+    common = _epilogue_constexprs(
+        a, a_row_div, w_format, group, zero, bias, activation, params, mul_routed_weight, h_dtype
+    )
+    constexprs = dict(
+        **common,
         DOT_DTYPE=TL_DTYPE[a.dtype] if on_cuda and a.dtype != torch.float32 else tl.float32,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or not on_cuda else "tf32",
         MX_DOT=mx_dot,
-        USE_ASM=use_asm,
+        USE_ASM=use_asm and not mx_dot,
         # a tile shape whose coalesced load already holds wgmma's left operand (wo_gemm)
         MMA_ORDER=(
             _MMA_ORDER
@@ -270,7 +293,6 @@ def _launch(
             and cfg.num_warps == 4
         ),
         A_FORMAT=_A_FORMAT.get(a.dtype, "bf16"),
-        ROUND_IN_FP32=not on_cuda,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -279,7 +301,6 @@ def _launch(
         HAS_MAP=rows.expert_map is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_args(a),
     )
     grid = (rows.num_blocks * cdiv(n_out, cfg.block_n),)
     launch(wg._wo_gemm_kernel, grid, args, constexprs, on_cuda)
@@ -290,46 +311,29 @@ def _launch_gemv(
     num_local, cfg, *, w_format, group, activation, params, mul_routed_weight, h_dtype,
 ):  # fmt: skip
     n_out = out.shape[1]
-    k = a.shape[1]
-    alpha, beta, limit, has_limit = params
-    act_code = -1 if activation is None else ACT_CODES[activation]
-    s3 = scale if scale.dim() == 3 else scale.unsqueeze(-1)
+    alpha, beta, limit, _ = params
     num_ids = num_local if expert_map is None else expert_map.shape[0]
     args = (
-        a, a.stride(0), a.stride(1),
-        w, w.stride(0), w.stride(1), w.stride(2),
-        s3, s3.stride(0), s3.stride(1), s3.stride(2),
-        *((zero, *zero.stride()) if zero is not None else (ids, 0, 0, 0)),
-        ids if global_scale is None else global_scale,
-        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (ids, 0, 0)),
-        out, out.stride(0), out.stride(1),
+        *_weight_args(a, w, scale, zero, global_scale, bias, out, ids),
         topk_weights,
         ids, ids if expert_map is None else expert_map,
         num_ids, num_local,
-        n_out, k,
+        n_out, a.shape[1],
         alpha, beta, limit,
     )  # fmt: skip
     on_cuda = a.is_cuda
+    common = _epilogue_constexprs(
+        a, a_row_div, w_format, group, zero, bias, activation, params, mul_routed_weight, h_dtype
+    )
     constexprs = dict(
-        A_ROW_DIV=a_row_div,
-        W_FORMAT=w_format,
-        GROUP=group,
-        HAS_ZERO=zero is not None,
-        HAS_BIAS=bias is not None,
-        ACTIVATION=act_code,
-        GATED=activation is not None and activation.is_gated,
-        HAS_LIMIT=has_limit,
-        MUL_ROUTED_WEIGHT=mul_routed_weight,
-        H_DTYPE=h_dtype,
+        **common,
         DOT_DTYPE=tl.bfloat16 if on_cuda and a.dtype == torch.bfloat16 else tl.float32,
-        ROUND_IN_FP32=not on_cuda,
-        USE_ASM=_PTX and on_cuda and a.dtype == torch.bfloat16 and w_format != wg.WF_INT8,
+        USE_ASM=_use_asm(a, w_format),
         HAS_MAP=expert_map is not None,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=1,
-        **pdl_args(a),
     )
     grid = (ids.numel(), cdiv(n_out, cfg.block_n))
     launch(wg._wo_gemv_kernel, grid, args, constexprs, on_cuda)
