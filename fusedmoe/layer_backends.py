@@ -12,6 +12,7 @@ The runner is the backend itself where it routes inside, else a modular kernel a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,18 +21,40 @@ from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.types import MoEProblem
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
-from fusedmoe.parallel.wiring import make_runner
+from fusedmoe.parallel.wiring import DispatchChoice, make_runner, resolve_dispatch
 from fusedmoe.weights.quantize import call_quant_config
 
 if TYPE_CHECKING:
     from fusedmoe.layer import FusedMoE
 
 
+def layer_dispatch(layer: FusedMoE, device: torch.device, requires_grad: bool) -> DispatchChoice:
+    """How a call's tokens travel (fusedmoe.parallel.wiring.resolve_dispatch)."""
+    qc = call_quant_config(layer)
+    backend = layer.backend
+    routes_inside = not (isinstance(backend, str) and backend == "auto") and (
+        get_backend(backend).routes_inside
+    )
+    return resolve_dispatch(
+        layer.parallel_config,
+        device,
+        requires_grad=requires_grad,
+        rows_independent=qc is None or qc.rows_independent,
+        routes_inside=routes_inside,
+    )
+
+
 def layer_problem(
-    layer: FusedMoE, device: torch.device, dtype: torch.dtype, requires_grad: bool
+    layer: FusedMoE,
+    device: torch.device,
+    dtype: torch.dtype,
+    requires_grad: bool,
+    dispatch: DispatchChoice | None = None,
 ) -> MoEProblem:
     """What a call of the layer on `device` / `dtype` asks of a backend."""
     pc = layer.parallel_config
+    if dispatch is None:
+        dispatch = layer_dispatch(layer, device, requires_grad)
     return MoEProblem(
         device=device,
         dtype=dtype,
@@ -45,7 +68,7 @@ def layer_problem(
         # a block of logical experts runs on a shift (monolithic); anything else on a map
         has_expert_map=layer.expert_start is None,
         ep_size=pc.ep_size,
-        all2all_backend=pc.all2all_backend if pc.moves_tokens else None,
+        all2all_backend=dispatch.kind,
         sequence_parallel=pc.sequence_parallel,
         requires_grad=requires_grad,
         has_router_logits=True,
@@ -58,10 +81,15 @@ def kernel(
     """FusedMoE._kernel: the backend chosen for calls of this signature, and their runner."""
     key = (device, dtype, requires_grad)
     if key not in layer._kernels:
-        problem = layer_problem(layer, device, dtype, requires_grad)
+        dispatch = layer_dispatch(layer, device, requires_grad)
+        problem = layer_problem(layer, device, dtype, requires_grad, dispatch)
         choice = select_backend(problem, backend=layer.backend)
+        if dispatch.kind is not None:
+            choice = dataclasses.replace(choice, dispatch=dispatch.describe())
         pc, placement = layer.parallel_config, layer.placement
-        runner = make_runner(choice.create(), pc, placement, layer.chunk_size)
+        runner = make_runner(
+            choice.create(), pc, placement, layer.chunk_size, dispatch=dispatch.kind
+        )
         layer._kernels[key] = (choice, runner)
     return layer._kernels[key]
 

@@ -69,6 +69,8 @@ class BackendChoice:
     requested: bool = False  # named by the caller, not picked by "auto"
     #: what was asked (the engine's plan depends on its shape); not part of the choice's identity
     problem: MoEProblem | None = field(default=None, compare=False, repr=False)
+    #: how the tokens travel between ranks, and why (FusedMoE under EP; None: not told)
+    dispatch: str | None = None
 
     def create(self) -> Experts:
         """The backend instance to run (Experts.create)."""
@@ -76,6 +78,8 @@ class BackendChoice:
 
     def explain(self) -> str:
         lines = [f"{self.name}: {self.reason}"]
+        if self.dispatch is not None:
+            lines.append(f"  dispatch: {self.dispatch}")
         engine = self.experts_cls.engine_description(self.problem)
         if engine is not None:
             lines.append(f"  GEMM engine: {engine}")

@@ -23,6 +23,7 @@ from fusedmoe import FusedMoE, ParallelConfig, get_compressed_expert_map, select
 from fusedmoe.parallel.config import linear_expert_map, round_robin_expert_map
 from fusedmoe.parallel.naive_ep import even_split, quantizes_before_dispatch
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
+from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV
 from fusedmoe.quant.config import quantize_experts
 from tests.helpers import assert_close, assert_equal
 
@@ -266,6 +267,17 @@ EP2_CASES = [
     EPCase("naive_triton_rr", placement="round_robin", backend="triton", calls=((5, 0), (3, 4))),
     EPCase("a2a_triton_fp8_block", "all_to_all", scheme="fp8_block", backend="triton",
            calls=((5, 0), (3, 4))),
+    # symm_mem over the emulated transport (gloo): the layout, counts and masking of the kind
+    EPCase("symm", "symm_mem"),
+    EPCase("symm_chunked", "symm_mem", chunk_size=3, calls=((7, 2), (0, 5))),
+    EPCase("symm_fp8_block", "symm_mem", scheme="fp8_block", calls=((6, 3), (0, 4))),
+    EPCase("symm_fp8_static", "symm_mem", scheme="fp8_tensor", calls=((6, 3), (4, 0))),
+    EPCase("symm_sp", "symm_mem", sequence_parallel=True, calls=((9,), (1,), (0,))),
+    EPCase("symm_shared_zero_rr", "symm_mem", placement="round_robin", shared=True,
+           calls=((6, 3), (0, 4))),
+    EPCase("symm_eplb", "symm_mem", redundant=2, rebalance=True, calls=((11, 4), (0, 6))),
+    EPCase("symm_triton_fp8_block", "symm_mem", scheme="fp8_block", backend="triton",
+           calls=((5, 0), (3, 4))),
 ]  # fmt: skip
 EP4_CASES = [
     EPCase("naive4", calls=((3, 0, 7, 1), (0, 0, 0, 2))),
@@ -274,6 +286,9 @@ EP4_CASES = [
     EPCase("naive4_eplb", redundant=4, placement="round_robin", rebalance=True,
            calls=((5, 1, 0, 3),)),
     EPCase("a2a4_sp", "all_to_all", sequence_parallel=True, calls=((7,),)),
+    EPCase("symm4", "symm_mem", calls=((3, 0, 7, 1), (0, 0, 0, 2), (13, 13, 13, 13))),
+    EPCase("symm4_eplb", "symm_mem", redundant=4, placement="round_robin", rebalance=True,
+           calls=((5, 1, 0, 3),)),
 ]  # fmt: skip
 CASES = {case.name: case for case in EP2_CASES + EP4_CASES}
 
@@ -326,7 +341,11 @@ def total_rows(cases) -> int:
     )
 
 
+SYMM_MAX_TOKENS = 13  # the symm_mem cases' bound: calls of 13 tokens a rank fill it
+
+
 def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
+    os.environ[TRANSPORT_ENV] = "emulated"  # symm_mem's layout over gloo
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=60),
@@ -347,6 +366,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
                 all2all_backend=case.kind,
                 placement=case.placement,
                 num_redundant_experts=case.redundant,
+                max_tokens_per_rank=SYMM_MAX_TOKENS,
             )
             layer = make_layer(case, pc)
             os.environ.pop("FUSEDMOE_CHUNK_SIZE", None)

@@ -173,9 +173,12 @@ class FusedMoEModularKernel:
         # Under EP every rank runs as many chunks as the rank with the most tokens: a rank with
         # fewer (or none) passes empty chunks, and still joins each dispatch and combine.
         most = self.prepare_finalize.num_tokens_across_ranks(num_tokens, hidden_states.device)
-        if most == 0:
+        if self.prepare_finalize.single_pass():  # one dispatch per call, zero tokens too
+            most = step = max(most, 1)
+        elif most == 0:
             return output
-        step = self.chunk_size if self.experts.supports_chunking() else most
+        else:
+            step = self.chunk_size if self.experts.supports_chunking() else most
         recorded = needs_grad(hidden_states, weights, topk_weights)
         for chunk_start in range(0, most, step):
             start, end = min(chunk_start, num_tokens), min(chunk_start + step, num_tokens)

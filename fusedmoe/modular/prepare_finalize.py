@@ -79,6 +79,12 @@ class PrepareFinalize(abc.ABC):
         joins every collective. No EP: num_tokens."""
         return num_tokens
 
+    def single_pass(self) -> bool:
+        """Whether every call is one dispatch on every rank, whatever its token count (zero
+        included): the modular kernel then never chunks it, and num_tokens_across_ranks is
+        this rank's own count (the symm_mem dispatch, which keeps the counts on the GPU)."""
+        return False
+
     def topk_indices_dtype(self) -> torch.dtype | None:
         """The id dtype the dispatch needs, or None for any."""
         return None

@@ -25,7 +25,10 @@ import torch
 from fusedmoe._checks import INDEX_DTYPES, check_tensor
 from fusedmoe.parallel.placement import PLACEMENTS
 
-ALL2ALL_BACKENDS = ("naive", "all_to_all")
+#: how tokens travel to their experts' ranks (fusedmoe.parallel.wiring.resolve_dispatch):
+#: "auto" takes symm_mem on CUDA where NVSHMEM runs, naive elsewhere
+ALL2ALL_BACKENDS = ("auto", "naive", "all_to_all", "symm_mem")
+DEFAULT_MAX_TOKENS_PER_RANK = 1024
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,13 @@ class ParallelConfig:
     tp_size: int = 1
     tp_rank: int = 0
     sequence_parallel: bool = False
-    all2all_backend: str = "naive"
+    all2all_backend: str = "auto"
     group: object | None = None  # a torch.distributed ProcessGroup, or None for the default
     placement: str = "linear"  # "linear" or "round_robin" (fusedmoe.parallel.placement)
     num_redundant_experts: int = 0  # EPLB replicas beyond the E logical experts
+    #: the symm_mem dispatch: the most tokens a rank passes in one call (its buffers and the
+    #: experts' workspaces hold ep_size * max_tokens_per_rank rows; more is a ValueError)
+    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
 
     def __post_init__(self) -> None:
         for size_name, rank_name in (
@@ -70,6 +76,11 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig.num_redundant_experts must be an int >= 0, got {value!r}"
             )
+        value = self.max_tokens_per_rank
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"ParallelConfig.max_tokens_per_rank must be an int >= 1, got {value!r}"
+            )
         if not isinstance(self.sequence_parallel, bool):
             raise TypeError(
                 f"ParallelConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}"
@@ -94,12 +105,13 @@ class ParallelConfig:
     def from_process_group(
         cls,
         group=None,
-        all2all_backend: str = "naive",
+        all2all_backend: str = "auto",
         *,
         data_parallel: bool = False,
         sequence_parallel: bool = False,
         placement: str = "linear",
         num_redundant_experts: int = 0,
+        max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
     ) -> ParallelConfig:
         """Expert parallelism over `group` (the default group when None): size and rank from it.
 
@@ -123,6 +135,7 @@ class ParallelConfig:
             group=group,
             placement=placement,
             num_redundant_experts=num_redundant_experts,
+            max_tokens_per_rank=max_tokens_per_rank,
         )
 
 

@@ -6,6 +6,7 @@ buffers that go with it, and the objects that move its tokens.
     initial_placement  the placement parallel_config asks for (fusedmoe.parallel.placement)
     set_placement      a placement and its buffers on the layer: expert_map, EPLB replica table
     describe_placement the placement in the layer's repr
+    resolve_dispatch   the dispatch kind of a call ("auto": symm_mem where NVSHMEM runs), and why
     prepare_finalize   the modular kernel's PrepareFinalize: NoEP unless tokens travel
     make_runner        what a call runs: a modular kernel around the backend, or the backend
     dp_dispatch        the DP all-gather a backend that routes inside is handed (or None)
@@ -14,6 +15,9 @@ torch.distributed is imported only where a dispatch is asked for.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -100,12 +104,91 @@ def describe_placement(pc: ParallelConfig, placement: ExpertPlacement, expert_st
     return f", experts {{{placement.describe(pc.ep_rank)}}}"
 
 
-def prepare_finalize(pc: ParallelConfig, placement: ExpertPlacement) -> PrepareFinalize:
-    """The prepare/finalize for the parallel config: NoEP unless tokens travel."""
+@dataclass(frozen=True)
+class DispatchChoice:
+    """How a call's tokens travel between ranks (ParallelConfig.all2all_backend resolved for
+    one call signature), and why."""
+
+    kind: str | None  # "naive", "all_to_all", "symm_mem"; None: tokens stay on their rank
+    reason: str = ""
+
+    def describe(self) -> str:
+        return (
+            "none (tokens stay on their rank)"
+            if self.kind is None
+            else (f"{self.kind}: {self.reason}")
+        )
+
+
+def resolve_dispatch(
+    pc: ParallelConfig,
+    device: torch.device,
+    *,
+    requires_grad: bool = False,
+    rows_independent: bool = True,
+    routes_inside: bool = False,
+) -> DispatchChoice:
+    """The dispatch kind a call on `device` runs (pc.all2all_backend, "auto" resolved).
+
+    auto: symm_mem on CUDA where NVSHMEM runs (counts stay on the GPU: no host sync, CUDA-graph
+    capturable), else naive. Where symm_mem cannot run the call (a forward autograd records,
+    an activation scale over the whole batch, a backend that routes inside): the kind that
+    can, saying why. symm_mem asked for on a machine without NVSHMEM: ValueError."""
+    if not pc.moves_tokens:
+        return DispatchChoice(None)
+    asked = pc.all2all_backend
+    if asked in ("naive", "all_to_all"):
+        return DispatchChoice(asked, "asked for (ParallelConfig.all2all_backend)")
+    if routes_inside:
+        return DispatchChoice("naive", "the backend routes inside and dispatches by all-gather")
+    not_symm = None
+    if requires_grad:
+        not_symm = "symm_mem is inference only; all_to_all's collectives have their adjoints"
+    elif not rows_independent:
+        not_symm = (
+            "the activations take one scale over the whole batch, which symm_mem's fixed-size "
+            "receive buffer (stale rows) would change"
+        )
+    if not_symm is not None:
+        return DispatchChoice("naive" if asked == "auto" else "all_to_all", not_symm)
+    from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV, nvshmem_unavailable_reason
+
+    if os.environ.get(TRANSPORT_ENV, "").strip().lower() == "emulated":
+        why = None  # the test transport: any device, any process group
+    else:
+        why = nvshmem_unavailable_reason(device, pc.group)
+    if why is None:
+        return DispatchChoice(
+            "symm_mem",
+            ("asked for" if asked == "symm_mem" else "auto on CUDA with NVSHMEM")
+            + f": counts stay on the GPU, up to {pc.max_tokens_per_rank} tokens per rank a call",
+        )
+    if asked == "symm_mem":
+        raise ValueError(f"all2all_backend='symm_mem' cannot run here: {why}")
+    return DispatchChoice("naive", f"auto; symm_mem {why}")
+
+
+def prepare_finalize(
+    pc: ParallelConfig, placement: ExpertPlacement, kind: str | None = None
+) -> PrepareFinalize:
+    """The prepare/finalize for the parallel config and dispatch kind (resolve_dispatch; None:
+    the config's own, "auto" taken as naive): NoEP unless tokens travel."""
     if not pc.moves_tokens:
         return NoEPPrepareFinalize()
+    kind = kind or pc.all2all_backend
     # torch.distributed is imported here, only when a dispatch is asked for
-    if pc.all2all_backend == "all_to_all":
+    if kind == "symm_mem":
+        from fusedmoe.parallel.symm_mem_ep import SymmMemEPPrepareFinalize
+
+        return SymmMemEPPrepareFinalize(
+            pc.ep_size,
+            pc.ep_rank,
+            placement.owner(),
+            pc.group,
+            max_tokens_per_rank=pc.max_tokens_per_rank,
+            sequence_parallel=pc.sequence_parallel,
+        )
+    if kind == "all_to_all":
         from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
 
         return AllToAllEPPrepareFinalize(
@@ -128,15 +211,17 @@ def make_runner(
     placement: ExpertPlacement,
     chunk_size: int,
     *,
+    dispatch: str | None = None,
     retain_workspaces: bool = False,
 ) -> Experts | FusedMoEModularKernel:
     """What the layer's calls on backend `experts` run: the backend itself where it routes
-    inside (it is handed the logits), else a modular kernel of the parallel config's
-    prepare/finalize around it (retain_workspaces: workspaces never freed, for CUDA graphs)."""
+    inside (it is handed the logits), else a modular kernel of the prepare/finalize of
+    `dispatch` (resolve_dispatch's kind) around it (retain_workspaces: workspaces never freed,
+    for CUDA graphs)."""
     if experts.routes_inside:
         return experts
     return FusedMoEModularKernel(
-        prepare_finalize(pc, placement),
+        prepare_finalize(pc, placement, dispatch),
         experts,
         chunk_size=chunk_size,
         retain_workspaces=retain_workspaces,

@@ -1,0 +1,89 @@
+"""Where each token's row goes in a dispatch that keeps its counts on the device, and the row
+movers that put it there and sum what comes back (fusedmoe.parallel.symm_mem_ep uses them).
+
+Legend: M tokens of this rank, k top-k, R ranks, P physical experts, C send slots (the send
+buffer's rows; slot C is no slot), H hidden.
+
+    dest[m, j]     = owner[topk_ids[m, j]], or none for an empty slot (id < 0)
+    goes[m, r]     = any_j dest[m, j] == r                     a token goes once to each rank
+    counts[r]      = sum_m goes[m, r]                           rows sent to rank r
+    pos[m, r]      = sum_{r' < r} counts[r'] + #{m' < m : goes[m', r]}   where goes[m, r]
+                   = C                                                    elsewhere
+
+so the send rows are grouped by destination rank, in token order within a rank: the layout of
+an all-to-all with split sizes `counts`. Everything is computed on the device with fixed
+shapes ([M, R]): no host synchronisation, the same launches whatever the routing.
+
+scatter_rows / gather_sum_rows run the Triton kernels of fusedmoe.kernels.ep_rows where Triton
+runs (CUDA, or the CPU under its interpreter), else their torch twins here, which are the spec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmoe._triton import triton_runs_on
+
+__all__ = [
+    "dispatch_positions",
+    "gather_sum_rows",
+    "gather_sum_rows_torch",
+    "scatter_rows",
+    "scatter_rows_torch",
+]
+
+
+def dispatch_positions(
+    topk_ids: torch.Tensor, owner: torch.Tensor, num_ranks: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [M, k] (physical ids, -1 for an empty slot), owner [P] (the rank of each
+    physical expert) -> (pos int64 [M, R], counts int64 [R]) as the module docstring says;
+    num_slots = C, the value of pos where a token does not go."""
+    num_tokens = topk_ids.shape[0]
+    ids = topk_ids.long()
+    dest = torch.where(ids >= 0, owner[ids.clamp(min=0)], num_ranks)  # [M, k], R: none
+    goes = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.int64, device=ids.device)
+    goes.scatter_(1, dest, 1)
+    goes = goes[:, :num_ranks]  # [M, R] 0 / 1
+    counts = goes.sum(dim=0)  # [R]
+    starts = torch.cumsum(counts, 0) - counts  # [R] exclusive
+    within = torch.cumsum(goes, dim=0) - goes  # [M, R] tokens before m going to r
+    pos = torch.where(goes.bool(), starts + within, num_slots)
+    return pos, counts
+
+
+def scatter_rows_torch(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int) -> None:
+    """dst[pos[m, r], col:col + W] = src[m] where pos[m, r] != C = dst.shape[0] - 1 (the last
+    row of dst takes what goes nowhere)."""
+    num_ranks, width = pos.shape[1], src.shape[1]
+    dst[pos.reshape(-1), col : col + width] = src.repeat_interleave(num_ranks, dim=0)
+
+
+def gather_sum_rows_torch(
+    src: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, trash: int
+) -> None:
+    """out[m] = sum over r with pos[m, r] != trash of src[pos[m, r], :H], in float32 (float64
+    for float64), rounded once."""
+    hidden = out.shape[1]
+    acc = torch.promote_types(src.dtype, torch.float32)
+    rows = src[:, :hidden][pos.clamp(max=trash - 1)].to(acc)  # [M, R, H]
+    rows = rows * (pos != trash).unsqueeze(-1)
+    out.copy_(rows.sum(dim=1))
+
+
+def scatter_rows(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int) -> None:
+    if triton_runs_on(src) and src.dtype != torch.float64:
+        from fusedmoe.kernels.ep_rows import scatter_rows_triton
+
+        scatter_rows_triton(src, pos, dst, col)
+    else:
+        scatter_rows_torch(src, pos, dst, col)
+
+
+def gather_sum_rows(src: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, trash: int) -> None:
+    if triton_runs_on(src) and src.dtype != torch.float64:
+        from fusedmoe.kernels.ep_rows import gather_sum_rows_triton
+
+        gather_sum_rows_triton(src, pos, out, trash)
+    else:
+        gather_sum_rows_torch(src, pos, out, trash)

@@ -1,0 +1,356 @@
+"""SymmMemEPPrepareFinalize: dispatch and combine through torch's symmetric memory (NVSHMEM),
+with every count on the GPU: no host synchronisation, and the whole EP forward can be captured
+in a CUDA graph.
+
+Legend: R ranks, M tokens of this rank in the call (M <= B), B = max_tokens_per_rank,
+C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
+
+    dispatch: pos, counts = dispatch_positions(topk_ids, owner)       # [M, R], [R] (rows.py)
+              x rows -> send_x[pos[m, r]]; ids | weights | scales -> send_meta[pos[m, r]]
+              all_to_all_vdev(send_x -> recv_x, counts), the same for send_meta -> recv_meta
+                  (each rank pulls its rows from its peers' send buffers on the GPU; received
+                  [2, R]: the rows and the offsets received from each rank, filled there)
+              n = sum(received[0]);  rows [n, C) of the receive buffers are stale: their ids
+              become -1 (empty slots) and their weights 0
+    experts:  the C received rows (a fixed shape: the same launches whatever the routing);
+              the expert_map keeps the slots of this rank's experts
+    combine:  partial [C, H] -> send_c
+              all_to_all_vdev(send_c -> recv_c, received[0]): every rank gets its rows back
+              where it sent them (slot pos[m, r] of recv_c holds rank r's partial of token m)
+              out[m] = sum_r recv_c[pos[m, r]]                       (gather_sum_rows, fp32)
+
+Each token travels once to each rank that owns one of its experts, as in the all_to_all kind,
+but the split sizes never reach the host. The price is the fixed shape: the buffers and the
+experts' workspaces are sized for C rows, and a call with more than B tokens on a rank is
+refused before anything is sent (ValueError): set ParallelConfig.max_tokens_per_rank to the
+largest call a rank makes (a prefill chunk), or use the all_to_all kind for longer calls.
+
+Buffers are symmetric (allocated collectively, the same size on every rank) and shared by
+every layer of the process per (group, device, CUDA stream, size): a model's layers run one
+after another on a stream. all_to_all_vdev starts with a barrier of the group and has none at
+its end (peers may still be reading this rank's send buffer when it returns here), so each
+buffer is written only where a barrier since its last remote use guarantees the peers are done
+with it: the dispatch's send buffer receives the combine's rows back (the combine's barrier
+comes after every peer's dispatch), its receive buffer sends them, and each of the three calls
+of a forward has its own received-counts tensor (peers write into it before the barrier). Two
+byte buffers of C + 1 rows each (the last row takes what goes nowhere), plus the metadata rows.
+A second stream gets buffers of its own.
+
+Transport: NVSHMEM (torch.ops.symm_mem.all_to_all_vdev) where torch has it. For machines
+without NVSHMEM (CPU, gloo) an emulation moves the same buffers with all_to_all_single, reading
+the split sizes on the host (FUSEDMOE_SYMM_MEM_TRANSPORT=emulated): it tests the layout, not
+the speed, and is never chosen by itself.
+
+Inference only: under autograd the layer runs the all_to_all kind (whose collectives have
+their adjoints), and its backend choice says so. Schemes with one activation scale over the
+whole batch (FP8 per-tensor dynamic, NVFP4) are refused: the stale rows would enter the scale.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from fusedmoe._checks import INDEX_DTYPES, check_tensor
+from fusedmoe.parallel.comm import to_wire
+from fusedmoe.parallel.naive_ep import EPPrepareFinalize, TokenBatch
+from fusedmoe.parallel.rows import dispatch_positions, gather_sum_rows, scatter_rows
+
+__all__ = ["TRANSPORT_ENV", "SymmMemEPPrepareFinalize", "nvshmem_unavailable_reason"]
+
+TRANSPORT_ENV = "FUSEDMOE_SYMM_MEM_TRANSPORT"  # "nvshmem" (default) or "emulated" (tests)
+
+
+def nvshmem_unavailable_reason(device: torch.device, group=None) -> str | None:
+    """None where the NVSHMEM transport can run on `device` for `group`, else why not (probed
+    when asked: never at import, never on the way to a CPU call)."""
+    if device.type != "cuda":
+        return f"needs CUDA (the layer is on {device.type})"
+    import torch.distributed as dist
+
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return "this torch has no torch.distributed._symmetric_memory"
+    if not symm_mem.is_nvshmem_available():
+        return "NVSHMEM is not available in this torch build or on this machine"
+    if dist.is_initialized() and dist.get_backend(group) != "nccl":
+        return f"the process group's backend is {dist.get_backend(group)!r}, not NCCL"
+    backend = symm_mem.get_backend(device)
+    if backend not in (None, "NVSHMEM"):
+        return f"the process's symmetric-memory backend is already {backend!r}"
+    return None
+
+
+# ---- transports ----------------------------------------------------------------------------
+class _NvshmemTransport:
+    """torch's NVSHMEM symmetric memory: buffers from symm_mem.empty, rendezvoused on the group;
+    all_to_all_vdev reads the split sizes on the GPU and writes what it received there."""
+
+    name = "nvshmem"
+
+    def __init__(self, group) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._symm_mem = symm_mem
+        group = group if group is not None else dist.group.WORLD
+        self.group_name = group.group_name
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        if self._symm_mem.get_backend(device) is None:
+            self._symm_mem.set_backend("NVSHMEM")
+        t = self._symm_mem.empty(shape, dtype=dtype, device=device)
+        self._symm_mem.rendezvous(t, self.group_name)
+        return t
+
+    def all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, counts: torch.Tensor, received: torch.Tensor
+    ) -> None:
+        """send rows grouped by destination, counts [R] of them -> recv, grouped by source;
+        received [2, R] <- (rows from each rank, their offsets in recv)."""
+        torch.ops.symm_mem.all_to_all_vdev(send, recv, counts, received, self.group_name)
+
+
+class _EmulatedTransport:
+    """The same contract over any process group (gloo on the CPU), for tests: the split sizes
+    are read on the host and the rows move with all_to_all_single."""
+
+    name = "emulated"
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, counts: torch.Tensor, received: torch.Tensor
+    ) -> None:
+        import torch.distributed as dist
+
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts.clone(), group=self.group)
+        sent, got = counts.tolist(), recv_counts.tolist()
+        dist.all_to_all_single(
+            to_wire(recv[: sum(got)]),
+            to_wire(send[: sum(sent)]),
+            output_split_sizes=got,
+            input_split_sizes=sent,
+            group=self.group,
+        )
+        received[0].copy_(recv_counts)
+        received[1].copy_(torch.cumsum(recv_counts, 0) - recv_counts)
+
+
+def _make_transport(group):
+    kind = os.environ.get(TRANSPORT_ENV, "nvshmem").strip().lower()
+    if kind == "emulated":
+        return _EmulatedTransport(group)
+    if kind != "nvshmem":
+        raise ValueError(f"{TRANSPORT_ENV} must be 'nvshmem' or 'emulated', got {kind!r}")
+    return _NvshmemTransport(group)
+
+
+# ---- buffers -------------------------------------------------------------------------------
+#: (transport kind, group, device, stream, rows, row bytes, meta width) -> symmetric buffers;
+#: kept for the process (a CUDA graph captured with them reads and writes their addresses)
+_BUFFERS: dict[tuple, _Buffers] = {}
+_BUFFERS_LOCK = threading.Lock()
+#: all_to_all_vdev moves each peer's bytes in equal blocks (up to 32 per peer): rows are padded
+#: to a multiple of 64 bytes so that any count of them divides evenly
+_ROW_ALIGN = 64
+
+
+def _stream_of(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _padded(width: int, dtype: torch.dtype) -> int:
+    """width elements of dtype, rounded up to whole _ROW_ALIGN bytes (in elements)."""
+    per = max(_ROW_ALIGN // _element_size(dtype), 1)
+    return -(-width // per) * per
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class _Buffers:
+    """One set of symmetric buffers (C + 1 rows: the last takes what goes nowhere)."""
+
+    lo: torch.Tensor  # uint8 [(C + 1) * row bytes]: the dispatch's x send, the combine's receive
+    hi: torch.Tensor  # uint8 [(C + 1) * row bytes]: the dispatch's x receive, the combine's send
+    meta_send: torch.Tensor  # int32 [C + 1, W]: ids | weights (| scales) of each row, padded
+    meta_recv: torch.Tensor  # int32 [C + 1, W]
+    counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
+    counts_back: torch.Tensor  # int64 [R]: rows it sends back in the combine
+    received: torch.Tensor  # int64 [3, 2, R]: (rows, offsets) received, per call of a forward
+
+    @staticmethod
+    def rows(buf: torch.Tensor, num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """buf's first bytes as a contiguous [num_rows, width] tensor of dtype."""
+        nbytes = num_rows * width * _element_size(dtype)
+        return buf[:nbytes].view(dtype).view(num_rows, width)
+
+
+@dataclass
+class _DispatchState:
+    pos: torch.Tensor  # int64 [M, R]: the send slot of token m for rank r (C: not sent)
+    buffers: _Buffers  # the set the dispatch used: the combine moves its rows back through it
+
+
+class SymmMemEPPrepareFinalize(EPPrepareFinalize):
+    """Dispatch and combine on symmetric memory, counts on the GPU (the module docstring).
+
+    expert_owner: int [P], the rank of every physical expert (ExpertPlacement.owner()).
+    max_tokens_per_rank: B, the most tokens a rank may pass in one call.
+    """
+
+    def __init__(
+        self,
+        ep_size: int,
+        ep_rank: int,
+        expert_owner: torch.Tensor,
+        group: object | None = None,
+        *,
+        max_tokens_per_rank: int,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__(ep_size, ep_rank, group, sequence_parallel=sequence_parallel)
+        check_tensor("expert_owner", expert_owner, ndim=1, dtypes=INDEX_DTYPES)
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int):
+            raise TypeError(f"max_tokens_per_rank must be an int, got {max_tokens_per_rank!r}")
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+        self.expert_owner = expert_owner.long()
+        self.max_tokens = max_tokens_per_rank
+        self.capacity = ep_size * max_tokens_per_rank  # C
+        self._transport = None
+        self._out_dtype: torch.dtype | None = None  # the activations' dtype, from prepare
+
+    # ---- the PrepareFinalize contract ----
+    def single_pass(self) -> bool:
+        return True
+
+    def num_tokens_across_ranks(self, num_tokens: int, device: torch.device) -> int:
+        """This rank's own count: every rank makes one dispatch per call whatever its count
+        (single_pass), so nothing is exchanged on the host."""
+        self.comm.check()
+        mine = num_tokens
+        if self.sequence_parallel:
+            mine = -(-num_tokens // self.comm.size)
+        if mine > self.max_tokens:
+            what = "tokens per rank (sequence parallel)" if self.sequence_parallel else "tokens"
+            raise ValueError(
+                f"the symm_mem dispatch takes at most max_tokens_per_rank = {self.max_tokens} "
+                f"tokens per rank in a call, this rank has {mine} {what}: raise "
+                "ParallelConfig.max_tokens_per_rank (its buffers and workspaces are sized for "
+                f"ep_size * max_tokens_per_rank = {self.capacity} rows), split the call, or "
+                "use all2all_backend='all_to_all'"
+            )
+        return num_tokens
+
+    def prepare(self, a1, *args, requires_grad=False, **kwargs):
+        if requires_grad:
+            raise ValueError(
+                "the symm_mem dispatch is inference only: a forward that autograd records runs "
+                "the all_to_all kind (FusedMoE picks it; backend_choice(requires_grad=True) "
+                "says so)"
+            )
+        self._out_dtype = a1.dtype
+        return super().prepare(a1, *args, **kwargs)
+
+    # ---- buffers ----
+    def _buffers(self, device: torch.device, row_bytes: int, meta_width: int) -> _Buffers:
+        if self._transport is None:
+            self._transport = _make_transport(self.comm.group)
+        transport = self._transport
+        group_key = getattr(transport, "group_name", None) or id(self.comm.group)
+        rows = self.capacity + 1
+        key = (transport.name, group_key, device, _stream_of(device), rows, row_bytes, meta_width)
+        with _BUFFERS_LOCK:
+            bufs = _BUFFERS.get(key)
+            if bufs is None:
+                size = self.comm.size
+
+                def alloc(shape, dtype):
+                    return transport.alloc(shape, dtype, device)
+
+                bufs = _BUFFERS[key] = _Buffers(
+                    lo=alloc((rows * row_bytes,), torch.uint8),
+                    hi=alloc((rows * row_bytes,), torch.uint8),
+                    meta_send=alloc((rows, meta_width), torch.int32),
+                    meta_recv=alloc((rows, meta_width), torch.int32),
+                    counts=alloc((size,), torch.int64),
+                    counts_back=alloc((size,), torch.int64),
+                    received=alloc((3, 2, size), torch.int64),
+                )
+        return bufs
+
+    def _owner_on(self, device: torch.device) -> torch.Tensor:
+        if self.expert_owner.device != device:
+            self.expert_owner = self.expert_owner.to(device)
+        return self.expert_owner
+
+    # ---- dispatch and combine ----
+    def _dispatch(self, batch: TokenBatch):
+        device, capacity = batch.x.device, self.capacity
+        top_k = batch.topk_ids.shape[1]
+        hidden = batch.x.shape[1]
+        x = to_wire(batch.x)
+        num_scales = 0 if batch.scale is None else batch.scale.shape[1]
+        out_dtype = self._out_dtype or batch.x.dtype
+        x_width, out_width = _padded(hidden, x.dtype), _padded(hidden, out_dtype)
+        row_bytes = max(x_width * x.element_size(), out_width * _element_size(out_dtype))
+        meta_width = _padded(2 * top_k + num_scales, torch.int32)
+        bufs = self._buffers(device, row_bytes, meta_width)
+        owner = self._owner_on(device)
+        pos, counts = dispatch_positions(batch.topk_ids, owner, self.comm.size, capacity)
+
+        send_x = _Buffers.rows(bufs.lo, capacity + 1, x_width, x.dtype)
+        recv_x = _Buffers.rows(bufs.hi, capacity + 1, x_width, x.dtype)
+        meta = [batch.topk_ids.to(torch.int32), batch.topk_weights.float().view(torch.int32)]
+        if batch.scale is not None:
+            meta.append(batch.scale.float().view(torch.int32))
+        scatter_rows(x, pos, send_x, 0)
+        scatter_rows(torch.cat(meta, dim=1), pos, bufs.meta_send, 0)
+        bufs.counts.copy_(counts)
+        self._transport.all_to_all(send_x, recv_x, bufs.counts, bufs.received[0])
+        self._transport.all_to_all(bufs.meta_send, bufs.meta_recv, bufs.counts, bufs.received[1])
+
+        # rows [n, C) hold what an earlier call left: empty slots
+        num_received = bufs.received[0, 0].sum()
+        stale = (torch.arange(capacity, device=device) >= num_received)[:, None]  # [C, 1]
+        meta_in = bufs.meta_recv[:capacity]
+        ids = meta_in[:, :top_k].masked_fill(stale, -1)
+        weights = meta_in[:, top_k : 2 * top_k].view(torch.float32).masked_fill(stale, 0)
+        scale = None
+        if batch.scale is not None:
+            scale = meta_in[:, 2 * top_k : 2 * top_k + num_scales].view(torch.float32)
+            scale = scale.masked_fill(stale, 1).to(batch.scale.dtype)
+        x_in = recv_x[:capacity, :hidden]
+        if x_in.dtype != batch.x.dtype:
+            x_in = x_in.view(batch.x.dtype)
+        # the traffic stats need the counts on the host: only the calls are counted here
+        return TokenBatch(x_in, scale, ids, weights), _DispatchState(pos, bufs)
+
+    def _combine(self, partial: torch.Tensor, state: _DispatchState, num_tokens: int):
+        bufs, capacity = state.buffers, self.capacity
+        hidden = partial.shape[1]
+        width = _padded(hidden, partial.dtype)
+        send_c = _Buffers.rows(bufs.hi, capacity + 1, width, partial.dtype)
+        recv_c = _Buffers.rows(bufs.lo, capacity + 1, width, partial.dtype)
+        send_c[:capacity, :hidden].copy_(partial)
+        bufs.counts_back.copy_(bufs.received[0, 0])
+        self._transport.all_to_all(send_c, recv_c, bufs.counts_back, bufs.received[2])
+        out = partial.new_empty(num_tokens, hidden)
+        gather_sum_rows(recv_c, state.pos, out, capacity)
+        return out
