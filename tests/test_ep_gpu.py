@@ -1,4 +1,4 @@
-"""Expert parallelism on 2 GPUs over NCCL: sharded == unsharded for both dispatch kinds, the
+"""Expert parallelism on 2 GPUs over NCCL: sharded == unsharded for the three dispatch kinds, the
 torch and triton backends, bf16 and fp8_block activations, uneven token counts, a rank with no
 tokens, sequence parallel, EPLB replicas with a rebalance. Needs >= 2 CUDA GPUs.
 
@@ -28,12 +28,23 @@ pytestmark = [
     ),
 ]
 
+
+def _has_nvshmem() -> bool:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return symm_mem.is_nvshmem_available()
+
+
+HAS_NVSHMEM = torch.cuda.is_available() and _has_nvshmem()
 E, TOP_K, H, I = 16, 4, 512, 256
 CALLS = ((37, 0), (5, 130), (1, 1))  # tokens of rank 0 and rank 1, per call
 SP_CALLS = (64, 3)  # sequence parallel: tokens both ranks share
+MAX_TOKENS = 130  # the symm_mem kind's bound: the largest call of a rank
 BACKENDS = ("torch", "triton")
 SCHEMES = (None, "fp8_block")
-KINDS = ("naive", "all_to_all")
+KINDS = ("naive", "all_to_all", "symm_mem")
 # (name, backend, scheme, kind, sequence_parallel, redundant experts, placement)
 CASES = [
     (f"{b}-{s or 'bf16'}-{k}", b, s, k, False, 0, "linear")
@@ -44,6 +55,8 @@ CASES = [
     ("triton-bf16-naive-sp", "triton", None, "naive", True, 0, "linear"),
     ("triton-fp8-a2a-sp", "triton", "fp8_block", "all_to_all", True, 0, "linear"),
     ("triton-bf16-a2a-eplb", "triton", None, "all_to_all", False, 4, "round_robin"),
+    ("triton-fp8-symm-sp", "triton", "fp8_block", "symm_mem", True, 0, "linear"),
+    ("triton-bf16-symm-eplb", "triton", None, "symm_mem", False, 4, "round_robin"),
 ]
 TOL = {None: dict(tol=3e-2), "fp8_block": dict(tol=8e-2, rms_tol=1e-2)}
 
@@ -78,7 +91,8 @@ def gemm_rows(sequence_parallel: bool, rank: int):
 
 
 def _worker(rank: int, port: int, path: str) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ[key] = "1" if key != "NCCL_NVLS_ENABLE" else "0"
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -89,10 +103,12 @@ def _worker(rank: int, port: int, path: str) -> None:
         device = torch.device("cuda", rank)
         results = {}
         for name, backend, scheme, kind, sp, redundant, placement in CASES:
+            if kind == "symm_mem" and not HAS_NVSHMEM:
+                continue
             pc = ParallelConfig(
                 ep_size=2, ep_rank=rank, dp_size=1 if sp else 2, dp_rank=0 if sp else rank,
                 sequence_parallel=sp, all2all_backend=kind, placement=placement,
-                num_redundant_experts=redundant,
+                num_redundant_experts=redundant, max_tokens_per_rank=MAX_TOKENS,
             )  # fmt: skip
             layer = _finish(_layer(device, pc), data["checkpoint"], backend, scheme)
             outputs = []
@@ -148,7 +164,9 @@ def spawned():
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_nccl_sharded_equals_unsharded(case, spawned):
     checkpoint, x, logits, results = spawned
-    name, backend, scheme, _, sp, redundant, _ = case
+    name, backend, scheme, kind, sp, redundant, _ = case
+    if kind == "symm_mem" and not HAS_NVSHMEM:
+        pytest.skip("symm_mem needs torch with NVSHMEM")
     layer = _finish(_layer("cuda"), checkpoint, backend, scheme)
     rounds = 2 if redundant else 1
     for round_ in range(rounds):

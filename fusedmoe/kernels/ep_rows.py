@@ -68,15 +68,17 @@ def _block(width: int, element_size: int) -> int:
     return min(next_power_of_2(max(width, 1)), max(_BLOCK_BYTES // element_size, 16))
 
 
-def scatter_rows_triton(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int) -> None:
-    """src [M, W] (unit stride along W) -> rows pos[m, r] of dst [C + 1, >= col + W], columns
-    [col, col + W), for pos[m, r] != C (the module docstring). Same dtype for src and dst."""
+def scatter_rows_triton(
+    src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int, trash: int
+) -> None:
+    """src [M, W] (unit stride along W) -> rows pos[m, r] of dst [> C, >= col + W], columns
+    [col, col + W), for pos[m, r] != trash = C (the module docstring). One dtype for both."""
     num_tokens, width = src.shape
     if num_tokens == 0 or width == 0:
         return
     block = _block(width, src.element_size())
     grid = (num_tokens, cdiv(width, block))
-    args = (src, src.stride(0), dst, dst.stride(0), col, pos, width, dst.shape[0] - 1)
+    args = (src, src.stride(0), dst, dst.stride(0), col, pos, width, trash)
     with device_guard(src):
         launch(
             _scatter_rows_kernel, grid, args,

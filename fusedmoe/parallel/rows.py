@@ -52,9 +52,11 @@ def dispatch_positions(
     return pos, counts
 
 
-def scatter_rows_torch(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int) -> None:
-    """dst[pos[m, r], col:col + W] = src[m] where pos[m, r] != C = dst.shape[0] - 1 (the last
-    row of dst takes what goes nowhere)."""
+def scatter_rows_torch(
+    src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int, trash: int
+) -> None:
+    """dst[pos[m, r], col:col + W] = src[m] where pos[m, r] != trash = C (dst has more than C
+    rows: row C takes what goes nowhere here, and is never read)."""
     num_ranks, width = pos.shape[1], src.shape[1]
     dst[pos.reshape(-1), col : col + width] = src.repeat_interleave(num_ranks, dim=0)
 
@@ -71,13 +73,15 @@ def gather_sum_rows_torch(
     out.copy_(rows.sum(dim=1))
 
 
-def scatter_rows(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int) -> None:
+def scatter_rows(
+    src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int, trash: int
+) -> None:
     if triton_runs_on(src) and src.dtype != torch.float64:
         from fusedmoe.kernels.ep_rows import scatter_rows_triton
 
-        scatter_rows_triton(src, pos, dst, col)
+        scatter_rows_triton(src, pos, dst, col, trash)
     else:
-        scatter_rows_torch(src, pos, dst, col)
+        scatter_rows_torch(src, pos, dst, col, trash)
 
 
 def gather_sum_rows(src: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, trash: int) -> None:

@@ -25,16 +25,20 @@ experts' workspaces are sized for C rows, and a call with more than B tokens on 
 refused before anything is sent (ValueError): set ParallelConfig.max_tokens_per_rank to the
 largest call a rank makes (a prefill chunk), or use the all_to_all kind for longer calls.
 
-Buffers are symmetric (allocated collectively, the same size on every rank) and shared by
-every layer of the process per (group, device, CUDA stream, size): a model's layers run one
-after another on a stream. all_to_all_vdev starts with a barrier of the group and has none at
-its end (peers may still be reading this rank's send buffer when it returns here), so each
-buffer is written only where a barrier since its last remote use guarantees the peers are done
-with it: the dispatch's send buffer receives the combine's rows back (the combine's barrier
-comes after every peer's dispatch), its receive buffer sends them, and each of the three calls
-of a forward has its own received-counts tensor (peers write into it before the barrier). Two
-byte buffers of C + 1 rows each (the last row takes what goes nowhere), plus the metadata rows.
-A second stream gets buffers of its own.
+Buffers are symmetric (allocated collectively at a layer's first call, the same size on every
+rank) and shared by every layer of the process per (group, device, size): a model's layers run
+one after another. One EP forward is in flight per group at a time, as for any collective: the
+ranks must issue their dispatches in the same order, so two streams or threads calling EP
+layers of one group at once would deadlock or mix their rows whatever the buffers. A CUDA graph
+captured on a side stream (after a warm-up call) uses the buffers of the eager calls.
+
+all_to_all_vdev starts with a barrier of the group and has none at its end (peers may still be
+reading this rank's send buffer when it returns here), so each buffer is written only where a
+barrier since its last remote use guarantees the peers are done with it: the dispatch's send
+buffer receives the combine's rows back (the combine's barrier comes after every peer's
+dispatch), its receive buffer sends them, and each of the three calls of a forward has its own
+received-counts tensor (peers write into it before the barrier). Two byte buffers of C + 1 rows
+each (the last row takes what goes nowhere), plus the metadata rows.
 
 Transport: NVSHMEM (torch.ops.symm_mem.all_to_all_vdev) where torch has it. For machines
 without NVSHMEM (CPU, gloo) an emulation moves the same buffers with all_to_all_single, reading
@@ -66,7 +70,9 @@ TRANSPORT_ENV = "FUSEDMOE_SYMM_MEM_TRANSPORT"  # "nvshmem" (default) or "emulate
 
 def nvshmem_unavailable_reason(device: torch.device, group=None) -> str | None:
     """None where the NVSHMEM transport can run on `device` for `group`, else why not (probed
-    when asked: never at import, never on the way to a CPU call)."""
+    when asked: never at import, never on the way to a CPU call). Where it can, the process's
+    symmetric memory is switched to NVSHMEM (torch's default is its CUDA backend, which has no
+    all_to_all_vdev); that is refused once a symmetric tensor exists on another backend."""
     if device.type != "cuda":
         return f"needs CUDA (the layer is on {device.type})"
     import torch.distributed as dist
@@ -77,11 +83,21 @@ def nvshmem_unavailable_reason(device: torch.device, group=None) -> str | None:
         return "this torch has no torch.distributed._symmetric_memory"
     if not symm_mem.is_nvshmem_available():
         return "NVSHMEM is not available in this torch build or on this machine"
-    if dist.is_initialized() and dist.get_backend(group) != "nccl":
-        return f"the process group's backend is {dist.get_backend(group)!r}, not NCCL"
+    if dist.is_initialized():
+        if dist.get_backend(group) != "nccl":
+            return f"the process group's backend is {dist.get_backend(group)!r}, not NCCL"
+        size = dist.get_world_size(group)
+        if size & (size - 1):
+            return (
+                f"needs a power-of-two group (this one has {size} ranks): torch's "
+                "all_to_all_vdev splits each peer's rows into equal blocks"
+            )
     backend = symm_mem.get_backend(device)
-    if backend not in (None, "NVSHMEM"):
-        return f"the process's symmetric-memory backend is already {backend!r}"
+    if backend != "NVSHMEM":
+        try:
+            symm_mem.set_backend("NVSHMEM")
+        except RuntimeError as e:
+            return f"the process's symmetric memory already runs on {backend!r} ({e})"
     return None
 
 
@@ -101,8 +117,6 @@ class _NvshmemTransport:
         self.group_name = group.group_name
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-        if self._symm_mem.get_backend(device) is None:
-            self._symm_mem.set_backend("NVSHMEM")
         t = self._symm_mem.empty(shape, dtype=dtype, device=device)
         self._symm_mem.rendezvous(t, self.group_name)
         return t
@@ -156,20 +170,17 @@ def _make_transport(group):
 
 
 # ---- buffers -------------------------------------------------------------------------------
-#: (transport kind, group, device, stream, rows, row bytes, meta width) -> symmetric buffers;
+#: (transport kind, group, device, rows, row bytes, meta width) -> symmetric buffers;
 #: kept for the process (a CUDA graph captured with them reads and writes their addresses)
 _BUFFERS: dict[tuple, _Buffers] = {}
 _BUFFERS_LOCK = threading.Lock()
-#: all_to_all_vdev moves each peer's bytes in equal blocks (up to 32 per peer): rows are padded
-#: to a multiple of 64 bytes so that any count of them divides evenly
+#: all_to_all_vdev moves each peer's bytes in equal blocks, and asserts that they divide evenly:
+#: it launches ceil(input bytes / 64 KiB) blocks, rounded up to a multiple of the group's size,
+#: at most 64 (16 across nodes), so with a power-of-two group and an input of at least 64
+#: blocks' worth (_MIN_BYTES) each peer gets 64 / R blocks (a power of two, at most 32). Rows
+#: are padded to a multiple of 64 bytes: any count of them then divides evenly.
 _ROW_ALIGN = 64
-
-
-def _stream_of(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch._C._cuda_getCurrentRawStream(index)
+_MIN_BYTES = 8 << 20  # 64 blocks of up to 128 KiB
 
 
 def _padded(width: int, dtype: torch.dtype) -> int:
@@ -195,10 +206,12 @@ class _Buffers:
     received: torch.Tensor  # int64 [3, 2, R]: (rows, offsets) received, per call of a forward
 
     @staticmethod
-    def rows(buf: torch.Tensor, num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """buf's first bytes as a contiguous [num_rows, width] tensor of dtype."""
-        nbytes = num_rows * width * _element_size(dtype)
-        return buf[:nbytes].view(dtype).view(num_rows, width)
+    def rows(buf: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """buf's bytes as a contiguous [rows, width] tensor of dtype, every whole row of it
+        (at least C + 1; the all-to-all sees the whole buffer: its block split depends on the
+        size)."""
+        num_rows = buf.numel() // (width * _element_size(dtype))
+        return buf[: num_rows * width * _element_size(dtype)].view(dtype).view(num_rows, width)
 
 
 @dataclass
@@ -235,6 +248,9 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         self.capacity = ep_size * max_tokens_per_rank  # C
         self._transport = None
         self._out_dtype: torch.dtype | None = None  # the activations' dtype, from prepare
+        #: read the counts on the host after each dispatch to fill self.stats (a host sync per
+        #: call: for benchmarks, off by default)
+        self.count_traffic = False
 
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
@@ -275,7 +291,10 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         transport = self._transport
         group_key = getattr(transport, "group_name", None) or id(self.comm.group)
         rows = self.capacity + 1
-        key = (transport.name, group_key, device, _stream_of(device), rows, row_bytes, meta_width)
+        key = (transport.name, group_key, device, rows, row_bytes, meta_width)
+        # every buffer at least _MIN_BYTES (what all_to_all_vdev's block split needs)
+        data_bytes = max(rows * row_bytes, _MIN_BYTES + row_bytes)
+        meta_rows = max(rows, -(-(_MIN_BYTES + 4 * meta_width) // (4 * meta_width)))
         with _BUFFERS_LOCK:
             bufs = _BUFFERS.get(key)
             if bufs is None:
@@ -285,10 +304,10 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
                     return transport.alloc(shape, dtype, device)
 
                 bufs = _BUFFERS[key] = _Buffers(
-                    lo=alloc((rows * row_bytes,), torch.uint8),
-                    hi=alloc((rows * row_bytes,), torch.uint8),
-                    meta_send=alloc((rows, meta_width), torch.int32),
-                    meta_recv=alloc((rows, meta_width), torch.int32),
+                    lo=alloc((data_bytes,), torch.uint8),
+                    hi=alloc((data_bytes,), torch.uint8),
+                    meta_send=alloc((meta_rows, meta_width), torch.int32),
+                    meta_recv=alloc((meta_rows, meta_width), torch.int32),
                     counts=alloc((size,), torch.int64),
                     counts_back=alloc((size,), torch.int64),
                     received=alloc((3, 2, size), torch.int64),
@@ -315,13 +334,13 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         owner = self._owner_on(device)
         pos, counts = dispatch_positions(batch.topk_ids, owner, self.comm.size, capacity)
 
-        send_x = _Buffers.rows(bufs.lo, capacity + 1, x_width, x.dtype)
-        recv_x = _Buffers.rows(bufs.hi, capacity + 1, x_width, x.dtype)
+        send_x = _Buffers.rows(bufs.lo, x_width, x.dtype)
+        recv_x = _Buffers.rows(bufs.hi, x_width, x.dtype)
         meta = [batch.topk_ids.to(torch.int32), batch.topk_weights.float().view(torch.int32)]
         if batch.scale is not None:
             meta.append(batch.scale.float().view(torch.int32))
-        scatter_rows(x, pos, send_x, 0)
-        scatter_rows(torch.cat(meta, dim=1), pos, bufs.meta_send, 0)
+        scatter_rows(x, pos, send_x, 0, capacity)
+        scatter_rows(torch.cat(meta, dim=1), pos, bufs.meta_send, 0, capacity)
         bufs.counts.copy_(counts)
         self._transport.all_to_all(send_x, recv_x, bufs.counts, bufs.received[0])
         self._transport.all_to_all(bufs.meta_send, bufs.meta_recv, bufs.counts, bufs.received[1])
@@ -339,15 +358,30 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         x_in = recv_x[:capacity, :hidden]
         if x_in.dtype != batch.x.dtype:
             x_in = x_in.view(batch.x.dtype)
-        # the traffic stats need the counts on the host: only the calls are counted here
+        if self.count_traffic:  # the counts on the host: a sync, only where asked
+            self._count(counts, bufs.received[0, 0], batch.row_bytes(), out_dtype, hidden)
         return TokenBatch(x_in, scale, ids, weights), _DispatchState(pos, bufs)
+
+    def _count(self, sent, received, row_bytes: int, out_dtype: torch.dtype, hidden: int):
+        me = self.comm.rank
+        sent, received = sent.tolist(), received.tolist()
+        out_row = hidden * _element_size(out_dtype)
+        peers_sent, peers_received = sum(sent) - sent[me], sum(received) - received[me]
+        self.stats.add(
+            dispatch_bytes_sent=peers_sent * row_bytes,
+            dispatch_bytes_received=peers_received * row_bytes,
+            combine_bytes_sent=peers_received * out_row,
+            combine_bytes_received=peers_sent * out_row,
+            tokens_sent=peers_sent,
+            tokens_received=peers_received,
+        )
 
     def _combine(self, partial: torch.Tensor, state: _DispatchState, num_tokens: int):
         bufs, capacity = state.buffers, self.capacity
         hidden = partial.shape[1]
         width = _padded(hidden, partial.dtype)
-        send_c = _Buffers.rows(bufs.hi, capacity + 1, width, partial.dtype)
-        recv_c = _Buffers.rows(bufs.lo, capacity + 1, width, partial.dtype)
+        send_c = _Buffers.rows(bufs.hi, width, partial.dtype)
+        recv_c = _Buffers.rows(bufs.lo, width, partial.dtype)
         send_c[:capacity, :hidden].copy_(partial)
         bufs.counts_back.copy_(bufs.received[0, 0])
         self._transport.all_to_all(send_c, recv_c, bufs.counts_back, bufs.received[2])

@@ -6,7 +6,8 @@
 A deepseek-v3-sized layer (E = 256, k = 8, H = 7168, I = 2048, its grouped sigmoid routing;
 --scale divides H and I) sharded over the ranks as EP over the DP group: each rank has its own
 M tokens (--tokens, per rank), holds E / R experts, and gets its own tokens' output back. For
-each activation scheme (--dtypes: bf16, fp8_block) and dispatch (--kinds: naive, all_to_all):
+each activation scheme (--dtypes: bf16, fp8_block) and dispatch (--kinds: naive, all_to_all,
+symm_mem):
 
     dispatch  PrepareFinalize.prepare: quantize + send tokens (their scales, ids, weights)
     experts   Experts.apply on the tokens that landed on the rank
@@ -14,7 +15,9 @@ each activation scheme (--dtypes: bf16, fp8_block) and dispatch (--kinds: naive,
     forward   FusedMoE.forward: routing + all of the above (+ the count exchanges)
 
 Times are the median over --iters runs (CUDA events on GPUs, perf_counter on CPUs, a barrier
-before each run), the slowest rank's; bytes are what one rank received from the others (mean
+before each run), the slowest rank's; with --graph, the symm_mem kind's stages and forward are
+captured in CUDA graphs (one per stage, one for the forward) and replayed (the other kinds
+make host syncs: eager); bytes are what one rank received from the others (mean
 over ranks); GB/s = those bytes / the stage's time; tokens/s = R * M / forward time. With
 --check, the smallest token count of each configuration is compared with the unsharded layer
 (every expert on each rank, all ranks' tokens): the error is printed and a failure exits 1.
@@ -24,6 +27,7 @@ Rank 0 prints the table; --json writes the rows.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -46,7 +50,7 @@ _ENV_DEFAULTS = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 DTYPES = {"bf16": (torch.bfloat16, None), "fp8_block": (torch.bfloat16, "fp8_block")}
-KINDS = ("naive", "all_to_all")
+KINDS = ("naive", "all_to_all", "symm_mem")
 CHECK_TOL = {None: 3e-2, "fp8_block": 8e-2}  # normalised max error vs the unsharded layer
 
 
@@ -96,6 +100,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--check",
         action="store_true",
         help="compare the smallest token count with the unsharded layer",
+    )
+    parser.add_argument(
+        "--graph", action="store_true", help="time symm_mem under CUDA-graph replay"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="symm_mem's max_tokens_per_rank (default: the largest --tokens)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
@@ -254,6 +267,72 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     return timer.elapsed_ms(t0, t1), timer.elapsed_ms(t2, t3), timer.elapsed_ms(t3, t4)
 
 
+def _captured(fn):
+    """fn() captured in a CUDA graph: (graph, what fn returned, its static outputs)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def graphed_stages(layer: FusedMoE, x, logits):
+    """The stages of time_stages and the whole forward, each captured in a CUDA graph (after
+    the eager warm-up): -> (prepare, experts, finalize, forward) graphs, replayed in order."""
+    _, kernel = layer._kernel(x.device, x.dtype, False)
+    pf, experts = kernel.prepare_finalize, kernel.experts
+    weights = expert_weights(layer, experts.hidden_size_alignment)
+    topk_weights, topk_ids = layer.router.select_experts(x, logits)
+    qc = layer.quant_config
+    num_physical = layer.placement.num_physical
+    g1, prepared = _captured(
+        lambda: pf.prepare(
+            x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
+            defer_input_quant=experts.wants_unquantized_input(),
+        )
+    )  # fmt: skip
+    num_tokens, top_k = prepared.topk_ids.shape
+    shapes = experts.workspace_shapes(
+        num_tokens, weights.gemm1_out_size, weights.hidden_size, top_k, num_physical,
+        weights.num_local_experts, layer.activation.kind,
+    )  # fmt: skip
+    dtype = experts.workspace_dtype(x.dtype)
+    ws13 = torch.empty(shapes.workspace13, dtype=dtype, device=x.device)
+    ws2 = torch.empty(shapes.workspace2, dtype=dtype, device=x.device)
+    out = torch.empty(shapes.output, dtype=x.dtype, device=x.device)
+    call = ExpertsCall(
+        output=out, hidden_states=prepared.a1q, weights=weights,
+        topk_weights=prepared.topk_weights, topk_ids=prepared.topk_ids,
+        activation=layer.activation, global_num_experts=num_physical,
+        workspace13=ws13, workspace2=ws2, expert_map=layer.expert_map, quant_config=qc,
+        a1q_scale=prepared.a1q_scale, a1q_global_scale=prepared.a1q_global_scale,
+    )  # fmt: skip
+    g2, _ = _captured(lambda: experts.apply(call))
+    output = torch.empty_like(x)
+    reduce = experts.finalize_weight_and_reduce_impl()
+    g3, _ = _captured(
+        lambda: pf.finalize(
+            output, out, prepared.topk_weights, prepared.topk_ids, False, reduce
+        )
+    )  # fmt: skip
+    g4, _ = _captured(lambda: layer(x, logits))
+    return g1, g2, g3, g4
+
+
+def time_graphs(graphs, timer: _Timer, dist) -> tuple[float, float, float, float]:
+    """(dispatch, experts, combine, forward) ms of one replay of each graph."""
+    g1, g2, g3, g4 = graphs
+    dist.barrier()
+    marks = [timer.mark()]
+    for graph in (g1, g2, g3):
+        graph.replay()
+        marks.append(timer.mark())
+    stages = [timer.elapsed_ms(a, b) for a, b in itertools.pairwise(marks)]
+    dist.barrier()
+    start = timer.mark()
+    g4.replay()
+    return (*stages, timer.elapsed_ms(start, timer.mark()))
+
+
 def time_forward(layer, x, logits, timer, dist) -> float:
     dist.barrier()
     start = timer.mark()
@@ -292,22 +371,35 @@ def run(args) -> list[Row]:
         dtype, scheme = DTYPES[dtype_name]
         for kind in args.kinds:
             pc = ParallelConfig(
-                ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank, all2all_backend=kind
-            )
+                ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank, all2all_backend=kind,
+                max_tokens_per_rank=args.max_tokens or max(max(args.tokens), 1),
+            )  # fmt: skip
             layer = build_layer(preset, scheme, dtype, device, args.backend, args.seed, pc)
             for num_tokens in args.tokens:
                 x, logits = rank_tokens(preset, num_tokens, rank, args.seed, device, dtype)
                 _, kernel = layer._kernel(device, dtype, False)
+                pf = kernel.prepare_finalize
                 stages, forwards = [], []
                 with torch.no_grad():
+                    pf.count_traffic = True  # symm_mem: counts read on the host, untimed
+                    pf.reset_stats()
+                    time_stages(layer, x, logits, timer, dist)
+                    stats = pf.reset_stats()
+                    pf.count_traffic = False
+                    graphs = None
+                    if args.graph and kind == "symm_mem" and device.type == "cuda":
+                        time_forward(layer, x, logits, timer, dist)  # warm-up
+                        graphs = graphed_stages(layer, x, logits)
                     for i in range(args.warmup + args.iters):
-                        kernel.prepare_finalize.reset_stats()
-                        stage = time_stages(layer, x, logits, timer, dist)
-                        stats = kernel.prepare_finalize.reset_stats()
-                        forward = time_forward(layer, x, logits, timer, dist)
+                        if graphs is not None:
+                            *stage, forward = time_graphs(graphs, timer, dist)
+                        else:
+                            stage = time_stages(layer, x, logits, timer, dist)
+                            forward = time_forward(layer, x, logits, timer, dist)
                         if i >= args.warmup:
                             stages.append(stage)
                             forwards.append(forward)
+                    del graphs
                 medians = [statistics.median(s[j] for s in stages) for j in range(3)]
                 mine = [*medians, statistics.median(forwards),
                         stats.dispatch_bytes_received, stats.combine_bytes_received]  # fmt: skip

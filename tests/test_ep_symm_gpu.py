@@ -1,0 +1,205 @@
+"""The symm_mem EP dispatch on GPUs over NVSHMEM: its forward makes no host sync, a whole EP
+layer forward captured in a CUDA graph replays new inputs equal to eager, and it equals the
+unsharded layer with skewed routing (most tokens to one rank) and ranks without tokens. Needs
+>= 2 CUDA GPUs and torch with NVSHMEM; runs on 2 ranks (4 where there are 4 GPUs).
+
+    pytest -q -m gpu tests/test_ep_symm_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fusedmoe import FusedMoE, ParallelConfig
+from tests.helpers import assert_close
+
+
+def _nvshmem() -> bool:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return symm_mem.is_nvshmem_available()
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.device_count() < 2 or not dist.is_nccl_available() or not _nvshmem(),
+        reason="needs 2 CUDA GPUs, NCCL and NVSHMEM",
+    ),
+]
+
+WORLD = 4 if torch.cuda.device_count() >= 4 else 2
+E, TOP_K, H, I = 32, 4, 1024, 512
+MAX_TOKENS = 96  # max_tokens_per_rank
+SCHEMES = (None, "fp8_block")
+TOL = {None: dict(tol=3e-2), "fp8_block": dict(tol=8e-2, rms_tol=1e-2)}
+# tokens of each rank per eager call: uneven, zero on some ranks, one rank full
+CALLS = ((37, 0, 96, 1)[:WORLD], (0, 5, 0, 0)[:WORLD], (96,) * WORLD)
+GRAPH_TOKENS = 24  # every rank's tokens in the captured forward
+GRAPH_REPLAYS = 3
+_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+
+
+def _layer(device, pc=None) -> FusedMoE:
+    return FusedMoE(
+        E, TOP_K, H, I, params_dtype=torch.bfloat16, device=device, backend="torch",
+        parallel_config=pc,
+    )  # fmt: skip
+
+
+def _finish(layer: FusedMoE, checkpoint, scheme) -> FusedMoE:
+    layer.load_weights(checkpoint)
+    if scheme is not None:
+        layer.quantize_(scheme)
+    layer.set_backend("triton")
+    return layer
+
+
+def _rows(counts, rank: int, start: int) -> slice:
+    return slice(start + sum(counts[:rank]), start + sum(counts[: rank + 1]))
+
+
+def _worker(rank: int, port: int, path: str) -> None:
+    os.environ.update(_ENV)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=120), device_id=device,
+    )  # fmt: skip
+    try:
+        data = torch.load(path)
+        results = {}
+        for scheme in SCHEMES:
+            pc = ParallelConfig(
+                ep_size=WORLD, ep_rank=rank, dp_size=WORLD, dp_rank=rank,
+                all2all_backend="auto", max_tokens_per_rank=MAX_TOKENS,
+            )  # fmt: skip
+            layer = _finish(_layer(device, pc), data["checkpoint"], scheme)
+            explain = layer.backend_choice().explain()
+            eager, start = [], 0
+            logits_all = data["skewed"]
+            for counts in CALLS:
+                rows = _rows(counts, rank, start)
+                x, logits = data["x"][rows].to(device), logits_all[rows].to(device)
+                with torch.no_grad():
+                    eager.append(layer(x, logits).cpu())
+                start += sum(counts)
+            # no host sync in a forward (after the first: it allocates and rendezvouses)
+            x, logits = data["x"][:8].to(device), logits_all[:8].to(device)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.no_grad():
+                    layer(x, logits)
+                synced = ""
+            except RuntimeError as e:
+                synced = str(e)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            # one whole EP forward captured, replayed with new inputs
+            g = torch.Generator(device="cpu").manual_seed(100 + rank)
+            static_x = torch.randn(GRAPH_TOKENS, H, generator=g).to(device, torch.bfloat16)
+            static_logits = torch.randn(GRAPH_TOKENS, E, generator=g).to(device)
+            with torch.no_grad():
+                layer(static_x, static_logits)  # warm-up on every rank
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_y = layer(static_x, static_logits)
+                replays = []
+                for _ in range(GRAPH_REPLAYS):
+                    new_x = torch.randn(GRAPH_TOKENS, H, generator=g).to(device, torch.bfloat16)
+                    new_logits = torch.randn(GRAPH_TOKENS, E, generator=g).to(device)
+                    static_x.copy_(new_x)
+                    static_logits.copy_(new_logits)
+                    graph.replay()
+                    replayed = static_y.clone()
+                    replays.append((replayed.cpu(), layer(new_x, new_logits).cpu()))
+            results[scheme] = {
+                "eager": eager, "explain": explain, "synced": synced, "replays": replays,
+            }  # fmt: skip
+            del graph, layer
+        torch.save(results, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    torch.manual_seed(0)
+    full = _layer("cpu")
+    checkpoint = [
+        ("experts.gate_up_proj", full.w13_weight.detach()),
+        ("experts.down_proj", full.w2_weight.detach()),
+    ]
+    rows = sum(sum(c) for c in CALLS)
+    x = torch.randn(rows, H, dtype=torch.bfloat16)
+    # skewed: the experts of rank 0 (the first E / WORLD) are favoured
+    skewed = torch.randn(rows, E)
+    skewed[:, : E // WORLD] += 2.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ep_symm.pt")
+        torch.save({"checkpoint": checkpoint, "x": x, "skewed": skewed}, path)
+        context = mp.start_processes(
+            _worker, args=(_free_port(), path), nprocs=WORLD, join=False, start_method="spawn"
+        )
+        for _ in range(400):
+            if context.join(timeout=1):
+                break
+        else:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the symm_mem EP workers did not finish in 400 s")
+        results = [torch.load(f"{path}.rank{r}") for r in range(WORLD)]
+    return checkpoint, x, skewed, results
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
+def test_symm_mem_sharded_equals_unsharded(scheme, spawned):
+    checkpoint, x, logits, results = spawned
+    assert "dispatch: symm_mem" in results[0][scheme]["explain"]
+    layer = _finish(_layer("cuda"), checkpoint, scheme)
+    start = 0
+    for c, counts in enumerate(CALLS):
+        whole = slice(start, start + sum(counts))
+        with torch.no_grad():
+            expected = layer(x[whole].cuda(), logits[whole].cuda()).cpu()
+        for rank in range(WORLD):
+            mine = _rows(counts, rank, start)
+            got = results[rank][scheme]["eager"][c]
+            exp = expected[mine.start - start : mine.stop - start]
+            assert_close(got, exp, torch.bfloat16, what=f"call {c} rank {rank}", **TOL[scheme])
+        start += sum(counts)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
+def test_symm_mem_forward_makes_no_host_sync(scheme, spawned):
+    for rank in range(WORLD):
+        assert spawned[3][rank][scheme]["synced"] == "", spawned[3][rank][scheme]["synced"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
+def test_symm_mem_forward_replays_from_a_cuda_graph(scheme, spawned):
+    for rank in range(WORLD):
+        replays = spawned[3][rank][scheme]["replays"]
+        assert len(replays) == GRAPH_REPLAYS
+        for i, (replayed, eager) in enumerate(replays):
+            assert_close(replayed, eager, torch.bfloat16, what=f"replay {i} rank {rank}", tol=1e-2)
