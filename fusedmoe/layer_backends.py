@@ -21,7 +21,13 @@ from fusedmoe.modular.experts import Experts
 from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.types import MoEProblem
 from fusedmoe.oracle import BackendChoice, get_backend, select_backend
-from fusedmoe.parallel.wiring import DispatchChoice, make_runner, resolve_dispatch
+from fusedmoe.parallel.wiring import (
+    DispatchChoice,
+    attach_fingerprint,
+    layer_fingerprint,
+    make_runner,
+    resolve_dispatch,
+)
 from fusedmoe.weights.quantize import call_quant_config
 
 if TYPE_CHECKING:
@@ -87,9 +93,11 @@ def kernel(
         if dispatch.kind is not None:
             choice = dataclasses.replace(choice, dispatch=dispatch.describe())
         pc, placement = layer.parallel_config, layer.placement
-        runner = make_runner(
-            choice.create(), pc, placement, layer.chunk_size, dispatch=dispatch.kind
-        )
+        experts = choice.create()
+        runner = make_runner(experts, pc, placement, layer.chunk_size, dispatch=dispatch.kind)
+        if pc.use_ep:
+            fingerprint = layer_fingerprint(layer, dispatch.kind, experts)
+            attach_fingerprint(runner, layer._dispatch, fingerprint)
         layer._kernels[key] = (choice, runner)
     return layer._kernels[key]
 

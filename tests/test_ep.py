@@ -526,3 +526,67 @@ def test_all_to_all_moves_fewer_tokens_than_naive(ep4):
     naive_bytes = sum(results[r]["naive4"]["stats"]["dispatch_bytes_sent"] for r in range(4))
     a2a_bytes = sum(results[r]["a2a4"]["stats"]["dispatch_bytes_sent"] for r in range(4))
     assert 0 < a2a_bytes < naive_bytes
+
+
+# ---- ranks built with different layers fail fast ------------------------------------------------
+# (name, kind, what rank 1 changes, the field the error must name)
+MISMATCHES = [
+    ("hidden", "naive", dict(hidden_size=H + 64), "hidden_size"),
+    ("experts", "all_to_all", dict(num_experts=E + 4), "num_experts"),
+    ("symm_tokens", "symm_mem", dict(max_tokens=SYMM_MAX_TOKENS + 1), "max_tokens_per_rank"),
+    ("quantized_later", "naive", dict(quantize_after_first="fp8_block"), "quant_scheme"),
+]
+
+
+def _mismatch_worker(rank: int, world: int, port: int, path: str) -> None:
+    os.environ[TRANSPORT_ENV] = "emulated"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        torch.set_num_threads(1)
+        results = {}
+        for name, kind, change, _ in MISMATCHES:
+            change = change if rank == 1 else {}
+            hidden = change.get("hidden_size", H)
+            experts = change.get("num_experts", E)
+            pc = ParallelConfig(
+                ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank, all2all_backend=kind,
+                max_tokens_per_rank=change.get("max_tokens", SYMM_MAX_TOKENS),
+            )  # fmt: skip
+            layer = FusedMoE(experts, TOP_K, hidden, I, params_dtype=torch.float32,
+                             backend="torch", parallel_config=pc)  # fmt: skip
+            errors = []
+            for call in range(2):
+                if call == 1 and "quantize_after_first" in change:
+                    layer.quantize_(change["quantize_after_first"])
+                try:
+                    with torch.no_grad():
+                        layer(torch.randn(3, hidden), torch.randn(3, experts))
+                    errors.append("")
+                except ValueError as e:
+                    errors.append(str(e))
+                    break
+            results[name] = errors
+        torch.save(results, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    return run_ranks(2, [], {}, worker=_mismatch_worker)
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_ranks_built_differently_fail_fast(case, mismatched):
+    name, _, change, field = case
+    for rank in range(2):
+        errors = mismatched[rank][name]
+        if "quantize_after_first" in change:
+            assert errors[0] == "", errors  # the first call agrees
+        message = errors[-1]
+        assert "ranks of the EP group were built with different layers" in message, message
+        assert f"{field}:" in message and "ranks [0]" in message and "ranks [1]" in message

@@ -43,6 +43,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from fusedmoe.parallel.fingerprint import LayerFingerprint, disagreement
+
 _FP8 = {
     getattr(torch, name)
     for name in (
@@ -107,6 +109,9 @@ class EPGroup:
 
     def __init__(self, size: int, rank: int, group: object | None = None) -> None:
         self.size, self.rank, self.group = size, rank, group
+        #: what every rank's layer must share (fusedmoe.parallel.fingerprint): compared with
+        #: each count exchange below; None: nothing compared
+        self.fingerprint: LayerFingerprint | None = None
 
     def check(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -123,14 +128,27 @@ class EPGroup:
 
     # ---- counts (one small collective and one host sync each) ----
     def all_gather_counts(self, count: int, device: torch.device) -> tuple[int, ...]:
-        counts = torch.empty(self.size, dtype=torch.int64, device=device)
-        _all_gather(counts, torch.tensor([count], dtype=torch.int64, device=device), self.group)
-        return tuple(int(c) for c in counts.tolist())
+        """Every rank's count, with the fingerprints compared (ValueError where they differ:
+        every rank sees the same table, so every rank raises)."""
+        codes = [] if self.fingerprint is None else self.fingerprint.codes()
+        mine = torch.tensor([count, *codes], dtype=torch.int64, device=device)
+        table = torch.empty(self.size, mine.numel(), dtype=torch.int64, device=device)
+        _all_gather(table.view(-1), mine, self.group)
+        rows = table.tolist()
+        if self.fingerprint is not None:
+            why = disagreement([row[1:] for row in rows], self.fingerprint, self.rank)
+            if why is not None:
+                raise ValueError(why)
+        return tuple(int(row[0]) for row in rows)
 
     def max_over_ranks(self, count: int, device: torch.device) -> int:
-        value = torch.tensor([count], dtype=torch.int64, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return int(value.item())
+        return max(self.all_gather_counts(count, device))
+
+    def agree(self, device: torch.device) -> None:
+        """Compare the fingerprints once (a collective and a host sync), for a dispatch whose
+        calls exchange nothing on the host."""
+        if self.fingerprint is not None:
+            self.all_gather_counts(0, device)
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """int64 [R] rows this rank sends to each rank -> int64 [R] rows it receives from each."""

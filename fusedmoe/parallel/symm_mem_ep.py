@@ -251,6 +251,7 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         #: read the counts on the host after each dispatch to fill self.stats (a host sync per
         #: call: for benchmarks, off by default)
         self.count_traffic = False
+        self._agreed = False  # the ranks' fingerprints compared (EPGroup.agree)
 
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
@@ -260,6 +261,9 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         """This rank's own count: every rank makes one dispatch per call whatever its count
         (single_pass), so nothing is exchanged on the host."""
         self.comm.check()
+        if not self._agreed:  # once, at the first call (a host sync: the warm-up's)
+            self.comm.agree(device)
+            self._agreed = True
         mine = num_tokens
         if self.sequence_parallel:
             mine = -(-num_tokens // self.comm.size)

@@ -8,6 +8,7 @@ buffers that go with it, and the objects that move its tokens.
     describe_placement the placement in the layer's repr
     resolve_dispatch   the dispatch kind of a call ("auto": symm_mem where NVSHMEM runs), and why
     prepare_finalize   the modular kernel's PrepareFinalize: NoEP unless tokens travel
+    layer_fingerprint  what every rank's layer must share, compared before tokens travel
     make_runner        what a call runs: a modular kernel around the backend, or the backend
     dp_dispatch        the DP all-gather a backend that routes inside is handed (or None)
 
@@ -26,6 +27,7 @@ from fusedmoe.modular.kernel import FusedMoEModularKernel
 from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize, PrepareFinalize
 from fusedmoe.modular.types import TokenDispatch
 from fusedmoe.parallel.config import ParallelConfig
+from fusedmoe.parallel.fingerprint import LayerFingerprint
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
 
 
@@ -203,6 +205,45 @@ def prepare_finalize(
     return NaiveEPPrepareFinalize(
         pc.ep_size, pc.ep_rank, pc.group, sequence_parallel=pc.sequence_parallel
     )
+
+
+def layer_fingerprint(layer, dispatch: str | None, experts: Experts) -> LayerFingerprint:
+    """What every rank's layer must share for its dispatch to run (compared before tokens
+    travel; fusedmoe.parallel.fingerprint)."""
+    pc = layer.parallel_config
+    qc = layer.quant_config
+    chunked = dispatch != "symm_mem" and experts.supports_chunking()
+    return LayerFingerprint(
+        (
+            ("num_experts", layer.num_experts),
+            ("physical_experts", layer.placement.num_physical),
+            ("top_k", layer.top_k),
+            ("hidden_size", layer.hidden_size),
+            ("intermediate_size", layer.padded_intermediate_size),
+            ("dtype", str(layer.params_dtype)),
+            ("activation", layer.activation.kind.value),
+            ("has_bias", layer.has_bias),
+            ("quant_scheme", "none" if qc is None else qc.scheme),
+            ("quant_options", repr(sorted(layer._quant_options.items()))),
+            ("ep_size", pc.ep_size),
+            ("dp_size", pc.dp_size),
+            ("sequence_parallel", pc.sequence_parallel),
+            ("placement", pc.placement),
+            ("num_redundant_experts", pc.num_redundant_experts),
+            ("dispatch", dispatch or "none"),
+            ("max_tokens_per_rank", pc.max_tokens_per_rank if dispatch == "symm_mem" else 0),
+            ("chunk_size", layer.chunk_size if chunked else 0),
+        )
+    )
+
+
+def attach_fingerprint(runner, dispatch: TokenDispatch | None, fingerprint) -> None:
+    """Give the runner's EP group (and a backend's DP dispatch) the fingerprint to compare."""
+    pf = getattr(runner, "prepare_finalize", None)
+    for owner in (pf, dispatch):
+        comm = getattr(owner, "comm", None)
+        if comm is not None:
+            comm.fingerprint = fingerprint
 
 
 def make_runner(
