@@ -4,6 +4,7 @@ token. Their torch twins, the spec, are in fusedmoe.parallel.rows.
 
 Legend: M tokens of this rank, R ranks, W bytes (or elements) of a row, H hidden, C send slots.
 
+    dispatch_positions: pos [M, R] and counts [R] of fusedmoe.parallel.rows (one program)
     scatter_rows:    dst[pos[m, r], col:col + W] = src[m, :W]    for every r with pos[m, r] != C
     gather_sum_rows: out[m, :H] = sum over r with pos[m, r] != C of src[pos[m, r], :H]
                      (accumulated in float32, rounded once to out's dtype)
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 
-__all__ = ["gather_sum_rows_triton", "scatter_rows_triton"]
+__all__ = ["dispatch_positions_triton", "gather_sum_rows_triton", "scatter_rows_triton"]
 
 _BLOCK_BYTES = 4096  # columns of a program, in bytes: one 16-byte vector per thread of 8 warps
 
@@ -62,6 +63,71 @@ def _gather_sum_rows_kernel(
         if slot != trash:
             acc += tl.load(src_ptr + slot * stride_src + cols, mask=mask).to(tl.float32)
     tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dispatch_positions_kernel(
+    ids_ptr, stride_ids_m, stride_ids_k,
+    owner_ptr,
+    pos_ptr, counts_ptr,
+    num_tokens, num_slots,
+    TOP_K: tl.constexpr, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """One program: a running count per rank over blocks of tokens (pass 1 stores each sent
+    pair's index within its rank), then the ranks' starts added (pass 2)."""
+    ranks = tl.arange(0, RANKS_PAD)
+    rank_ok = ranks < NUM_RANKS
+    seen = tl.zeros((RANKS_PAD,), dtype=tl.int64)  # tokens so far going to each rank
+    for start in range(0, num_tokens, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_tokens
+        goes = tl.zeros((BLOCK_M, RANKS_PAD), dtype=tl.int64)
+        for j in tl.static_range(TOP_K):
+            expert = tl.load(
+                ids_ptr + rows.to(tl.int64) * stride_ids_m + j * stride_ids_k,
+                mask=row_ok, other=-1,
+            )  # fmt: skip
+            dest = tl.load(owner_ptr + expert, mask=expert >= 0, other=-1)
+            goes = tl.maximum(goes, (dest[:, None] == ranks[None, :]).to(tl.int64))
+        within = seen[None, :] + tl.cumsum(goes, axis=0) - goes
+        slot = tl.where(goes > 0, within, -1)
+        mask = row_ok[:, None] & rank_ok[None, :]
+        tl.store(pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :], slot, mask=mask)
+        seen += tl.sum(goes, axis=0)
+    tl.store(counts_ptr + ranks, seen, mask=rank_ok)
+    starts = tl.cumsum(seen, axis=0) - seen
+    tl.debug_barrier()  # pass 1's stores seen by every thread of the program
+    for start in range(0, num_tokens, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < num_tokens)[:, None] & rank_ok[None, :]
+        ptrs = pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
+        slot = tl.load(ptrs, mask=mask, other=-1)
+        tl.store(ptrs, tl.where(slot >= 0, slot + starts[None, :], num_slots), mask=mask)
+
+
+def dispatch_positions_triton(
+    topk_ids: torch.Tensor,
+    owner: torch.Tensor,
+    num_ranks: int,
+    num_slots: int,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """fusedmoe.parallel.rows.dispatch_positions_torch in one launch: -> pos int64 [M, R],
+    the counts written into `counts` (int64 [R])."""
+    num_tokens, top_k = topk_ids.shape
+    pos = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=topk_ids.device)
+    args = (
+        topk_ids, topk_ids.stride(0), topk_ids.stride(1), owner, pos, counts,
+        num_tokens, num_slots,
+    )  # fmt: skip
+    constexprs = dict(
+        TOP_K=top_k, NUM_RANKS=num_ranks, RANKS_PAD=max(next_power_of_2(num_ranks), 2),
+        BLOCK_M=64, num_warps=4,
+    )  # fmt: skip
+    with device_guard(topk_ids):
+        launch(_dispatch_positions_kernel, (1,), args, constexprs, topk_ids.is_cuda)
+    return pos
 
 
 def _block(width: int, element_size: int) -> int:

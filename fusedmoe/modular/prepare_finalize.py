@@ -79,6 +79,14 @@ class PrepareFinalize(abc.ABC):
         joins every collective. No EP: num_tokens."""
         return num_tokens
 
+    def expert_output_buffer(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """Where the experts of the prepared call may write their output of `shape` (finalize
+        then has nothing to copy before its combine), or None: the modular kernel's workspace.
+        Asked between prepare and finalize."""
+        return None
+
     def single_pass(self) -> bool:
         """Whether every call is one dispatch on every rank, whatever its token count (zero
         included): the modular kernel then never chunks it, and num_tokens_across_ranks is

@@ -26,6 +26,7 @@ from fusedmoe._triton import triton_runs_on
 
 __all__ = [
     "dispatch_positions",
+    "dispatch_positions_torch",
     "gather_sum_rows",
     "gather_sum_rows_torch",
     "scatter_rows",
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-def dispatch_positions(
+def dispatch_positions_torch(
     topk_ids: torch.Tensor, owner: torch.Tensor, num_ranks: int, num_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [M, k] (physical ids, -1 for an empty slot), owner [P] (the rank of each
@@ -50,6 +51,24 @@ def dispatch_positions(
     within = torch.cumsum(goes, dim=0) - goes  # [M, R] tokens before m going to r
     pos = torch.where(goes.bool(), starts + within, num_slots)
     return pos, counts
+
+
+def dispatch_positions(
+    topk_ids: torch.Tensor,
+    owner: torch.Tensor,
+    num_ranks: int,
+    num_slots: int,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """dispatch_positions_torch, the counts written into `counts` (int64 [R]): -> pos. One
+    Triton kernel where Triton runs (fusedmoe.kernels.ep_rows), the twin elsewhere."""
+    if triton_runs_on(topk_ids):
+        from fusedmoe.kernels.ep_rows import dispatch_positions_triton
+
+        return dispatch_positions_triton(topk_ids, owner, num_ranks, num_slots, counts)
+    pos, sent = dispatch_positions_torch(topk_ids, owner, num_ranks, num_slots)
+    counts.copy_(sent)
+    return pos
 
 
 def scatter_rows_torch(

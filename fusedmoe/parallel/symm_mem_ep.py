@@ -6,18 +6,18 @@ Legend: R ranks, M tokens of this rank in the call (M <= B), B = max_tokens_per_
 C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
 
     dispatch: pos, counts = dispatch_positions(topk_ids, owner)       # [M, R], [R] (rows.py)
-              x rows -> send_x[pos[m, r]]; ids | weights | scales -> send_meta[pos[m, r]]
-              all_to_all_vdev(send_x -> recv_x, counts), the same for send_meta -> recv_meta
-                  (each rank pulls its rows from its peers' send buffers on the GPU; received
-                  [2, R]: the rows and the offsets received from each rank, filled there)
-              n = sum(received[0]);  rows [n, C) of the receive buffers are stale: their ids
-              become -1 (empty slots) and their weights 0
-    experts:  the C received rows (a fixed shape: the same launches whatever the routing);
-              the expert_map keeps the slots of this rank's experts
-    combine:  partial [C, H] -> send_c
-              all_to_all_vdev(send_c -> recv_c, received[0]): every rank gets its rows back
-              where it sent them (slot pos[m, r] of recv_c holds rank r's partial of token m)
-              out[m] = sum_r recv_c[pos[m, r]]                       (gather_sum_rows, fp32)
+              row of token m = x's bytes | ids | weights (| scales) -> send[pos[m, r]]
+              all_to_all_vdev(send -> recv, counts): each rank pulls its rows from its peers'
+                  send buffers on the GPU; received [2, R], the rows and offsets received
+                  from each rank, is filled there
+              n = sum(received[0]);  rows [n, C) of recv are stale: their ids become -1
+              (empty slots) and their weights 0
+    experts:  the C received rows (a fixed shape: the same launches whatever the routing),
+              x read in place; the expert_map keeps the slots of this rank's experts; a
+              backend that reduces writes its [C, H] output straight into `out`
+    combine:  all_to_all_vdev(out -> send, received[0]): every rank gets its rows back where
+              it sent them (row pos[m, r] of send holds rank r's partial sum of token m)
+              out[m] = sum_r send[pos[m, r]]                         (gather_sum_rows, fp32)
 
 Each token travels once to each rank that owns one of its experts, as in the all_to_all kind,
 but the split sizes never reach the host. The price is the fixed shape: the buffers and the
@@ -34,11 +34,11 @@ captured on a side stream (after a warm-up call) uses the buffers of the eager c
 
 all_to_all_vdev starts with a barrier of the group and has none at its end (peers may still be
 reading this rank's send buffer when it returns here), so each buffer is written only where a
-barrier since its last remote use guarantees the peers are done with it: the dispatch's send
-buffer receives the combine's rows back (the combine's barrier comes after every peer's
-dispatch), its receive buffer sends them, and each of the three calls of a forward has its own
-received-counts tensor (peers write into it before the barrier). Two byte buffers of C + 1 rows
-each (the last row takes what goes nowhere), plus the metadata rows.
+barrier since its last remote use guarantees the peers are done with it: `send` takes the
+combine's rows back (the combine's barrier comes after every peer's dispatch), `out` is written
+by the experts after the dispatch's barrier (the peers finished reading the last combine's), and
+the dispatch and the combine have each their own received-counts tensor (peers write into it
+before the barrier). Three byte buffers of at least C + 1 rows.
 
 Transport: NVSHMEM (torch.ops.symm_mem.all_to_all_vdev) where torch has it. For machines
 without NVSHMEM (CPU, gloo) an emulation moves the same buffers with all_to_all_single, reading
@@ -183,35 +183,27 @@ _ROW_ALIGN = 64
 _MIN_BYTES = 8 << 20  # 64 blocks of up to 128 KiB
 
 
-def _padded(width: int, dtype: torch.dtype) -> int:
-    """width elements of dtype, rounded up to whole _ROW_ALIGN bytes (in elements)."""
-    per = max(_ROW_ALIGN // _element_size(dtype), 1)
-    return -(-width // per) * per
-
-
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
 class _Buffers:
-    """One set of symmetric buffers (C + 1 rows: the last takes what goes nowhere)."""
+    """One set of symmetric buffers: rows of row_bytes, at least C + 1 of them (row C takes
+    what goes nowhere; the all-to-all sees every row, its block split depends on the size)."""
 
-    lo: torch.Tensor  # uint8 [(C + 1) * row bytes]: the dispatch's x send, the combine's receive
-    hi: torch.Tensor  # uint8 [(C + 1) * row bytes]: the dispatch's x receive, the combine's send
-    meta_send: torch.Tensor  # int32 [C + 1, W]: ids | weights (| scales) of each row, padded
-    meta_recv: torch.Tensor  # int32 [C + 1, W]
+    send: torch.Tensor  # uint8 [rows, row_bytes]: the dispatch's rows out, the combine's back in
+    recv: torch.Tensor  # uint8 [rows, row_bytes]: the dispatch's rows in (the experts read x)
+    out: torch.Tensor  # uint8 [rows, row_bytes]: the experts' output, the combine's rows out
     counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
     counts_back: torch.Tensor  # int64 [R]: rows it sends back in the combine
-    received: torch.Tensor  # int64 [3, 2, R]: (rows, offsets) received, per call of a forward
+    received: torch.Tensor  # int64 [2, 2, R]: (rows, offsets) received, dispatch and combine
 
     @staticmethod
-    def rows(buf: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """buf's bytes as a contiguous [rows, width] tensor of dtype, every whole row of it
-        (at least C + 1; the all-to-all sees the whole buffer: its block split depends on the
-        size)."""
-        num_rows = buf.numel() // (width * _element_size(dtype))
-        return buf[: num_rows * width * _element_size(dtype)].view(dtype).view(num_rows, width)
+    def as_rows(buf: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, row_bytes] byte buffer as [rows, width] of dtype (width elements fill at
+        most a row; the row stride stays row_bytes)."""
+        return buf[:, : width * _element_size(dtype)].view(dtype)
 
 
 @dataclass
@@ -289,16 +281,14 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         return super().prepare(a1, *args, **kwargs)
 
     # ---- buffers ----
-    def _buffers(self, device: torch.device, row_bytes: int, meta_width: int) -> _Buffers:
+    def _buffers(self, device: torch.device, row_bytes: int) -> _Buffers:
         if self._transport is None:
             self._transport = _make_transport(self.comm.group)
         transport = self._transport
         group_key = getattr(transport, "group_name", None) or id(self.comm.group)
-        rows = self.capacity + 1
-        key = (transport.name, group_key, device, rows, row_bytes, meta_width)
-        # every buffer at least _MIN_BYTES (what all_to_all_vdev's block split needs)
-        data_bytes = max(rows * row_bytes, _MIN_BYTES + row_bytes)
-        meta_rows = max(rows, -(-(_MIN_BYTES + 4 * meta_width) // (4 * meta_width)))
+        # at least C + 1 rows, and _MIN_BYTES (what all_to_all_vdev's block split needs)
+        rows = max(self.capacity + 1, -(-(_MIN_BYTES + row_bytes) // row_bytes))
+        key = (transport.name, group_key, device, rows, row_bytes)
         with _BUFFERS_LOCK:
             bufs = _BUFFERS.get(key)
             if bufs is None:
@@ -308,15 +298,25 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
                     return transport.alloc(shape, dtype, device)
 
                 bufs = _BUFFERS[key] = _Buffers(
-                    lo=alloc((data_bytes,), torch.uint8),
-                    hi=alloc((data_bytes,), torch.uint8),
-                    meta_send=alloc((meta_rows, meta_width), torch.int32),
-                    meta_recv=alloc((meta_rows, meta_width), torch.int32),
+                    send=alloc((rows, row_bytes), torch.uint8),
+                    recv=alloc((rows, row_bytes), torch.uint8),
+                    out=alloc((rows, row_bytes), torch.uint8),
                     counts=alloc((size,), torch.int64),
                     counts_back=alloc((size,), torch.int64),
-                    received=alloc((3, 2, size), torch.int64),
+                    received=alloc((2, 2, size), torch.int64),
                 )
         return bufs
+
+    def expert_output_buffer(self, shape, dtype: torch.dtype, device: torch.device):
+        """The combine's send rows, where the experts may write their reduced output [C, H]
+        directly (no copy before the combine); None for another shape or dtype."""
+        in_flight = self._in_flight
+        if in_flight is None or len(shape) != 2 or shape[0] != self.capacity:
+            return None
+        if dtype != self._out_dtype:
+            return None
+        out = _Buffers.as_rows(in_flight.dispatch.buffers.out, shape[1], dtype)
+        return out[: shape[0]]
 
     def _owner_on(self, device: torch.device) -> torch.Tensor:
         if self.expert_owner.device != device:
@@ -325,45 +325,41 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
 
     # ---- dispatch and combine ----
     def _dispatch(self, batch: TokenBatch):
+        """One all-to-all of packed rows: x's bytes, then ids | weights (| scales) as int32."""
         device, capacity = batch.x.device, self.capacity
         top_k = batch.topk_ids.shape[1]
         hidden = batch.x.shape[1]
-        x = to_wire(batch.x)
+        x = to_wire(batch.x).view(torch.uint8)  # [M, H * bytes]
         num_scales = 0 if batch.scale is None else batch.scale.shape[1]
         out_dtype = self._out_dtype or batch.x.dtype
-        x_width, out_width = _padded(hidden, x.dtype), _padded(hidden, out_dtype)
-        row_bytes = max(x_width * x.element_size(), out_width * _element_size(out_dtype))
-        meta_width = _padded(2 * top_k + num_scales, torch.int32)
-        bufs = self._buffers(device, row_bytes, meta_width)
+        x_bytes = -(-x.shape[1] // 16) * 16  # the metadata starts 16-byte aligned
+        meta_words = 2 * top_k + num_scales
+        row_bytes = max(x_bytes + 4 * meta_words, hidden * _element_size(out_dtype))
+        bufs = self._buffers(device, -(-row_bytes // _ROW_ALIGN) * _ROW_ALIGN)
         owner = self._owner_on(device)
-        pos, counts = dispatch_positions(batch.topk_ids, owner, self.comm.size, capacity)
+        pos = dispatch_positions(batch.topk_ids, owner, self.comm.size, capacity, bufs.counts)
 
-        send_x = _Buffers.rows(bufs.lo, x_width, x.dtype)
-        recv_x = _Buffers.rows(bufs.hi, x_width, x.dtype)
         meta = [batch.topk_ids.to(torch.int32), batch.topk_weights.float().view(torch.int32)]
         if batch.scale is not None:
             meta.append(batch.scale.float().view(torch.int32))
-        scatter_rows(x, pos, send_x, 0, capacity)
-        scatter_rows(torch.cat(meta, dim=1), pos, bufs.meta_send, 0, capacity)
-        bufs.counts.copy_(counts)
-        self._transport.all_to_all(send_x, recv_x, bufs.counts, bufs.received[0])
-        self._transport.all_to_all(bufs.meta_send, bufs.meta_recv, bufs.counts, bufs.received[1])
+        scatter_rows(x, pos, bufs.send, 0, capacity)
+        scatter_rows(torch.cat(meta, dim=1).view(torch.uint8), pos, bufs.send, x_bytes, capacity)
+        self._transport.all_to_all(bufs.send, bufs.recv, bufs.counts, bufs.received[0])
 
         # rows [n, C) hold what an earlier call left: empty slots
         num_received = bufs.received[0, 0].sum()
         stale = (torch.arange(capacity, device=device) >= num_received)[:, None]  # [C, 1]
-        meta_in = bufs.meta_recv[:capacity]
+        rows_in = bufs.recv[:capacity]
+        meta_in = rows_in[:, x_bytes : x_bytes + 4 * meta_words].view(torch.int32)
         ids = meta_in[:, :top_k].masked_fill(stale, -1)
         weights = meta_in[:, top_k : 2 * top_k].view(torch.float32).masked_fill(stale, 0)
         scale = None
         if batch.scale is not None:
-            scale = meta_in[:, 2 * top_k : 2 * top_k + num_scales].view(torch.float32)
-            scale = scale.masked_fill(stale, 1).to(batch.scale.dtype)
-        x_in = recv_x[:capacity, :hidden]
-        if x_in.dtype != batch.x.dtype:
-            x_in = x_in.view(batch.x.dtype)
+            scale = meta_in[:, 2 * top_k :].view(torch.float32).masked_fill(stale, 1)
+            scale = scale.to(batch.scale.dtype)
+        x_in = rows_in[:, : x.shape[1]].view(batch.x.dtype)  # [C, H], rows row_bytes apart
         if self.count_traffic:  # the counts on the host: a sync, only where asked
-            self._count(counts, bufs.received[0, 0], batch.row_bytes(), out_dtype, hidden)
+            self._count(bufs.counts, bufs.received[0, 0], batch.row_bytes(), out_dtype, hidden)
         return TokenBatch(x_in, scale, ids, weights), _DispatchState(pos, bufs)
 
     def _count(self, sent, received, row_bytes: int, out_dtype: torch.dtype, hidden: int):
@@ -383,12 +379,12 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
     def _combine(self, partial: torch.Tensor, state: _DispatchState, num_tokens: int):
         bufs, capacity = state.buffers, self.capacity
         hidden = partial.shape[1]
-        width = _padded(hidden, partial.dtype)
-        send_c = _Buffers.rows(bufs.hi, width, partial.dtype)
-        recv_c = _Buffers.rows(bufs.lo, width, partial.dtype)
-        send_c[:capacity, :hidden].copy_(partial)
+        send_c = _Buffers.as_rows(bufs.out, hidden, partial.dtype)
+        recv_c = _Buffers.as_rows(bufs.send, hidden, partial.dtype)
+        if partial.data_ptr() != send_c.data_ptr():  # else the experts wrote it there
+            send_c[:capacity].copy_(partial)
         bufs.counts_back.copy_(bufs.received[0, 0])
-        self._transport.all_to_all(send_c, recv_c, bufs.counts_back, bufs.received[2])
+        self._transport.all_to_all(bufs.out, bufs.send, bufs.counts_back, bufs.received[1])
         out = partial.new_empty(num_tokens, hidden)
         gather_sum_rows(recv_c, state.pos, out, capacity)
         return out
