@@ -172,7 +172,8 @@ def _kernel_for(
         )  # fmt: skip
         entry = _KERNELS.get(key)
         if entry is not None:
-            _KERNELS.move_to_end(key)
+            with contextlib.suppress(KeyError):  # another thread may have evicted it since
+                _KERNELS.move_to_end(key)
             return entry[0], entry[2]
     problem = MoEProblem(
         device=device,

@@ -19,11 +19,15 @@ changes the key; a write in place shows through.
 
 layer._graph_state = (the layer's set of backends, GraphCache, runner per (device, dtype)); the
 graphs belong to that set: a new one (set_backend, .to(), quantize_, a new placement) starts an
-empty cache, and a copy of the layer (__getstate__) captures its own.
+empty cache, and a copy of the layer (__getstate__) captures its own. The state and each runner
+are made once, by one thread (_STATE_LOCK), so every graph reads the runner the layer keeps;
+the cache itself is safe to call from any thread on any stream (each stream replays graphs of
+its own: fusedmoe.modular.graphs, lanes).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,6 +43,8 @@ from fusedmoe.weights.quantize import call_quant_config
 if TYPE_CHECKING:
     from fusedmoe.layer import FusedMoE
     from fusedmoe.oracle import BackendChoice
+
+_STATE_LOCK = threading.Lock()  # the making of a layer's graph state and runners (rare)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,25 @@ def graph_addresses(layer: FusedMoE) -> tuple[int, ...]:
     return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
 
 
+def _graph_runner(layer: FusedMoE, choice: BackendChoice, device, dtype) -> tuple:
+    """(layer._graph_state, its runner for device and dtype), made where missing: by one
+    thread at a time, so that two first calls do not each capture with a runner of their own."""
+    with _STATE_LOCK:
+        state = layer._graph_state
+        if state is None or state[0] is not layer._kernels:
+            state = layer._graph_state = (layer._kernels, GraphCache(), {})
+        runners = state[2]
+        runner = runners.get((device, dtype))
+        if runner is None:
+            # its own modular kernel: workspaces that are never freed while a graph holds them
+            _, eager = layer._kernel(device, dtype, False)
+            experts = eager if choice.experts_cls.routes_inside else eager.experts
+            pc, placement = layer.parallel_config, layer.placement
+            runner = make_runner(experts, pc, placement, layer.chunk_size, retain_workspaces=True)
+            runners[(device, dtype)] = runner
+        return state, runner
+
+
 def forward_graphed(
     layer: FusedMoE,
     choice: BackendChoice,
@@ -130,18 +155,11 @@ def forward_graphed(
     be captured; with a gate (logits None; reads_of_gate, what its module reads: gate_reads),
     the graph computes the logits too."""
     state = layer._graph_state
-    if state is None or state[0] is not layer._kernels:
-        state = layer._graph_state = (layer._kernels, GraphCache(), {})
-    _, graphs, runners = state
     device, dtype = x_routed.device, x_routed.dtype
-    runner = runners.get((device, dtype))
-    if runner is None:
-        # its own modular kernel: workspaces that are never freed while a graph holds them
-        _, eager = layer._kernel(device, dtype, False)
-        experts = eager if choice.experts_cls.routes_inside else eager.experts
-        pc, placement = layer.parallel_config, layer.placement
-        runner = make_runner(experts, pc, placement, layer.chunk_size, retain_workspaces=True)
-        runners[(device, dtype)] = runner
+    runner = None if state is None else state[2].get((device, dtype))
+    if runner is None or state[0] is not layer._kernels:
+        state, runner = _graph_runner(layer, choice, device, dtype)
+    graphs = state[1]
     reads_of_shared = shared_reads(layer)
     with_shared = reads_of_shared is not None
 

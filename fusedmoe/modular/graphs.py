@@ -11,27 +11,46 @@ captures the call once per (token bucket, signature) and replays it after:
     bucket  = the smallest of 1, 2, 4, ..., 256 holding M tokens, then of 512, 768, 1024, ...
               (multiples of 256) up to max_tokens (DEFAULT_MAX_TOKENS: 4096)
     first   : inputs copied into static buffers (arenas, below); warm-up on the capture
-              stream (compiles kernels, grows the workspaces); capture into a pool shared by
-              every graph of the process, each output copied into its arena at the end of the
-              graph; a capture that fails marks the key and the call runs eagerly
+              stream (compiles kernels, grows the workspaces); capture into the pool of the
+              caller's stream (its lane, below), each output copied into its arena at the end
+              of the graph; a capture that fails marks the key and the call runs eagerly
     later   : copy the inputs into rows [0, M) of the arenas (one foreach copy), replay, clone
               rows [0, M) of each output arena: a few host calls, whatever the pipeline
               launches
 
-Arenas: one buffer per (input or output position, dtype, trailing shape) and device, shared by
-every graph (grown geometrically; a graph keeps the buffer it was captured with). Nothing a
-graph computes stays alive between replays but the arenas, so its scratch and outputs are pool
-memory the next capture reuses: a model's layers times the buckets cost graphs, not copies of
-their activations. Rows [M, bucket) hold the inputs of an earlier call (zeros at first): they
-are computed and thrown away. No row may depend on another: every token is routed on its own,
-and the callers keep schemes with a batch-wide activation scale (dynamic per-tensor FP8,
-NVFP4) off graphs. Kernel configs are those of the bucket's token count (the same kernels,
-possibly other tiles).
+Arenas: one buffer per (input or output position, dtype, trailing shape) and lane (below),
+shared by every graph of the lane (grown geometrically; a graph keeps the buffer it was captured
+with). Nothing a graph computes stays alive between replays but the arenas, so its scratch and
+outputs are pool memory the next capture of its lane reuses: a model's layers times the buckets
+cost graphs, not copies of their activations. Rows [M, bucket) hold the inputs of an earlier
+call (zeros at first): they are computed and thrown away. No row may depend on another: every
+token is routed on its own, and the callers keep schemes with a batch-wide activation scale
+(dynamic per-tensor FP8, NVFP4) off graphs. Kernel configs are those of the bucket's token count
+(the same kernels, possibly other tiles).
 
-The graphs of a process share their pool, arenas and workspaces per device: replays are meant
-to run one at a time, as a model's layers do on one stream; calls from several threads or
-streams at once should turn graphs off (FUSEDMOE_CUDA_GRAPHS=0). A new bucket costs one capture
-per layer (milliseconds each) the first time a call of that size comes.
+Lanes: what replays share belongs to the stream they replay on. A lane is (device, the caller's
+current stream) and has its own graph memory pool, capture stream, arenas and graphs (the lane
+is part of every key), and a lock held from a call's copy in to its copy out, and across a
+capture. Calls on one stream, from any number of threads, take turns on the host in the order
+the GPU runs them (graphs of one pool share their scratch: they must run one at a time); calls
+on two streams (overlapped micro-batches, a serving engine's threads) run side by side and touch
+none of each other's memory. Captures take turns across the process (torch allows one at a time,
+and the cuBLAS workspace clears around one reach every stream); replays never wait for them.
+The cost: each stream that calls a layer captures graphs of its own (one per layer and bucket,
+at its first call of the bucket) and keeps its own pool, arenas and workspaces, so graph memory
+grows with the number of streams calling.
+
+A lane captures on a stream of torch's pool (as torch.cuda.graph does) that no other lane
+captures on or calls from: a capture records whatever any thread queues on its stream, and a
+graph writes the workspaces of the stream it was captured on. A pooled stream that callers start
+using is taken back from the lane capturing on it. (Work of the caller's own, queued on a pooled
+stream that has not called fusedmoe, may still meet a capture there, as with torch.cuda.graph's
+own capture stream.) A lane is named by its stream's handle: torch never destroys its pooled
+streams; an external stream (torch.cuda.ExternalStream) that is destroyed and whose handle comes
+back for a new stream hands its lane over, safely (CUDA releases a destroyed stream only once its
+queued work is done, so the lane is idle by then). Lanes stay for the life of the process;
+empty_cache frees what they hold. A new bucket costs one capture per layer and lane
+(milliseconds each) the first time a call of that size comes.
 
 The caller decides when a graph may stand in for the call (fusedmoe.layer_graphs for the
 FusedMoE layer: CUDA, no autograd, not tracing or capturing itself, a graph-safe backend and
@@ -46,10 +65,13 @@ where a graph may stand in for them: `graph_reads` says so and gives the address
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -60,27 +82,38 @@ GRAPHS_ENV = "FUSEDMOE_CUDA_GRAPHS"
 DEFAULT_MAX_TOKENS = 4096
 _POW2_BUCKETS = 256  # buckets are powers of two up to here, then its multiples
 _MAX_GRAPHS = 8192  # per cache (a cache serves every layer of a signature), LRU first out
-#: device index -> (the graph memory pool all caches share, the stream they capture on)
-_POOLS: dict[int, tuple[object, torch.cuda.Stream]] = {}
-#: (position, device, dtype, trailing shape) -> the rows every graph reads or writes there
-_ARENAS: dict[tuple, torch.Tensor] = {}
+_STREAM_DRAWS = 64  # torch's pool hands out its 32 streams per priority round-robin
+#: (device index, stream handle) -> the lane of the calls on that stream (module docstring)
+_LANES: dict[tuple[int, int], _Lane] = {}
+#: held by a capture, by the making of a lane, and by empty_cache; taken before a lane's lock.
+#: Reentrant: a module captured with a call may call a layer itself during the warm-up.
+_SETUP_LOCK = threading.RLock()
 _CACHES: weakref.WeakSet[GraphCache] = weakref.WeakSet()  # every GraphCache alive
+_CACHES_LOCK = threading.Lock()  # _CACHES' adds against empty_cache's walk; held alone
 
 
 def empty_cache() -> None:
-    """Free what fusedmoe keeps between calls: every CUDA graph of the process, their arenas
-    and pool, and the workspaces shared by every layer (the eager ones and those graphs
-    captured). The next calls allocate and capture again. For a notebook that drops a model,
-    or a process that switches to another: without it, these buffers stay sized to the
-    largest call seen (for deepseek-v3 shapes at 4096 tokens, several hundred MB)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # no replay may still be writing what is freed below
-    for cache in list(_CACHES):
-        cache.clear()
-    _ARENAS.clear()
-    _POOLS.clear()
-    shared_workspaces().clear()
-    shared_workspaces(retain=True).release_unused()
+    """Free what fusedmoe keeps between calls: every CUDA graph of the process, the pools
+    and arenas of every stream's lane, and the workspaces shared by every layer (the eager ones
+    and those graphs captured). The next calls allocate and capture again. For a notebook that
+    drops a model, or a process that switches to another: without it, these buffers stay sized
+    to the largest call seen (for deepseek-v3 shapes at 4096 tokens, several hundred MB). Calls
+    of other threads wait meanwhile (a replay under way finishes first)."""
+    with _SETUP_LOCK, contextlib.ExitStack() as held:  # no capture, no new lane
+        lanes = list(_LANES.values())
+        for lane in lanes:
+            held.enter_context(lane.lock)  # no replay: none may be queued after the sync
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index in {torch.cuda.current_device(), *(lane.key[0] for lane in lanes)}:
+                torch.cuda.synchronize(index)  # no replay may still be writing what is freed
+        with _CACHES_LOCK:
+            caches = list(_CACHES)
+        for cache in caches:
+            cache.clear()
+        for lane in lanes:
+            lane.release()
+        shared_workspaces().clear()
+        shared_workspaces(retain=True).release_unused()
 
 
 # ---- what a graph may stand in for ---------------------------------------------------------
@@ -161,9 +194,9 @@ def _clear_blas_workspaces() -> None:
     linear, a shared expert) embeds its workspace's address; a workspace cached before the
     capture lives outside the pool, and torch frees it whenever it clears its cache (a CUDA
     graph tree recording, any graph captured on that stream destroyed) while our graph still
-    writes to it. Cleared first, the capture allocates the workspace in the graphs' pool, which
-    outlives every graph of the process, and whose memory only these graphs, replayed one at a
-    time, reuse."""
+    writes to it. Cleared first, the capture allocates the workspace in its lane's pool, which
+    outlives every graph of the lane, and whose memory only these graphs, replayed one at a
+    time on the lane's stream, reuse."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
@@ -191,15 +224,117 @@ def bucket_of(num_tokens: int) -> int:
     return -(-num_tokens // _POW2_BUCKETS) * _POW2_BUCKETS
 
 
-def _arena(position: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Rows [0, shape[0]) of the process's arena for this position, dtype and trailing shape:
-    allocated outside any graph pool, grown geometrically (a graph keeps its own buffer)."""
-    key = (position, device, dtype, tuple(shape[1:]))
-    buf = _ARENAS.get(key)
-    if buf is None or buf.shape[0] < shape[0]:
-        rows = max(shape[0], 2 * buf.shape[0]) if buf is not None else shape[0]
-        buf = _ARENAS[key] = torch.zeros((rows, *shape[1:]), dtype=dtype, device=device)
-    return buf[: shape[0]]
+def _lane_key(device: torch.device) -> tuple[int, int]:
+    """(device index, the handle of its current stream): the lane of a call on device. The
+    handle is read as fusedmoe.modular.kernel._stream_of does, without building a Stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch._C._cuda_getCurrentRawStream(index)
+
+
+@dataclass(eq=False)
+class _Lane:
+    """What the graphs replayed on one stream share (module docstring: lanes). arenas are read
+    and written under lock; pool and side under _SETUP_LOCK too (captures hold both)."""
+
+    #: (device index, stream handle), as _lane_key gives it
+    key: tuple[int, int]
+    #: held across a call's copy in, replay and copy out, and across a capture
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the graph memory pool of the lane's graphs (made at its first capture)
+    pool: tuple | None = None
+    #: the stream its graphs are captured on (drawn at its first capture; None again when
+    #: callers start using it: the next capture draws another)
+    side: torch.cuda.Stream | None = None
+    #: (position, dtype, trailing shape) -> the rows every graph of the lane reads or writes
+    arenas: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def arena(self, position: str, shape: tuple[int, ...], dtype: torch.dtype, device):
+        """Rows [0, shape[0]) of the lane's arena for this position, dtype and trailing shape:
+        allocated outside any graph pool, on the current stream (the lane's, which reads and
+        writes it), grown geometrically (a graph keeps its own buffer)."""
+        key = (position, dtype, tuple(shape[1:]))
+        buf = self.arenas.get(key)
+        if buf is None or buf.shape[0] < shape[0]:
+            rows = max(shape[0], 2 * buf.shape[0]) if buf is not None else shape[0]
+            buf = self.arenas[key] = torch.zeros((rows, *shape[1:]), dtype=dtype, device=device)
+        return buf[: shape[0]]
+
+    def release(self) -> None:
+        """Drop the pool, the capture stream and the arenas (empty_cache, with every graph)."""
+        self.pool = self.side = None
+        self.arenas.clear()
+
+
+def _lane(device: torch.device) -> _Lane:
+    """The lane of a call on device's current stream, made at the stream's first call."""
+    key = _lane_key(device)
+    lane = _LANES.get(key)
+    if lane is None:
+        with _SETUP_LOCK:  # no capture is under way: none runs on the stream taken back here
+            lane = _LANES.get(key)
+            if lane is None:
+                for other in _LANES.values():
+                    if other.side is not None and (other.key[0], other.side.cuda_stream) == key:
+                        other.side = None  # callers use it now
+                lane = _LANES[key] = _Lane(key)
+    return lane
+
+
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    """A stream of torch's pool on device `index` that no lane calls from or captures on
+    (_SETUP_LOCK held). RuntimeError where the pool has none left: that lane runs eagerly."""
+    taken = set()
+    for lane in _LANES.values():
+        if lane.key[0] == index:
+            taken.add(lane.key[1])
+            if lane.side is not None:
+                taken.add(lane.side.cuda_stream)
+    for _ in range(_STREAM_DRAWS):
+        stream = torch.cuda.Stream(index)
+        if stream.cuda_stream not in taken:
+            return stream
+    raise RuntimeError(
+        f"no stream of torch's pool on cuda:{index} is free to capture on: {len(taken)} are "
+        "taken by fusedmoe's lanes"
+    )
+
+
+def _record(fn, statics: list[torch.Tensor], lane: _Lane) -> tuple[object, tuple]:
+    """Warm fn up on the lane's capture stream, then capture fn(*statics) into a CUDA graph
+    that copies each output into the lane's arena for it: (graph, output arenas). Under
+    _SETUP_LOCK and the lane's lock; RuntimeError where something cannot be captured."""
+    device = statics[0].device
+    if lane.pool is None:
+        lane.pool = torch.cuda.graph_pool_handle()
+    if lane.side is None:
+        lane.side = _capture_stream(lane.key[0])
+    side, caller = lane.side, torch.cuda.current_stream(device)
+    # warm-up and capture on one stream: the workspaces (kept per stream) that the warm-up grows
+    # are the ones the capture records, and the stream being the lane's alone, so are they
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        warm = fn(*statics)  # compiles, fills every cache, grows the workspaces
+    outputs = [None if out is None else (out.shape, out.dtype) for out in warm]
+    del warm
+    caller.wait_stream(side)
+    # the output arenas, allocated here: never in the graph's pool
+    arenas = tuple(
+        None if out is None else lane.arena(f"out{j}", *out, device)
+        for j, out in enumerate(outputs)
+    )
+    graph = torch.cuda.CUDAGraph()
+    _clear_blas_workspaces()
+    try:
+        # thread_local: a capture here does not break CUDA calls of other threads
+        with torch.cuda.graph(
+            graph, pool=lane.pool, stream=side, capture_error_mode="thread_local"
+        ):
+            for arena, out in zip(arenas, fn(*statics), strict=True):
+                if arena is not None:
+                    arena.copy_(out)  # the graph's outputs go back to the pool
+    finally:
+        _clear_blas_workspaces()
+    return graph, arenas
 
 
 class _Graph:
@@ -221,21 +356,58 @@ class _Graph:
                 self._rows[num_tokens] = views
         return views
 
+    def replay(self, inputs: Sequence[torch.Tensor]) -> tuple:
+        """Copy the inputs in, replay, clone the outputs out; the lane's lock held, so no other
+        call writes the arenas in between."""
+        static_inputs, static_outputs = self.rows(inputs[0].shape[0])
+        torch._foreach_copy_(static_inputs, list(inputs))  # one call for every input
+        self.graph.replay()
+        return tuple(None if out is None else out.clone() for out in static_outputs)
+
+
+def _capture(fn, inputs: Sequence[torch.Tensor], bucket: int, lane: _Lane) -> _Graph | None:
+    """A graph of fn on bucket rows of the lane's arenas; None where fn cannot be captured."""
+    device = inputs[0].device
+    with torch.inference_mode(False), torch.no_grad():
+        statics = []
+        for i, given in enumerate(inputs):
+            static = lane.arena(f"in{i}", (bucket, *given.shape[1:]), given.dtype, device)
+            static[: given.shape[0]].copy_(given)
+            statics.append(static)
+        try:
+            graph, arenas = _record(fn, statics, lane)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            # something in the call cannot be captured (a host sync, a collective), or no
+            # stream is left to capture on: it stays eager for this key
+            return None
+    return _Graph(graph, statics, arenas)
+
+
+_MISSING = object()  # GraphCache._lookup: no entry yet
+
 
 class GraphCache:
-    """CUDA graphs of one computation, per token bucket and caller key (module docstring)."""
+    """CUDA graphs of one computation, per lane, token bucket and caller key (module
+    docstring). Safe to call from any thread on any stream."""
 
     def __init__(self) -> None:
-        self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: not capturable
+        #: (lane key, bucket, *caller key) -> its graph, None where it is not capturable
+        self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()
+        self._lock = threading.Lock()  # the dict and the counts, for the calls of every lane
         self.captures = 0
         self.replays = 0
-        _CACHES.add(self)
+        with _CACHES_LOCK:
+            _CACHES.add(self)
 
     def clear(self) -> None:
-        self._graphs.clear()
+        with self._lock:
+            self._graphs.clear()
 
     def __len__(self) -> int:
-        return sum(g is not None for g in self._graphs.values())
+        with self._lock:
+            return sum(g is not None for g in self._graphs.values())
 
     def run(
         self,
@@ -243,69 +415,40 @@ class GraphCache:
         inputs: Sequence[torch.Tensor],
         key: tuple,
     ) -> tuple | None:
-        """fn(*inputs) -> a tuple of tensors [M, ...] (or None entries), from a graph; None when
-        this key cannot be captured (the caller then runs fn eagerly)."""
-        num_tokens = inputs[0].shape[0]
-        bucket = bucket_of(num_tokens)
-        full_key = (bucket, *key)
-        entry = self._graphs.get(full_key, ())
-        if entry == ():
-            entry = self._capture(fn, inputs, bucket)
+        """fn(*inputs) -> a tuple of tensors [M, ...] (or None entries), from a graph of the
+        caller's stream; None when this key cannot be captured (the caller then runs fn
+        eagerly)."""
+        bucket = bucket_of(inputs[0].shape[0])
+        lane = _lane(inputs[0].device)
+        full_key = (lane.key, bucket, *key)
+        with lane.lock:
+            entry = self._lookup(full_key)
+            if entry is not _MISSING:
+                return None if entry is None else entry.replay(inputs)
+        with _SETUP_LOCK, lane.lock:  # the lock order everywhere: _SETUP_LOCK, then a lane's
+            entry = self._lookup(full_key)  # another thread of the lane may have captured it
+            if entry is _MISSING:
+                entry = _capture(fn, inputs, bucket, lane)
+                self._insert(full_key, entry)
+            return None if entry is None else entry.replay(inputs)
+
+    def _lookup(self, full_key: tuple):
+        """The entry of full_key (_MISSING if none), made the most recently used; a graph's
+        replay counted."""
+        with self._lock:
+            entry = self._graphs.get(full_key, _MISSING)
+            if entry is not _MISSING:
+                self._graphs.move_to_end(full_key)
+                if entry is not None:
+                    self.replays += 1
+        return entry
+
+    def _insert(self, full_key: tuple, entry: _Graph | None) -> None:
+        """Add a capture's entry (and count its first replay), least recently used first out."""
+        with self._lock:
             self._graphs[full_key] = entry
             if len(self._graphs) > _MAX_GRAPHS:
                 self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(full_key)
-        if entry is None:
-            return None
-        static_inputs, static_outputs = entry.rows(num_tokens)
-        torch._foreach_copy_(static_inputs, list(inputs))  # one call for every input
-        entry.graph.replay()
-        self.replays += 1
-        return tuple(None if out is None else out.clone() for out in static_outputs)
-
-    def _capture(self, fn, inputs, bucket) -> _Graph | None:
-        device = inputs[0].device
-        with torch.inference_mode(False), torch.no_grad():
-            statics = []
-            for i, given in enumerate(inputs):
-                static = _arena(f"in{i}", (bucket, *given.shape[1:]), given.dtype, device)
-                static[: given.shape[0]].copy_(given)
-                statics.append(static)
-            try:
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                if index not in _POOLS:
-                    _POOLS[index] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
-                pool, side = _POOLS[index]
-                # warm-up and capture on one stream: the workspaces (kept per stream) that the
-                # warm-up grows are the ones the capture records
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    warm = fn(*statics)  # compiles, fills every cache, grows the workspaces
-                    # the output arenas, allocated here: never in the graph's pool
-                    arenas = tuple(
-                        None if out is None else _arena(f"out{j}", out.shape, out.dtype, device)
-                        for j, out in enumerate(warm)
-                    )
-                    del warm
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                _clear_blas_workspaces()
-                try:
-                    # thread_local: a capture here does not break CUDA calls of other threads
-                    with torch.cuda.graph(
-                        graph, pool=pool, stream=side, capture_error_mode="thread_local"
-                    ):
-                        for arena, out in zip(arenas, fn(*statics), strict=True):
-                            if arena is not None:
-                                arena.copy_(out)  # the graph's outputs go back to the pool
-                finally:
-                    _clear_blas_workspaces()
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError:
-                # something in the call cannot be captured (a host sync, a collective): it
-                # stays eager for this key
-                return None
-        self.captures += 1
-        return _Graph(graph, statics, arenas)
+            if entry is not None:
+                self.captures += 1
+                self.replays += 1

@@ -76,7 +76,9 @@ class WorkspaceCache:
 
     retain: keep the buffers a larger one replaced (a CUDA graph captured with the smaller one
     still writes to its address: it must never be freed and handed to someone else); such a
-    cache grows geometrically, so what it keeps stays under twice its largest buffers."""
+    cache grows geometrically, so what it keeps stays under twice its largest buffers. Graphs
+    are captured on a stream of their lane's own (fusedmoe.modular.graphs), so the buffers a
+    graph writes belong to the stream it replays on, and no other stream's replay writes them."""
 
     buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
     retain: bool = False
@@ -252,7 +254,13 @@ class FusedMoEModularKernel:
         ):
             expert_output = output  # the backend reduces into the result: finalize copies nothing
         else:
-            expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
+            expert_output = None
+            if not recorded:
+                expert_output = self.prepare_finalize.expert_output_buffer(
+                    tuple(shapes.output), hidden_states.dtype, device
+                )
+            if expert_output is None:
+                expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
         if num_tokens:  # EP: a rank where no token landed skips its experts, not finalize
             experts.apply(
                 ExpertsCall(

@@ -88,7 +88,7 @@ def gather_sum_rows_torch(
     hidden = out.shape[1]
     acc = torch.promote_types(src.dtype, torch.float32)
     rows = src[:, :hidden][pos.clamp(max=trash - 1)].to(acc)  # [M, R, H]
-    rows = rows * (pos != trash).unsqueeze(-1)
+    rows = rows.masked_fill((pos == trash).unsqueeze(-1), 0)  # stale rows may hold NaN
     out.copy_(rows.sum(dim=1))
 
 

@@ -155,15 +155,16 @@ def resolve_dispatch(
         return DispatchChoice("naive" if asked == "auto" else "all_to_all", not_symm)
     from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV, nvshmem_unavailable_reason
 
-    if os.environ.get(TRANSPORT_ENV, "").strip().lower() == "emulated":
-        why = None  # the test transport: any device, any process group
-    else:
-        why = nvshmem_unavailable_reason(device, pc.group)
+    emulated = os.environ.get(TRANSPORT_ENV, "").strip().lower() == "emulated"
+    # the emulated transport (tests): any device, any process group
+    why = None if emulated else nvshmem_unavailable_reason(device, pc.group)
     if why is None:
+        how = "the emulated transport (tests)" if emulated else "CUDA with NVSHMEM"
         return DispatchChoice(
             "symm_mem",
-            ("asked for" if asked == "symm_mem" else "auto on CUDA with NVSHMEM")
-            + f": counts stay on the GPU, up to {pc.max_tokens_per_rank} tokens per rank a call",
+            ("asked for" if asked == "symm_mem" else "auto")
+            + f", {how}: counts stay on the GPU, up to {pc.max_tokens_per_rank} tokens per "
+            "rank a call",
         )
     if asked == "symm_mem":
         raise ValueError(f"all2all_backend='symm_mem' cannot run here: {why}")

@@ -39,6 +39,7 @@ import torch
 
 from fusedmoe.layer import FusedMoE
 from fusedmoe.modular.types import ExpertsCall
+from fusedmoe.parallel.comm import EPCommStats
 from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.tools.presets import get_preset
 from fusedmoe.weights.tensors import expert_weights
@@ -381,11 +382,13 @@ def run(args) -> list[Row]:
                 pf = kernel.prepare_finalize
                 stages, forwards = [], []
                 with torch.no_grad():
-                    pf.count_traffic = True  # symm_mem: counts read on the host, untimed
-                    pf.reset_stats()
-                    time_stages(layer, x, logits, timer, dist)
-                    stats = pf.reset_stats()
-                    pf.count_traffic = False
+                    stats = EPCommStats()  # one rank (ep = 1): nothing travels
+                    if hasattr(pf, "reset_stats"):
+                        pf.count_traffic = True  # symm_mem: counts read on the host, untimed
+                        pf.reset_stats()
+                        time_stages(layer, x, logits, timer, dist)
+                        stats = pf.reset_stats()
+                        pf.count_traffic = False
                     graphs = None
                     if args.graph and kind == "symm_mem" and device.type == "cuda":
                         time_forward(layer, x, logits, timer, dist)  # warm-up

@@ -1,0 +1,772 @@
+"""The symm_mem EP dispatch on one process: where each token's row goes (dispatch_positions), the
+row movers (the Triton kernels of fusedmoe.kernels.ep_rows against their torch twins, the twins
+against plain loops), the choice of the dispatch kind (resolve_dispatch), the config's new
+fields, SymmMemEPPrepareFinalize's checks, single-pass modular kernels, and the explanation.
+
+Without a GPU the kernels run on Triton's CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), so the shapes here are small. Sharded == unsharded over the emulated
+transport: tests/test_ep.py (the symm* cases).
+
+Legend: M tokens, E experts (P physical), k top-k, R ranks, C send slots (C: no slot), W row width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fusedmoe import FusedMoE, ParallelConfig
+from fusedmoe._triton import triton_runs_on
+from fusedmoe.experts.torch_ref import TorchExperts
+from fusedmoe.modular.kernel import FusedMoEModularKernel
+from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights
+from fusedmoe.oracle import BackendChoice, select_backend
+from fusedmoe.parallel.config import DEFAULT_MAX_TOKENS_PER_RANK
+from fusedmoe.parallel.placement import expert_placement
+from fusedmoe.parallel.rows import (
+    dispatch_positions,
+    dispatch_positions_torch,
+    gather_sum_rows,
+    gather_sum_rows_torch,
+    scatter_rows,
+    scatter_rows_torch,
+)
+from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV, SymmMemEPPrepareFinalize
+from fusedmoe.parallel.wiring import DispatchChoice, resolve_dispatch
+from tests.helpers import assert_close, assert_equal, poison_, random_routing
+from tests.reference import random_experts, reference
+
+needs_triton = pytest.mark.skipif(
+    not triton_runs_on(torch.empty(0)),
+    reason="needs Triton on this device (CUDA, or TRITON_INTERPRET=1 on the CPU)",
+)
+CPU = torch.device("cpu")
+
+
+# ---- dispatch_positions ------------------------------------------------------------------------
+def dispatch_positions_ref(topk_ids, owner, num_ranks, num_slots):
+    """Plain loops: each token once to each rank that owns one of its experts; the send rows
+    grouped by rank in rank order, tokens in order within a rank; num_slots where not sent."""
+    num_tokens = topk_ids.shape[0]
+    goes = [[False] * num_ranks for _ in range(num_tokens)]
+    for m in range(num_tokens):
+        for e in topk_ids[m].tolist():
+            if e >= 0:
+                goes[m][int(owner[e])] = True
+    pos = torch.full((num_tokens, num_ranks), num_slots, dtype=torch.int64)
+    counts = torch.zeros(num_ranks, dtype=torch.int64)
+    slot = 0
+    for r in range(num_ranks):
+        for m in range(num_tokens):
+            if goes[m][r]:
+                pos[m, r] = slot
+                counts[r] += 1
+                slot += 1
+    return pos, counts
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteCase:
+    name: str
+    num_tokens: int  # M
+    num_experts: int  # E (logical)
+    top_k: int
+    num_ranks: int  # R
+    placement: str = "linear"
+    redundant: int = 0  # EPLB replicas: P = E + redundant physical ids
+    empty: float = 0.0  # fraction of -1 slots
+    routing: str = "distinct"  # "distinct", "repeats" (with replacement), "hot", "one_rank"
+
+
+ROUTE_CASES = [
+    RouteCase("M0", 0, 8, 2, 2),
+    RouteCase("M1", 1, 8, 3, 4, "round_robin"),
+    RouteCase("odd_R3_rr_empty", 37, 8, 3, 3, "round_robin", empty=0.3),
+    RouteCase("repeats_linear", 29, 8, 4, 2, routing="repeats"),  # same rank twice in a token
+    RouteCase("repeats_R4_rr", 23, 9, 5, 4, "round_robin", routing="repeats", empty=0.2),
+    RouteCase("hot_expert", 13, 8, 2, 4, routing="hot"),  # all tokens, all slots: one expert
+    RouteCase("one_rank_rr", 19, 9, 3, 3, "round_robin", routing="one_rank"),
+    RouteCase("k_eq_E", 11, 4, 4, 2, "round_robin"),
+    RouteCase("R1", 17, 6, 2, 1, empty=0.5),
+    RouteCase("all_empty", 7, 8, 2, 2, empty=1.0),
+    RouteCase("replicas", 21, 5, 2, 3, redundant=2, empty=0.1),
+]  # fmt: skip
+
+
+def route(case: RouteCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids int32 [M, k] physical ids, owner [P]) of a fresh random routing."""
+    placement = expert_placement(case.num_experts, case.num_ranks, case.placement, case.redundant)
+    owner = placement.owner()
+    num_physical, shape = owner.numel(), (case.num_tokens, case.top_k)
+    if case.routing == "distinct":
+        ids = random_routing(case.num_tokens, num_physical, case.top_k)[1]
+    elif case.routing == "repeats":
+        ids = torch.randint(0, num_physical, shape, dtype=torch.int32)
+    elif case.routing == "hot":
+        ids = torch.full(shape, num_physical - 1, dtype=torch.int32)
+    else:  # "one_rank": every slot an expert of rank 1
+        mine = (owner == 1).nonzero().flatten()
+        ids = mine[torch.randint(0, mine.numel(), shape)].to(torch.int32)
+    if case.empty:
+        ids = ids.masked_fill(torch.rand(shape) < case.empty, -1)
+    return ids, owner
+
+
+def check_positions(pos, counts, ids, owner, num_ranks, num_slots, *, what):
+    """pos and counts against the loops, and the invariants, independently of them."""
+    assert pos.dtype == torch.int64 and pos.shape == (ids.shape[0], num_ranks)
+    expected_pos, expected_counts = dispatch_positions_ref(ids, owner, num_ranks, num_slots)
+    assert_equal(counts, expected_counts, what=f"{what} counts")
+    assert_equal(pos, expected_pos, what=f"{what} pos")
+    sent = pos != num_slots  # [M, R]
+    dest = torch.zeros(ids.shape[0], num_ranks + 1, dtype=torch.bool)
+    for m, row in enumerate(ids.tolist()):
+        for e in row:
+            dest[m, int(owner[e]) if e >= 0 else num_ranks] = True
+    assert_equal(sent, dest[:, :num_ranks], what=f"{what}: the ranks each token goes to, once")
+    assert_equal(counts, sent.sum(dim=0), what=f"{what}: counts == rows sent")
+    total = int(counts.sum())
+    assert_equal(pos[sent].sort().values, torch.arange(total), what=f"{what}: a permutation")
+    start = 0
+    for r in range(num_ranks):  # grouped by rank in rank order, token order within a rank
+        got = pos[:, r][sent[:, r]]
+        assert_equal(got, torch.arange(start, start + int(counts[r])), what=f"{what} rank {r}")
+        start += int(counts[r])
+
+
+ROUTE_PARAMS = [pytest.param(c, id=c.name) for c in ROUTE_CASES]
+
+
+@pytest.mark.parametrize("case", ROUTE_PARAMS)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_dispatch_positions_torch_match_loops(case, ids_dtype):
+    ids, owner = route(case)
+    ids = ids.to(ids_dtype)
+    num_slots = case.num_ranks * max(case.num_tokens, 1)  # C = R * B with B >= M
+    pos, counts = dispatch_positions_torch(ids, owner, case.num_ranks, num_slots)
+    assert counts.dtype == torch.int64
+    check_positions(pos, counts, ids, owner, case.num_ranks, num_slots, what=case.name)
+    if case.routing == "hot":
+        assert int((counts > 0).sum()) == (1 if case.num_tokens else 0)
+    if case.routing == "one_rank":
+        assert counts.tolist() == [0, case.num_tokens, 0]
+
+
+# the kernel's blocks of 64 tokens: one full block, one and a bit, two and a bit
+BLOCK_PARAMS = [
+    pytest.param(RouteCase("M64", 64, 8, 8, 4), id="M64"),
+    pytest.param(RouteCase("M65", 65, 6, 2, 2, routing="repeats"), id="M65"),
+    pytest.param(RouteCase("M150", 150, 8, 3, 3, "round_robin", empty=0.2), id="M150"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [*ROUTE_PARAMS, *BLOCK_PARAMS])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_dispatch_positions_kernel_match_loops(case, ids_dtype):
+    """dispatch_positions where Triton runs: one program over blocks of 64 tokens."""
+    ids, owner = route(case)
+    ids = ids.to(ids_dtype)
+    num_slots = case.num_ranks * max(case.num_tokens, 1) + 5
+    counts = torch.full((case.num_ranks,), -7, dtype=torch.int64)  # written, not added to
+    pos = dispatch_positions(ids, owner, case.num_ranks, num_slots, counts)
+    check_positions(pos, counts, ids, owner, case.num_ranks, num_slots, what=case.name)
+
+
+@needs_triton
+@pytest.mark.parametrize("owner_dtype", [torch.int32, torch.int64])
+def test_dispatch_positions_kernel_strided_ids(owner_dtype):
+    """topk_ids column-major and as a column slice (strides read, not assumed)."""
+    case = RouteCase("strided", 70, 9, 3, 3, "round_robin", empty=0.2, routing="repeats")
+    ids, owner = route(case)
+    owner = owner.to(owner_dtype)
+    for layout, strided in (
+        ("column-major", ids.t().contiguous().t()),
+        ("column slice", torch.cat([ids, ids.flip(1)], dim=1)[:, : case.top_k]),
+    ):
+        counts = torch.empty(3, dtype=torch.int64)
+        pos = dispatch_positions(strided, owner, 3, 3 * 70, counts)
+        check_positions(pos, counts, ids, owner, 3, 3 * 70, what=layout)
+
+
+def test_dispatch_positions_value_where_not_sent():
+    """num_slots is what pos holds where a token does not go, whatever its value."""
+    ids = torch.tensor([[0, -1], [-1, -1], [3, 3]], dtype=torch.int32)
+    owner = expert_placement(4, 2, "linear").owner()  # 0, 0, 1, 1
+    counts = torch.empty(2, dtype=torch.int64)
+    pos = dispatch_positions(ids, owner, 2, 1000, counts)
+    assert pos.tolist() == [[0, 1000], [1000, 1000], [1000, 1]]
+    assert counts.tolist() == [1, 1]
+    twin_pos, twin_counts = dispatch_positions_torch(ids, owner, 2, 1000)
+    assert twin_pos.tolist() == pos.tolist() and twin_counts.tolist() == [1, 1]
+
+
+# ---- the row movers: twins against loops, kernels against twins -------------------------------
+def scatter_ref(src, pos, dst, col, trash):
+    """dst with dst[pos[m, r], col:col + W] = src[m] for pos[m, r] != trash, by loops."""
+    out = dst.clone()
+    for m in range(pos.shape[0]):
+        for r in range(pos.shape[1]):
+            p = int(pos[m, r])
+            if p != trash:
+                out[p, col : col + src.shape[1]] = src[m]
+    return out
+
+
+def gather_ref(src, pos, hidden, trash):
+    """float64 [M, H]: out[m] = sum of src[pos[m, r], :H] over r with pos[m, r] != trash."""
+    out = torch.zeros(pos.shape[0], hidden, dtype=torch.float64)
+    for m in range(pos.shape[0]):
+        for r in range(pos.shape[1]):
+            p = int(pos[m, r])
+            if p != trash:
+                out[m] += src[p, :hidden].double()
+    return out
+
+
+def random_rows(shape, dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, dtype=dtype)
+
+
+def poisoned(shape, dtype) -> torch.Tensor:
+    """NaN for floats (tests/helpers.poison_), a fixed sentinel for the byte and int32 rows."""
+    if dtype.is_floating_point:
+        return poison_(torch.empty(shape, dtype=dtype))
+    return torch.full(shape, 77, dtype=dtype)
+
+
+def assert_same_rows(actual, expected, *, what):
+    """Exact, NaN (the poison) in the same places."""
+    if actual.dtype.is_floating_point:
+        assert_close(actual, expected, tol=0.0, what=what)
+    else:
+        assert_equal(actual, expected, what=what)
+
+
+def positions(num_tokens, num_ranks, *, extra_slots=0, empty=0.3):
+    """(pos [M, R] of a fresh random routing: E = 2R experts, k = 3, repeats and empty slots;
+    C, with spare slots beyond the rows sent)."""
+    owner = expert_placement(2 * num_ranks, num_ranks, "round_robin").owner()
+    ids = torch.randint(0, 2 * num_ranks, (num_tokens, 3), dtype=torch.int32)
+    ids = ids.masked_fill(torch.rand(num_tokens, 3) < empty, -1)
+    capacity = num_ranks * max(num_tokens, 1) + extra_slots
+    pos, _ = dispatch_positions_torch(ids, owner, num_ranks, capacity)
+    return pos, capacity
+
+
+# (M, R, W, dtype, col, src_stride_pad): odd widths, R = 1..4, a column offset, src rows strided
+SCATTER_GRID = [
+    (0, 2, 37, torch.bfloat16, 0, 0),
+    (1, 1, 37, torch.float32, 3, 0),
+    (7, 2, 37, torch.bfloat16, 0, 0),
+    (6, 3, 199, torch.float16, 5, 11),
+    (5, 4, 1000, torch.float32, 0, 0),
+    (9, 3, 64, torch.uint8, 16, 0),  # FP8 rows travel as their bytes
+    (4, 2, 13, torch.int32, 0, 3),  # the metadata rows: ids | weights as int32
+]
+SCATTER_IDS = [f"M{m}-R{r}-W{w}-{str(d)[6:]}-col{c}-pad{p}" for m, r, w, d, c, p in SCATTER_GRID]
+
+
+def scatter_problem(num_tokens, num_ranks, width, dtype, col, pad):
+    pos, capacity = positions(num_tokens, num_ranks, extra_slots=2)  # rows [n, C) not targeted
+    src = random_rows((num_tokens, width + pad), dtype)[:, :width]  # row stride width + pad
+    # more rows than C + 1 (row C is the trash), more columns than col + W
+    dst = poisoned((capacity + 4, col + width + 5), dtype)
+    return src, pos, dst, capacity
+
+
+@pytest.mark.parametrize("problem", SCATTER_GRID, ids=SCATTER_IDS)
+def test_scatter_rows_torch_matches_loops(problem):
+    col = problem[4]
+    src, pos, dst, capacity = scatter_problem(*problem)
+    expected = scatter_ref(src, pos, dst, col, capacity)
+    scatter_rows_torch(src, pos, dst, col, capacity)
+    keep = torch.arange(dst.shape[0]) != capacity  # row C takes what goes nowhere: not compared
+    assert_same_rows(dst[keep], expected[keep], what="scatter_rows_torch")
+
+
+@needs_triton
+@pytest.mark.parametrize("problem", SCATTER_GRID, ids=SCATTER_IDS)
+def test_scatter_rows_triton_matches_twin(problem):
+    from fusedmoe.kernels.ep_rows import scatter_rows_triton
+
+    width, col = problem[2], problem[4]
+    src, pos, dst, capacity = scatter_problem(*problem)
+    untouched = dst.clone()
+    expected = dst.clone()
+    scatter_rows_torch(src, pos, expected, col, capacity)
+    scatter_rows_triton(src, pos, dst, col, capacity)
+    keep = torch.arange(dst.shape[0]) != capacity
+    assert_same_rows(dst[keep], expected[keep], what="scatter_rows_triton")
+    # every row and column the routing does not target still holds the poison (row C, the
+    # trash, is free to take what goes nowhere)
+    targeted = torch.zeros(dst.shape[0], dtype=torch.bool)
+    targeted[pos[pos != capacity]] = True
+    targeted[capacity] = True
+    assert_same_rows(dst[~targeted], untouched[~targeted], what="rows not targeted")
+    outside = torch.ones(dst.shape[1], dtype=torch.bool)
+    outside[col : col + width] = False
+    assert_same_rows(dst[:, outside], untouched[:, outside], what="columns outside the row")
+
+
+# (M, R, H, src dtype, out dtype, src_width_pad): odd widths, R = 1..4, padded source rows
+GATHER_GRID = [
+    (0, 2, 37, torch.float32, torch.float32, 0),
+    (1, 1, 37, torch.bfloat16, torch.bfloat16, 0),
+    (7, 2, 37, torch.bfloat16, torch.bfloat16, 27),
+    (6, 3, 199, torch.float16, torch.float16, 0),
+    (5, 4, 1000, torch.float32, torch.float32, 24),
+    (8, 4, 199, torch.float32, torch.bfloat16, 0),  # accumulated in fp32, rounded once
+]
+GATHER_IDS = [
+    f"M{m}-R{r}-H{h}-{str(s)[6:]}-to-{str(o)[6:]}-pad{p}" for m, r, h, s, o, p in GATHER_GRID
+]
+
+
+def gather_problem(num_tokens, num_ranks, hidden, src_dtype, out_dtype, pad):
+    pos, capacity = positions(num_tokens, num_ranks, extra_slots=3)
+    # C + 1 rows of fresh values: the rows no token addresses (stale rows) too, and row C
+    src = torch.randn(capacity + 1, hidden + pad).to(src_dtype)
+    out = poison_(torch.empty(num_tokens, hidden, dtype=out_dtype))
+    return src, pos, out, capacity
+
+
+@pytest.mark.parametrize("problem", GATHER_GRID, ids=GATHER_IDS)
+def test_gather_sum_rows_torch_matches_loops(problem):
+    src, pos, out, capacity = gather_problem(*problem)
+    gather_sum_rows_torch(src, pos, out, capacity)
+    expected = gather_ref(src, pos, out.shape[1], capacity)
+    assert_close(out, expected, out.dtype, what="gather twin")
+
+
+@needs_triton
+@pytest.mark.parametrize("problem", GATHER_GRID, ids=GATHER_IDS)
+def test_gather_sum_rows_triton_matches_twin(problem):
+    from fusedmoe.kernels.ep_rows import gather_sum_rows_triton
+
+    src, pos, out, capacity = gather_problem(*problem)
+    hidden, out_dtype = out.shape[1], out.dtype
+    expected = torch.empty_like(out)
+    gather_sum_rows_torch(src, pos, expected, capacity)
+    gather_sum_rows_triton(src, pos, out, capacity)
+    # both sum in float32 and round once to out's dtype: they differ by the float32 summation
+    # order at most (where that moves a rounding, one ulp of out's dtype)
+    assert_close(out, expected, out_dtype, what="gather kernel vs twin")
+    assert_close(out, gather_ref(src, pos, hidden, capacity), out_dtype, what="gather kernel")
+
+
+def _gather_twin(src, pos, out, trash):
+    gather_sum_rows_torch(src, pos, out, trash)
+
+
+def _gather_triton(src, pos, out, trash):
+    from fusedmoe.kernels.ep_rows import gather_sum_rows_triton
+
+    gather_sum_rows_triton(src, pos, out, trash)
+
+
+@pytest.mark.parametrize(
+    "gather",
+    [
+        pytest.param(_gather_twin, id="twin"),
+        pytest.param(_gather_triton, id="triton", marks=needs_triton),
+    ],
+)  # fmt: skip
+def test_gather_ignores_nan_and_inf_in_rows_no_token_addresses(gather):
+    """Rows [n, C) of the receive buffer are stale (uninitialized memory, or an earlier call's
+    rows of another dtype): whatever they hold must not reach a token's sum."""
+    pos = torch.tensor([[0, 3], [1, 3], [3, 3]])  # C = 3; no token addresses row 2
+    src = torch.randn(4, 8)  # C + 1 rows
+    src[2] = float("nan")  # a stale row (C - 1)
+    src[3] = float("inf")  # the trash row (C)
+    out = poison_(torch.empty(3, 8))
+    gather(src, pos, out, 3)
+    expected = torch.stack([src[0], src[1], torch.zeros(8)])
+    assert_close(out, expected, torch.float32, what="sum over the addressed rows only")
+
+
+# ---- the dispatchers in rows.py ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_dispatchers_pick_the_kernel_where_triton_runs(monkeypatch, dtype, interpret):
+    """dispatch_positions, scatter_rows, gather_sum_rows: the Triton kernels where Triton runs
+    (here: the CPU under the interpreter; the row movers not for float64), else the twins; the
+    same results either way."""
+    if torch.cuda.is_available() and interpret == "1":
+        pytest.skip("the interpreter case is the CPU machine's (conftest.py sets it there)")
+    ep_rows = pytest.importorskip("fusedmoe.kernels.ep_rows")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    launched = []
+
+    def recording(fn):
+        def run(*args):
+            launched.append(fn.__name__)
+            return fn(*args)
+
+        return run
+
+    for name in ("dispatch_positions_triton", "scatter_rows_triton", "gather_sum_rows_triton"):
+        monkeypatch.setattr(ep_rows, name, recording(getattr(ep_rows, name)))
+    ids, owner = route(RouteCase("six", 6, 6, 3, 3, "round_robin", empty=0.3, routing="repeats"))
+    capacity = 3 * 6 + 1
+    counts = torch.full((3,), -7, dtype=torch.int64)
+    pos = dispatch_positions(ids, owner, 3, capacity, counts)
+    check_positions(pos, counts, ids, owner, 3, capacity, what="dispatch_positions")
+    src = torch.randn(6, 45).to(dtype)
+    dst, dst_twin = poisoned((capacity + 1, 45), dtype), poisoned((capacity + 1, 45), dtype)
+    scatter_rows(src, pos, dst, 0, capacity)
+    scatter_rows_torch(src, pos, dst_twin, 0, capacity)
+    assert_same_rows(dst[:capacity], dst_twin[:capacity], what="scatter_rows")
+    out, out_twin = poisoned((6, 40), dtype), poisoned((6, 40), dtype)
+    rows = torch.randn(capacity + 1, 45).to(dtype)
+    gather_sum_rows(rows, pos, out, capacity)
+    gather_sum_rows_torch(rows, pos, out_twin, capacity)
+    assert_close(out, out_twin, dtype, what="gather_sum_rows")
+    expected = ["dispatch_positions_triton"] if interpret == "1" else []
+    if interpret == "1" and dtype != torch.float64:
+        expected += ["scatter_rows_triton", "gather_sum_rows_triton"]
+    assert launched == expected
+
+
+# ---- resolve_dispatch --------------------------------------------------------------------------
+def dp_config(backend: str = "auto", **kwargs) -> ParallelConfig:
+    return ParallelConfig(
+        ep_size=2, ep_rank=0, dp_size=2, dp_rank=0, all2all_backend=backend, **kwargs
+    )
+
+
+def use_transport(monkeypatch, transport: str) -> None:
+    """ "nvshmem" (the default: what a CPU machine cannot run) or "emulated" (symm_mem on any
+    device, tests/test_ep.py)."""
+    if transport == "emulated":
+        monkeypatch.setenv(TRANSPORT_ENV, "emulated")
+    else:
+        monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+
+
+@pytest.fixture
+def real_transport(monkeypatch):
+    use_transport(monkeypatch, "nvshmem")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    use_transport(monkeypatch, "emulated")
+
+
+def test_auto_on_cpu_is_naive_and_says_why(real_transport):
+    choice = resolve_dispatch(dp_config(), CPU)
+    assert choice.kind == "naive"
+    assert "symm_mem" in choice.reason and "needs CUDA" in choice.reason, choice.reason
+    assert choice.describe() == f"naive: {choice.reason}"
+
+
+def test_symm_mem_asked_on_cpu_is_refused(real_transport):
+    with pytest.raises(ValueError, match=r"all2all_backend='symm_mem' cannot run here.*needs CUDA"):
+        resolve_dispatch(dp_config("symm_mem"), CPU)
+
+
+@pytest.mark.parametrize("transport", ["nvshmem", "emulated"])
+@pytest.mark.parametrize("asked", ["naive", "all_to_all"])
+def test_naive_and_all_to_all_asked_are_kept(monkeypatch, transport, asked):
+    use_transport(monkeypatch, transport)
+    for kwargs in ({}, {"requires_grad": True}, {"rows_independent": False}):
+        choice = resolve_dispatch(dp_config(asked), CPU, **kwargs)
+        assert choice == DispatchChoice(asked, "asked for (ParallelConfig.all2all_backend)")
+
+
+@pytest.mark.parametrize("spelling", ["emulated", " Emulated "])
+def test_emulated_transport_makes_auto_symm_mem(monkeypatch, spelling):
+    monkeypatch.setenv(TRANSPORT_ENV, spelling)
+    choice = resolve_dispatch(dp_config(max_tokens_per_rank=96), CPU)
+    assert choice.kind == "symm_mem"
+    assert "up to 96 tokens per rank" in choice.reason, choice.reason
+    asked = resolve_dispatch(dp_config("symm_mem"), CPU)
+    assert asked.kind == "symm_mem" and asked.reason.startswith("asked for"), asked.reason
+
+
+# (asked, keyword): what symm_mem cannot run -> the kind that can, and why (under the emulated
+# transport, where symm_mem would otherwise run)
+CANNOT_RUN = [
+    ("auto", {"requires_grad": True}, "naive", "inference only"),
+    ("symm_mem", {"requires_grad": True}, "all_to_all", "inference only"),
+    ("auto", {"rows_independent": False}, "naive", "one scale over the whole batch"),
+    ("symm_mem", {"rows_independent": False}, "all_to_all", "one scale over the whole batch"),
+    ("auto", {"routes_inside": True}, "naive", "routes inside"),
+    ("symm_mem", {"routes_inside": True}, "naive", "routes inside"),
+]
+
+
+@pytest.mark.parametrize("transport", ["nvshmem", "emulated"])
+@pytest.mark.parametrize(("asked", "kwargs", "kind", "why"), CANNOT_RUN)
+def test_what_symm_mem_cannot_run_takes_another_kind(
+    monkeypatch, transport, asked, kwargs, kind, why
+):
+    use_transport(monkeypatch, transport)
+    choice = resolve_dispatch(dp_config(asked), CPU, **kwargs)  # no ValueError for symm_mem
+    assert choice.kind == kind and why in choice.reason, choice
+
+
+@pytest.mark.parametrize(
+    "pc",
+    [
+        ParallelConfig(),
+        ParallelConfig(dp_size=2, dp_rank=1, all2all_backend="symm_mem"),  # DP only: no EP
+        ParallelConfig(ep_size=2, ep_rank=1, all2all_backend="symm_mem"),  # shared tokens
+    ],
+    ids=["single", "dp_only", "ep_shared_tokens"],
+)
+def test_no_dispatch_where_tokens_stay(emulated, pc):
+    choice = resolve_dispatch(pc, CPU)
+    assert choice == DispatchChoice(None)
+    assert choice.describe() == "none (tokens stay on their rank)"
+
+
+def test_sequence_parallel_dispatches(emulated):
+    pc = ParallelConfig(ep_size=2, ep_rank=1, sequence_parallel=True)
+    assert resolve_dispatch(pc, CPU).kind == "symm_mem"
+
+
+# ---- ParallelConfig: the new fields ------------------------------------------------------------
+def test_parallel_config_defaults():
+    pc = ParallelConfig()
+    assert pc.all2all_backend == "auto"
+    assert pc.max_tokens_per_rank == DEFAULT_MAX_TOKENS_PER_RANK >= 1
+    assert ParallelConfig(max_tokens_per_rank=1).max_tokens_per_rank == 1
+    assert dp_config("symm_mem", max_tokens_per_rank=4096).max_tokens_per_rank == 4096
+
+
+@pytest.mark.parametrize("value", [True, False, 0, -1, 2.0, "8", None])
+def test_max_tokens_per_rank_refused(value):
+    with pytest.raises(ValueError, match=r"max_tokens_per_rank must be an int >= 1, got"):
+        ParallelConfig(max_tokens_per_rank=value)
+
+
+@pytest.mark.parametrize("backend", ["auto", "naive", "all_to_all", "symm_mem"])
+def test_all2all_backends_accepted(backend):
+    assert dp_config(backend).all2all_backend == backend
+
+
+@pytest.mark.parametrize("backend", ["nvshmem", "SYMM_MEM", "symm-mem", "deepep", "", None])
+def test_unknown_all2all_backend_refused(backend):
+    with pytest.raises(ValueError, match=r"all2all_backend must be one of .*'symm_mem'"):
+        dp_config(backend)
+
+
+# ---- SymmMemEPPrepareFinalize ------------------------------------------------------------------
+def symm_pf(max_tokens=4, *, ep_size=2, sequence_parallel=False, owner=None):
+    if owner is None:
+        owner = expert_placement(8, ep_size, "linear").owner()
+    return SymmMemEPPrepareFinalize(
+        ep_size, 0, owner, max_tokens_per_rank=max_tokens, sequence_parallel=sequence_parallel
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_tokens": True}, TypeError, "max_tokens_per_rank must be an int, got True"),
+        ({"max_tokens": 2.0}, TypeError, "max_tokens_per_rank must be an int, got 2.0"),
+        ({"max_tokens": "4"}, TypeError, "max_tokens_per_rank must be an int"),
+        ({"max_tokens": 0}, ValueError, "max_tokens_per_rank must be >= 1, got 0"),
+        ({"max_tokens": -3}, ValueError, "max_tokens_per_rank must be >= 1, got -3"),
+        ({"owner": torch.zeros(8)}, TypeError, r"expert_owner must have dtype in .*float32"),
+        ({"owner": torch.zeros(2, 4, dtype=torch.int64)}, ValueError,
+         "expert_owner must have 1 dimensions"),
+        ({"owner": [0, 0, 1, 1]}, TypeError, "expert_owner must be a torch.Tensor"),
+        ({"sequence_parallel": 1}, TypeError, "sequence_parallel must be a bool"),
+    ],
+)  # fmt: skip
+def test_symm_pf_constructor_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        symm_pf(**kwargs)
+
+
+@pytest.mark.parametrize("owner_dtype", [torch.int32, torch.int64])
+def test_symm_pf_constructed(owner_dtype):
+    owner = expert_placement(8, 2, "round_robin").owner().to(owner_dtype)
+    pf = symm_pf(5, owner=owner)
+    assert pf.single_pass() is True
+    assert pf.capacity == 2 * 5 and pf.num_dispatchers() == 2
+    assert pf.expert_owner.dtype == torch.int64
+    assert_equal(pf.expert_owner, owner.long(), what="expert_owner")
+    assert NoEPPrepareFinalize().single_pass() is False  # the default it overrides
+
+
+@pytest.mark.parametrize(
+    ("sequence_parallel", "ep_size", "ok", "too_many"),
+    [(False, 2, (0, 1, 4), (5, 100)), (True, 2, (0, 7, 8), (9, 17)), (True, 4, (13, 16), (17,))],
+)
+def test_num_tokens_bounded_by_max_tokens_per_rank(
+    monkeypatch, sequence_parallel, ep_size, ok, too_many
+):
+    """B = 4: a rank's own count, or under sequence parallelism its slice ceil(M / R), is at
+    most B; the count itself is returned (one pass of every token, nothing exchanged)."""
+    pf = symm_pf(4, ep_size=ep_size, sequence_parallel=sequence_parallel)
+    monkeypatch.setattr(pf.comm, "check", lambda: None)  # no process group here
+    for num_tokens in ok:
+        assert pf.num_tokens_across_ranks(num_tokens, CPU) == num_tokens
+    for num_tokens in too_many:
+        with pytest.raises(ValueError, match=r"at most max_tokens_per_rank = 4 .*raise"):
+            pf.num_tokens_across_ranks(num_tokens, CPU)
+
+
+def test_num_tokens_needs_a_process_group():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized here")
+    with pytest.raises(ValueError, match=r"needs torch\.distributed initialized"):
+        symm_pf().num_tokens_across_ranks(1, CPU)
+
+
+def test_prepare_refuses_autograd_first():
+    """Before the process group is checked, before any argument is looked at."""
+    pf = symm_pf()
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="symm_mem dispatch is inference only"):
+        pf.prepare(x, None, None, 8, None, False, None, requires_grad=True)
+    if not (dist.is_available() and dist.is_initialized()):  # the same call for inference
+        with pytest.raises(ValueError, match=r"needs torch\.distributed initialized"):
+            pf.prepare(x, None, None, 8, None, False, None)
+
+
+# ---- the modular kernel with a single-pass prepare/finalize ------------------------------------
+def run_kernel(kernel, x, weights, topk_weights, topk_ids):
+    return kernel.forward(
+        x, weights, topk_weights, topk_ids, activation=ActivationSpec(),
+        global_num_experts=weights.w13.shape[0],
+    )  # fmt: skip
+
+
+class CountingPrepareFinalize(NoEPPrepareFinalize):
+    """No EP, counting prepare calls and their rows; single_pass as asked."""
+
+    def __init__(self, single: bool) -> None:
+        self.single = single
+        self.rows: list[int] = []
+
+    def single_pass(self) -> bool:
+        return self.single
+
+    def prepare(self, a1, *args, **kwargs):
+        self.rows.append(a1.shape[0])
+        return super().prepare(a1, *args, **kwargs)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, *args):
+        if topk_ids.shape[0] == 0:  # as the EP finalize: nothing to reduce (a pass of no token)
+            return
+        super().finalize(output, fused_expert_output, topk_weights, topk_ids, *args)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 37])
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_single_pass_runs_one_pass_whatever_the_chunk_size(num_tokens, chunk_size):
+    hidden, num_experts = 16, 4
+    experts = random_experts(num_experts, hidden, 8)
+    weights = ExpertWeights(experts["w13"], experts["w2"])
+    x = torch.randn(num_tokens, hidden)
+    topk_weights, topk_ids = random_routing(num_tokens, num_experts, 2, empty=0.2)
+    outputs = {}
+    for single in (True, False):
+        pf = CountingPrepareFinalize(single)
+        kernel = FusedMoEModularKernel(pf, TorchExperts(), chunk_size=chunk_size)
+        outputs[single] = run_kernel(kernel, x, weights, topk_weights, topk_ids)
+        if single:
+            assert pf.rows == [num_tokens]  # one pass, zero tokens too
+        else:  # the control: the same object chunks when it is not single-pass
+            chunks = range(0, num_tokens, chunk_size)
+            assert pf.rows == [min(chunk_size, num_tokens - s) for s in chunks]
+    assert outputs[True].shape == (num_tokens, hidden)
+    assert_equal(outputs[True], outputs[False], what="single pass == chunked")
+    assert_close(outputs[True], reference(x, experts, topk_weights, topk_ids), torch.float32)
+
+
+class BufferPrepareFinalize(NoEPPrepareFinalize):
+    """No EP, handing the experts an output buffer of its own (as symm_mem hands its combine's
+    send rows), and recording what finalize gets."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+        self.buffer: torch.Tensor | None = None
+        self.finalized: torch.Tensor | None = None
+
+    def experts_may_write_output(self) -> bool:
+        return False  # as the EP ones: the kernel does not hand the experts its output
+
+    def expert_output_buffer(self, shape, dtype, device):
+        self.asked.append((tuple(shape), dtype, device))
+        self.buffer = poison_(torch.empty(shape, dtype=dtype, device=device))
+        return self.buffer
+
+    def finalize(self, output, fused_expert_output, *args):
+        self.finalized = fused_expert_output
+        super().finalize(output, fused_expert_output, *args)
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_experts_write_into_the_prepare_finalize_buffer(recorded):
+    """FusedMoEModularKernel asks PrepareFinalize.expert_output_buffer between prepare and
+    finalize, for inference only (a recorded call's output belongs to autograd)."""
+    num_experts, hidden = 4, 16
+    experts = random_experts(num_experts, hidden, 8)
+    weights = ExpertWeights(experts["w13"].requires_grad_(recorded), experts["w2"])
+    x = torch.randn(9, hidden)
+    topk_weights, topk_ids = random_routing(9, num_experts, 2)
+    pf = BufferPrepareFinalize()
+    kernel = FusedMoEModularKernel(pf, TorchExperts())
+    out = run_kernel(kernel, x, weights, topk_weights, topk_ids)
+    assert_close(out, reference(x, experts, topk_weights, topk_ids), torch.float32)
+    if recorded:
+        assert pf.asked == [] and pf.buffer is None
+        return
+    assert len(pf.asked) == 1 and pf.asked[0][1:] == (torch.float32, CPU), pf.asked
+    assert pf.finalized is pf.buffer  # the experts' output went there, finalize read it there
+    assert not pf.buffer.isnan().any()  # written by the experts, every element
+    assert symm_pf().expert_output_buffer((8, hidden), torch.float32, CPU) is None  # no call
+
+
+# ---- the explanation ---------------------------------------------------------------------------
+def test_explain_prints_the_dispatch_line_when_told():
+    choice = select_backend(
+        hidden_size=16,
+        intermediate_size=8,
+        num_experts=4,
+        top_k=2,
+        backend="torch",
+        dtype=torch.float32,
+    )
+    assert choice.dispatch is None
+    assert "dispatch:" not in choice.explain()
+    told = dataclasses.replace(choice, dispatch="naive: auto; symm_mem needs CUDA (the layer ...)")
+    lines = told.explain().splitlines()
+    assert lines[0] == choice.explain().splitlines()[0]
+    assert lines[1] == "  dispatch: naive: auto; symm_mem needs CUDA (the layer ...)"
+    assert sum(line.startswith("  dispatch:") for line in lines) == 1
+    direct = BackendChoice("torch", TorchExperts, "asked for", dispatch="symm_mem: asked for")
+    assert direct.explain().splitlines()[1] == "  dispatch: symm_mem: asked for"
+
+
+@pytest.mark.parametrize(
+    ("transport", "requires_grad", "expected"),
+    [
+        ("nvshmem", False, "  dispatch: naive: auto; symm_mem needs CUDA"),
+        ("emulated", False, "  dispatch: symm_mem: "),
+        ("emulated", True, "  dispatch: naive: symm_mem is inference only"),
+    ],
+)
+def test_layer_explains_how_its_tokens_travel(monkeypatch, transport, requires_grad, expected):
+    use_transport(monkeypatch, transport)
+    explained = small_layer(dp_config()).backend_choice(requires_grad=requires_grad).explain()
+    assert any(line.startswith(expected) for line in explained.splitlines()), explained
+    shared = small_layer(ParallelConfig(ep_size=2, ep_rank=0))  # partial sums: no dispatch
+    assert "dispatch:" not in shared.backend_choice().explain()
+
+
+def small_layer(pc: ParallelConfig) -> FusedMoE:
+    return FusedMoE(4, 2, 16, 8, params_dtype=torch.float32, backend="torch", parallel_config=pc)
