@@ -280,6 +280,10 @@ def run_ep_bench(args: argparse.Namespace) -> int:
         argv += ["--json", args.json]
     if args.check:
         argv.append("--check")
+    if args.ep_graph:
+        argv.append("--graph")
+    if args.ep_max_tokens is not None:
+        argv += ["--max-tokens", str(args.ep_max_tokens)]
     return ep_bench.main(argv)
 
 
@@ -406,9 +410,20 @@ def _add_bench(sub) -> None:
     ep.add_argument("--ep", type=int, default=1, help="ranks: time the EP layer (tokens per rank)")
     ep.add_argument(
         "--ep-kinds",
-        type=csv_list(str, ("naive", "all_to_all")),
+        type=csv_list(str, ("naive", "all_to_all", "symm_mem")),
         default=["naive", "all_to_all"],
-        help="EP prepare/finalize kinds",
+        help="EP prepare/finalize kinds (symm_mem: CUDA with NVSHMEM)",
+    )
+    ep.add_argument(
+        "--ep-graph",
+        action="store_true",
+        help="EP: time symm_mem replayed from CUDA graphs (its stages and the forward)",
+    )
+    ep.add_argument(
+        "--ep-max-tokens",
+        type=int,
+        default=None,
+        help="EP: symm_mem's max_tokens_per_rank (default: the largest --tokens)",
     )
     ep.add_argument("--check", action="store_true", help="EP: compare with the unsharded layer")
     p.set_defaults(func=run_bench)
