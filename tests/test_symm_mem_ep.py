@@ -770,3 +770,74 @@ def test_layer_explains_how_its_tokens_travel(monkeypatch, transport, requires_g
 
 def small_layer(pc: ParallelConfig) -> FusedMoE:
     return FusedMoE(4, 2, 16, 8, params_dtype=torch.float32, backend="torch", parallel_config=pc)
+
+
+# ---- the metadata words of a row: packed on the way out, unpacked (stale rows emptied) in -----
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_scales", "num_ranks"),
+                         [(0, 2, 0, 2), (1, 1, 0, 2), (37, 8, 0, 4), (19, 4, 56, 3)])  # fmt: skip
+def test_pack_meta_kernel_equals_twin(num_tokens, top_k, num_scales, num_ranks):
+    from fusedmoe.kernels.ep_rows import pack_meta_triton
+    from fusedmoe.parallel.rows import dispatch_positions_torch, pack_meta_torch
+
+    g = torch.Generator().manual_seed(num_tokens + top_k)
+    ids = torch.randint(-1, 16, (num_tokens, top_k), generator=g, dtype=torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    scale = torch.rand(num_tokens, num_scales, generator=g) if num_scales else None
+    owner = torch.randint(0, num_ranks, (16,), generator=g)
+    capacity, col = num_ranks * max(num_tokens, 1), 4
+    pos, _ = dispatch_positions_torch(ids, owner, num_ranks, capacity)
+    width = col + 2 * top_k + num_scales + 3
+    want = torch.full((capacity + 5, width), -7, dtype=torch.int32)  # poison
+    got = want.clone()
+    pack_meta_torch(ids, weights, scale, pos, want, col, capacity)
+    if triton_runs_on(ids):
+        pack_meta_triton(ids, weights.t().contiguous().t(), scale, pos, got, col, capacity)
+        rows = torch.arange(capacity + 5) != capacity  # the twin writes row C, the kernel not
+        assert_equal(got[rows], want[rows], what="packed words")
+    # no other column or row written
+    written = torch.zeros_like(want, dtype=torch.bool)
+    written[pos[pos != capacity], col : col + 2 * top_k + num_scales] = True
+    written[capacity] = True
+    assert (want[~written] == -7).all()
+    # the twin: ids then the weights' and scales' float32 bits, at col, nothing else touched
+    for m in range(num_tokens):
+        for r in range(num_ranks):
+            slot = int(pos[m, r])
+            if slot == capacity:
+                continue
+            row = want[slot]
+            assert row[col : col + top_k].tolist() == ids[m].tolist()
+            assert torch.equal(row[col + top_k : col + 2 * top_k].view(torch.float32), weights[m])
+            if scale is not None:
+                assert torch.equal(row[col + 2 * top_k : col + 2 * top_k + num_scales].view(
+                    torch.float32), scale[m])  # fmt: skip
+
+
+@pytest.mark.parametrize("received", [(0, 0, 0), (3, 0, 2), (4, 4, 4)])
+@pytest.mark.parametrize("num_scales", [0, 7])
+def test_unpack_meta_empties_the_stale_rows(received, num_scales):
+    from fusedmoe.kernels.ep_rows import unpack_meta_triton
+    from fusedmoe.parallel.rows import unpack_meta_torch
+
+    top_k, capacity, col = 3, 12, 2
+    g = torch.Generator().manual_seed(sum(received) + num_scales)
+    src = torch.randint(-(2**30), 2**30, (capacity + 3, col + 2 * top_k + num_scales + 1),
+                        generator=g, dtype=torch.int32)  # fmt: skip
+    counts = torch.tensor(received, dtype=torch.int64)
+    n = sum(received)
+    ids, weights, scale = unpack_meta_torch(src, col, counts, capacity, top_k, num_scales)
+    assert ids.shape == (capacity, top_k) and ids.dtype == torch.int32
+    assert_equal(ids[:n], src[:n, col : col + top_k], what="live ids")
+    assert (ids[n:] == -1).all() and (weights[n:] == 0).all()
+    assert torch.equal(weights[:n].view(torch.int32), src[:n, col + top_k : col + 2 * top_k])
+    if num_scales:
+        assert (scale[n:] == 1).all()
+        assert torch.equal(scale[:n].view(torch.int32), src[:n, col + 2 * top_k : -1])
+    else:
+        assert scale is None
+    if triton_runs_on(src):
+        got = unpack_meta_triton(src, col, counts, capacity, top_k, num_scales)
+        assert_equal(got[0], ids, what="ids")
+        assert torch.equal(got[1].view(torch.int32), weights.view(torch.int32))
+        if num_scales:
+            assert torch.equal(got[2].view(torch.int32), scale.view(torch.int32))

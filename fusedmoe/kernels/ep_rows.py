@@ -6,6 +6,9 @@ Legend: M tokens of this rank, R ranks, W bytes (or elements) of a row, H hidden
 
     dispatch_positions: pos [M, R] and counts [R] of fusedmoe.parallel.rows (one program)
     scatter_rows:    dst[pos[m, r], col:col + W] = src[m, :W]    for every r with pos[m, r] != C
+    pack_meta / unpack_meta: a token's ids | weights (| scales) as int32 words into its send
+                     rows; the received words back, rows past the received count as empty
+                     slots (fusedmoe.parallel.rows has their twins)
     gather_sum_rows: out[m, :H] = sum over r with pos[m, r] != C of src[pos[m, r], :H]
                      (accumulated in float32, rounded once to out's dtype)
 
@@ -23,7 +26,13 @@ import triton.language as tl
 
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 
-__all__ = ["dispatch_positions_triton", "gather_sum_rows_triton", "scatter_rows_triton"]
+__all__ = [
+    "dispatch_positions_triton",
+    "gather_sum_rows_triton",
+    "pack_meta_triton",
+    "scatter_rows_triton",
+    "unpack_meta_triton",
+]
 
 _BLOCK_BYTES = 4096  # columns of a program, in bytes: one 16-byte vector per thread of 8 warps
 
@@ -128,6 +137,128 @@ def dispatch_positions_triton(
     with device_guard(topk_ids):
         launch(_dispatch_positions_kernel, (1,), args, constexprs, topk_ids.is_cuda)
     return pos
+
+
+@triton.jit
+def _pack_meta_kernel(
+    ids_ptr, stride_ids_m, stride_ids_k,
+    w_ptr, stride_w_m, stride_w_k,
+    scale_ptr, stride_scale_m, stride_scale_g,
+    pos_ptr,
+    dst_ptr, stride_dst, col,
+    trash,
+    TOP_K: tl.constexpr, NUM_SCALES: tl.constexpr, NUM_RANKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One token's ids | weights | scales as int32 words, stored at each of its send rows."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    is_id = cols < TOP_K
+    is_w = (cols >= TOP_K) & (cols < 2 * TOP_K)
+    ids = tl.load(ids_ptr + token * stride_ids_m + cols * stride_ids_k, mask=is_id, other=0)
+    w = tl.load(w_ptr + token * stride_w_m + (cols - TOP_K) * stride_w_k, mask=is_w, other=0.0)
+    words = tl.where(is_id, ids.to(tl.int32), w.to(tl.float32).to(tl.int32, bitcast=True))
+    if NUM_SCALES > 0:
+        is_s = (cols >= 2 * TOP_K) & (cols < 2 * TOP_K + NUM_SCALES)
+        sc = tl.load(
+            scale_ptr + token * stride_scale_m + (cols - 2 * TOP_K) * stride_scale_g,
+            mask=is_s, other=0.0,
+        )  # fmt: skip
+        words = tl.where(is_s, sc.to(tl.float32).to(tl.int32, bitcast=True), words)
+    mask = cols < 2 * TOP_K + NUM_SCALES
+    for r in tl.static_range(NUM_RANKS):
+        slot = tl.load(pos_ptr + token * NUM_RANKS + r)
+        if slot != trash:
+            tl.store(dst_ptr + slot * stride_dst + col + cols, words, mask=mask)
+
+
+@triton.jit
+def _unpack_meta_kernel(
+    src_ptr, stride_src, col,
+    received_ptr,
+    ids_ptr, w_ptr, scale_ptr,
+    capacity,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, NUM_SCALES: tl.constexpr,
+    S_PAD: tl.constexpr, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Rows [0, n) of the received words -> ids, weights (and scales); rows [n, C) empty slots:
+    id -1, weight 0, scale 1. n = the rows received, summed here from the counts."""
+    ranks = tl.arange(0, RANKS_PAD)
+    received = tl.sum(tl.load(received_ptr + ranks, mask=ranks < NUM_RANKS, other=0), axis=0)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < capacity
+    live = (rows < received)[:, None]
+    base = src_ptr + rows.to(tl.int64)[:, None] * stride_src + col
+    k = tl.arange(0, K_PAD)[None, :]
+    k_ok = row_ok[:, None] & (k < TOP_K)
+    ids = tl.load(base + k, mask=k_ok & live, other=-1)
+    w = tl.load(base + TOP_K + k, mask=k_ok & live, other=0).to(tl.float32, bitcast=True)
+    out = rows.to(tl.int64)[:, None] * TOP_K + k
+    tl.store(ids_ptr + out, ids, mask=k_ok)
+    tl.store(w_ptr + out, tl.where(live, w, 0.0), mask=k_ok)
+    if NUM_SCALES > 0:
+        g = tl.arange(0, S_PAD)[None, :]
+        g_ok = row_ok[:, None] & (g < NUM_SCALES)
+        sc = tl.load(base + 2 * TOP_K + g, mask=g_ok & live, other=0).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr + rows.to(tl.int64)[:, None] * NUM_SCALES + g,
+                 tl.where(live, sc, 1.0), mask=g_ok)  # fmt: skip
+
+
+def pack_meta_triton(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    scale: torch.Tensor | None,
+    pos: torch.Tensor,
+    dst: torch.Tensor,
+    col: int,
+    trash: int,
+) -> None:
+    """fusedmoe.parallel.rows.pack_meta_torch in one launch (dst: int32 words)."""
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return
+    num_scales = 0 if scale is None else scale.shape[1]
+    sc = topk_weights if scale is None else scale
+    args = (
+        topk_ids, *topk_ids.stride(), topk_weights, *topk_weights.stride(), sc, *sc.stride(),
+        pos, dst, dst.stride(0), col, trash,
+    )  # fmt: skip
+    constexprs = dict(
+        TOP_K=top_k, NUM_SCALES=num_scales, NUM_RANKS=pos.shape[1],
+        BLOCK=next_power_of_2(2 * top_k + num_scales), num_warps=1,
+    )  # fmt: skip
+    with device_guard(topk_ids):
+        launch(_pack_meta_kernel, (num_tokens,), args, constexprs, topk_ids.is_cuda)
+
+
+def unpack_meta_triton(
+    src: torch.Tensor,
+    col: int,
+    received: torch.Tensor,
+    capacity: int,
+    top_k: int,
+    num_scales: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fusedmoe.parallel.rows.unpack_meta_torch in one launch."""
+    device = src.device
+    ids = torch.empty(capacity, top_k, dtype=torch.int32, device=device)
+    weights = torch.empty(capacity, top_k, dtype=torch.float32, device=device)
+    scale = None
+    if num_scales:
+        scale = torch.empty(capacity, num_scales, dtype=torch.float32, device=device)
+    block_rows = 64
+    args = (src, src.stride(0), col, received, ids, weights, weights if scale is None else scale,
+            capacity)  # fmt: skip
+    constexprs = dict(
+        TOP_K=top_k, K_PAD=max(next_power_of_2(top_k), 2), NUM_SCALES=num_scales,
+        S_PAD=max(next_power_of_2(num_scales), 2), NUM_RANKS=received.shape[0],
+        RANKS_PAD=max(next_power_of_2(received.shape[0]), 2), BLOCK_ROWS=block_rows,
+        num_warps=4,
+    )  # fmt: skip
+    with device_guard(src):
+        launch(_unpack_meta_kernel, (cdiv(capacity, block_rows),), args, constexprs, src.is_cuda)
+    return ids, weights, scale
 
 
 def _block(width: int, element_size: int) -> int:

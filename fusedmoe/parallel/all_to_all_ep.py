@@ -93,7 +93,7 @@ class AllToAllEPPrepareFinalize(EPPrepareFinalize):
         )
         return received, _AllToAllState(token_of_row, send_counts, recv_counts)
 
-    def _combine(self, partial, state, num_tokens):
+    def _combine(self, partial, state, num_tokens, out=None):
         comm = self.comm
         back = comm.all_to_all_rows(partial, state.recv_counts, state.send_counts)  # [S, H]
         acc = torch.promote_types(partial.dtype, torch.float32)  # float32, float64 for float64

@@ -130,9 +130,12 @@ class EPPrepareFinalize(PrepareFinalize):
         """This rank's tokens -> (the tokens this rank's experts compute, state for combine)."""
 
     @abc.abstractmethod
-    def _combine(self, partial: torch.Tensor, state: object, num_tokens: int) -> torch.Tensor:
+    def _combine(
+        self, partial: torch.Tensor, state: object, num_tokens: int, out=None
+    ) -> torch.Tensor:
         """partial [n, H]: this rank's experts' reduced output of the n tokens it received
-        -> [num_tokens, H]: the full output of this rank's own tokens."""
+        -> [num_tokens, H]: the full output of this rank's own tokens (into `out` [num_tokens,
+        H] where given and the subclass can: finalize then copies nothing)."""
 
     # ---- the PrepareFinalize contract ----
     def num_dispatchers(self) -> int:
@@ -234,7 +237,9 @@ class EPPrepareFinalize(PrepareFinalize):
         if in_flight.tied is not None:  # every rank's backward must reach every collective
             partial = tie(partial, in_flight.tied)
         if in_flight.sp_counts is None:
-            output.copy_(self._combine(partial, in_flight.dispatch, output.shape[0]))
+            combined = self._combine(partial, in_flight.dispatch, output.shape[0], output)
+            if combined is not output:
+                output.copy_(combined)
             return
         counts = in_flight.sp_counts
         mine = self._combine(partial, in_flight.dispatch, counts[self.comm.rank])
@@ -298,7 +303,7 @@ class NaiveEPPrepareFinalize(EPPrepareFinalize):
         )
         return gathered, _NaiveState(counts, max_tokens, rows)
 
-    def _combine(self, partial, state, num_tokens):
+    def _combine(self, partial, state, num_tokens, out=None):
         comm = self.comm
         full = partial
         if state.rows is not None:

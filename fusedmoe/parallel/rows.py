@@ -29,8 +29,12 @@ __all__ = [
     "dispatch_positions_torch",
     "gather_sum_rows",
     "gather_sum_rows_torch",
+    "pack_meta",
+    "pack_meta_torch",
     "scatter_rows",
     "scatter_rows_torch",
+    "unpack_meta",
+    "unpack_meta_torch",
 ]
 
 
@@ -111,3 +115,58 @@ def gather_sum_rows(src: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, tra
         gather_sum_rows_triton(src, pos, out, trash)
     else:
         gather_sum_rows_torch(src, pos, out, trash)
+
+
+def pack_meta_torch(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    scale: torch.Tensor | None,
+    pos: torch.Tensor,
+    dst: torch.Tensor,
+    col: int,
+    trash: int,
+) -> None:
+    """Token m's row of int32 words, ids [k] | weights [k] as float32 bits | scales [G] as
+    float32 bits, into columns [col, col + 2k + G) of rows pos[m, r] of dst (int32)."""
+    words = [topk_ids.to(torch.int32), topk_weights.float().view(torch.int32)]
+    if scale is not None:
+        words.append(scale.float().view(torch.int32))
+    scatter_rows_torch(torch.cat(words, dim=1), pos, dst, col, trash)
+
+
+def unpack_meta_torch(
+    src: torch.Tensor,
+    col: int,
+    received: torch.Tensor,
+    capacity: int,
+    top_k: int,
+    num_scales: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows [0, C) of the received words (src int32, from column col) -> (ids int32 [C, k],
+    weights float32 [C, k], scales float32 [C, G] or None); rows from n = sum(received) on are
+    stale: id -1, weight 0, scale 1."""
+    words = src[:capacity, col : col + 2 * top_k + num_scales]
+    stale = (torch.arange(capacity, device=src.device) >= received.sum())[:, None]  # [C, 1]
+    ids = words[:, :top_k].masked_fill(stale, -1)
+    weights = words[:, top_k : 2 * top_k].view(torch.float32).masked_fill(stale, 0)
+    scale = None
+    if num_scales:
+        scale = words[:, 2 * top_k :].view(torch.float32).masked_fill(stale, 1)
+    return ids, weights, scale
+
+
+def pack_meta(topk_ids, topk_weights, scale, pos, dst, col: int, trash: int) -> None:
+    if triton_runs_on(topk_ids):
+        from fusedmoe.kernels.ep_rows import pack_meta_triton
+
+        pack_meta_triton(topk_ids, topk_weights, scale, pos, dst, col, trash)
+    else:
+        pack_meta_torch(topk_ids, topk_weights, scale, pos, dst, col, trash)
+
+
+def unpack_meta(src, col: int, received, capacity: int, top_k: int, num_scales: int):
+    if triton_runs_on(src):
+        from fusedmoe.kernels.ep_rows import unpack_meta_triton
+
+        return unpack_meta_triton(src, col, received, capacity, top_k, num_scales)
+    return unpack_meta_torch(src, col, received, capacity, top_k, num_scales)

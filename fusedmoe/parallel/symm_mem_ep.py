@@ -61,7 +61,13 @@ import torch
 from fusedmoe._checks import INDEX_DTYPES, check_tensor
 from fusedmoe.parallel.comm import to_wire
 from fusedmoe.parallel.naive_ep import EPPrepareFinalize, TokenBatch
-from fusedmoe.parallel.rows import dispatch_positions, gather_sum_rows, scatter_rows
+from fusedmoe.parallel.rows import (
+    dispatch_positions,
+    gather_sum_rows,
+    pack_meta,
+    scatter_rows,
+    unpack_meta,
+)
 
 __all__ = ["TRANSPORT_ENV", "SymmMemEPPrepareFinalize", "nvshmem_unavailable_reason"]
 
@@ -196,7 +202,6 @@ class _Buffers:
     recv: torch.Tensor  # uint8 [rows, row_bytes]: the dispatch's rows in (the experts read x)
     out: torch.Tensor  # uint8 [rows, row_bytes]: the experts' output, the combine's rows out
     counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
-    counts_back: torch.Tensor  # int64 [R]: rows it sends back in the combine
     received: torch.Tensor  # int64 [2, 2, R]: (rows, offsets) received, dispatch and combine
 
     @staticmethod
@@ -302,7 +307,6 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
                     recv=alloc((rows, row_bytes), torch.uint8),
                     out=alloc((rows, row_bytes), torch.uint8),
                     counts=alloc((size,), torch.int64),
-                    counts_back=alloc((size,), torch.int64),
                     received=alloc((2, 2, size), torch.int64),
                 )
         return bufs
@@ -339,25 +343,21 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         owner = self._owner_on(device)
         pos = dispatch_positions(batch.topk_ids, owner, self.comm.size, capacity, bufs.counts)
 
-        meta = [batch.topk_ids.to(torch.int32), batch.topk_weights.float().view(torch.int32)]
-        if batch.scale is not None:
-            meta.append(batch.scale.float().view(torch.int32))
         scatter_rows(x, pos, bufs.send, 0, capacity)
-        scatter_rows(torch.cat(meta, dim=1).view(torch.uint8), pos, bufs.send, x_bytes, capacity)
+        words = bufs.send.view(torch.int32)  # [rows, row_bytes / 4]
+        pack_meta(
+            batch.topk_ids, batch.topk_weights, batch.scale, pos, words, x_bytes // 4, capacity
+        )
         self._transport.all_to_all(bufs.send, bufs.recv, bufs.counts, bufs.received[0])
 
-        # rows [n, C) hold what an earlier call left: empty slots
-        num_received = bufs.received[0, 0].sum()
-        stale = (torch.arange(capacity, device=device) >= num_received)[:, None]  # [C, 1]
-        rows_in = bufs.recv[:capacity]
-        meta_in = rows_in[:, x_bytes : x_bytes + 4 * meta_words].view(torch.int32)
-        ids = meta_in[:, :top_k].masked_fill(stale, -1)
-        weights = meta_in[:, top_k : 2 * top_k].view(torch.float32).masked_fill(stale, 0)
-        scale = None
-        if batch.scale is not None:
-            scale = meta_in[:, 2 * top_k :].view(torch.float32).masked_fill(stale, 1)
+        # rows [n, C) of recv hold what an earlier call left: empty slots
+        ids, weights, scale = unpack_meta(
+            bufs.recv.view(torch.int32), x_bytes // 4, bufs.received[0, 0], capacity, top_k,
+            num_scales,
+        )  # fmt: skip
+        if scale is not None:
             scale = scale.to(batch.scale.dtype)
-        x_in = rows_in[:, : x.shape[1]].view(batch.x.dtype)  # [C, H], rows row_bytes apart
+        x_in = bufs.recv[:capacity, : x.shape[1]].view(batch.x.dtype)  # rows row_bytes apart
         if self.count_traffic:  # the counts on the host: a sync, only where asked
             self._count(bufs.counts, bufs.received[0, 0], batch.row_bytes(), out_dtype, hidden)
         return TokenBatch(x_in, scale, ids, weights), _DispatchState(pos, bufs)
@@ -376,15 +376,17 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
             tokens_received=peers_received,
         )
 
-    def _combine(self, partial: torch.Tensor, state: _DispatchState, num_tokens: int):
+    def _combine(self, partial, state: _DispatchState, num_tokens: int, out=None):
         bufs, capacity = state.buffers, self.capacity
         hidden = partial.shape[1]
         send_c = _Buffers.as_rows(bufs.out, hidden, partial.dtype)
         recv_c = _Buffers.as_rows(bufs.send, hidden, partial.dtype)
         if partial.data_ptr() != send_c.data_ptr():  # else the experts wrote it there
             send_c[:capacity].copy_(partial)
-        bufs.counts_back.copy_(bufs.received[0, 0])
-        self._transport.all_to_all(bufs.out, bufs.send, bufs.counts_back, bufs.received[1])
-        out = partial.new_empty(num_tokens, hidden)
+        # the rows each rank sent are what goes back to it: the dispatch's received counts
+        # (read before the combine's barrier; no peer writes them again before it)
+        self._transport.all_to_all(bufs.out, bufs.send, bufs.received[0, 0], bufs.received[1])
+        if out is None or out.dtype != partial.dtype:
+            out = partial.new_empty(num_tokens, hidden)
         gather_sum_rows(recv_c, state.pos, out, capacity)
         return out
