@@ -267,7 +267,9 @@ def run_ep_bench(args: argparse.Namespace) -> int:
     from fusedmoe.tools import ep_bench
 
     argv = ["--preset", args.preset[0] if args.preset else "deepseek-v3"]
-    argv += ["--dtypes", ",".join(args.quant), "--kinds", ",".join(args.ep_kinds)]
+    argv += ["--dtypes", ",".join(args.quant)]
+    if args.ep_kinds:
+        argv += ["--kinds", ",".join(args.ep_kinds)]
     if args.tokens:
         argv += ["--tokens", ",".join(map(str, args.tokens))]
     if args.backends:
@@ -411,8 +413,9 @@ def _add_bench(sub) -> None:
     ep.add_argument(
         "--ep-kinds",
         type=csv_list(str, ("naive", "all_to_all", "symm_mem")),
-        default=["naive", "all_to_all"],
-        help="EP prepare/finalize kinds (symm_mem: CUDA with NVSHMEM)",
+        default=None,
+        help="EP prepare/finalize kinds (default naive,all_to_all, and symm_mem where it runs: "
+        "CUDA with torch's NVSHMEM)",
     )
     ep.add_argument(
         "--ep-graph",

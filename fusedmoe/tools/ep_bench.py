@@ -93,7 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", type=int, default=1, help="divide H and I by this")
     parser.add_argument("--tokens", default="64,1024,8192", help="tokens per rank, comma list")
     parser.add_argument("--dtypes", default="bf16,fp8_block", help=f"of {list(DTYPES)}")
-    parser.add_argument("--kinds", default="naive,all_to_all", help=f"of {list(KINDS)}")
+    parser.add_argument(
+        "--kinds",
+        default=None,
+        help=f"of {list(KINDS)}; default naive,all_to_all, and symm_mem where it runs (CUDA "
+        "with torch's NVSHMEM)",
+    )
     parser.add_argument("--backend", default=None, help="default: triton on cuda, torch on cpu")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
@@ -121,6 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.tokens or min(args.tokens) < 0:
         parser.error("--tokens must list token counts >= 0")
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if args.kinds is None:
+        args.kinds = "naive,all_to_all" + (",symm_mem" if _symm_mem_runs(args.device) else "")
     args.kinds = [k for k in args.kinds.split(",") if k]
     for name, values, allowed in (
         ("--dtypes", args.dtypes, DTYPES),
@@ -139,6 +146,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.backend is None:
         args.backend = "triton" if args.device == "cuda" else "torch"
     return args
+
+
+def _symm_mem_runs(device: str | None) -> bool:
+    """Whether the symm_mem kind can run here (CUDA with torch's NVSHMEM), asked before the
+    process group starts: the default --kinds add it where it can."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device == "cpu" or not torch.cuda.is_available() or world & (world - 1):
+        return False  # symm_mem takes CUDA and a power-of-two group
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return symm_mem.is_nvshmem_available()
 
 
 def _init_distributed(device: str):
