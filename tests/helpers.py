@@ -174,3 +174,49 @@ def run_experts(
         global_num_experts=kwargs.pop("global_num_experts", w13.shape[0]), quant_config=qc,
         **kwargs,
     )  # fmt: skip
+
+
+# ---- spawned ranks ----------------------------------------------------------------------------
+def free_port() -> int:
+    """A free TCP port on localhost, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, args: tuple, nprocs: int, timeout_s: int, what: str) -> None:
+    """worker(rank, *args) in nprocs spawned processes, joined; the test fails (the processes
+    killed) if they are not done in timeout_s seconds; a worker's exception is raised here."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False,
+                                 start_method="spawn")  # fmt: skip
+    for _ in range(timeout_s):
+        if context.join(timeout=1):
+            return
+    for process in context.processes:
+        process.kill()
+    pytest.fail(f"{what} did not finish in {timeout_s} s")
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: int = 60) -> None:
+    """A gloo process group of `world` ranks on localhost (a spawned test worker)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def fused_checkpoint(layer) -> list[tuple[str, torch.Tensor]]:
+    """A FusedMoE's expert weights under the fused checkpoint names (every expert at once)."""
+    return [
+        ("experts.gate_up_proj", layer.w13_weight.detach()),
+        ("experts.down_proj", layer.w2_weight.detach()),
+    ]

@@ -8,15 +8,12 @@ expert, all tokens at once) computed here.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from fusedmoe import FusedMoE, ParallelConfig, get_compressed_expert_map, select_backend
@@ -25,7 +22,7 @@ from fusedmoe.parallel.naive_ep import even_split, quantizes_before_dispatch
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
 from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV
 from fusedmoe.quant.config import quantize_experts
-from tests.helpers import assert_close, assert_equal
+from tests.helpers import assert_close, assert_equal, free_port, init_gloo, spawn_ranks
 
 E, H, I = 8, 128, 128  # H, I: whole 128-blocks for fp8_block
 TOP_K = 3
@@ -346,10 +343,7 @@ SYMM_MAX_TOKENS = 13  # the symm_mem cases' bound: calls of 13 tokens a rank fil
 
 def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ[TRANSPORT_ENV] = "emulated"  # symm_mem's layout over gloo
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    init_gloo(rank, world, port)
     try:
         torch.set_num_threads(1)
         data = torch.load(path)
@@ -396,29 +390,13 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, cases, data: dict, timeout_s: int = 150, worker=_ep_worker) -> list[dict]:
     """Spawn `world` gloo ranks running worker(rank, world, port, path) on the cases and data
     saved at path; -> what each rank saved at f"{path}.rank{rank}"."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ep.pt")
         torch.save({**data, "cases": [case.name for case in cases]}, path)
-        context = mp.start_processes(
-            worker, args=(world, _free_port(), path), nprocs=world, join=False,
-            start_method="spawn",
-        )  # fmt: skip
-        for _ in range(timeout_s):
-            if context.join(timeout=1):
-                break
-        else:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world} EP workers did not finish in {timeout_s} s")
+        spawn_ranks(worker, (world, free_port(), path), world, timeout_s, f"the {world} EP workers")
         return [torch.load(f"{path}.rank{r}") for r in range(world)]
 
 
@@ -540,10 +518,7 @@ MISMATCHES = [
 
 def _mismatch_worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ[TRANSPORT_ENV] = "emulated"
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    init_gloo(rank, world, port)
     try:
         torch.set_num_threads(1)
         results = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from fusedmoe.modular.kernel import CHUNK_SIZE_ENV
 from fusedmoe.parallel.comm import EPGroup
 from fusedmoe.parallel.naive_ep import even_split
 from fusedmoe.parallel.placement import expert_placement
-from tests.helpers import assert_close
+from tests.helpers import assert_close, init_gloo
 from tests.test_ep import needs_gloo, run_ranks
 
 E, H, I, TOP_K = 6, 16, 12, 2
@@ -157,10 +156,7 @@ def _adjoint_rows(comm: EPGroup, world: int, rank: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, path: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    init_gloo(rank, world, port)
     try:
         torch.set_num_threads(1)
         data = torch.load(path)

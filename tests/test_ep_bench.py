@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import tempfile
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV
 from fusedmoe.tools.ep_bench import main, parse_args
+from tests.helpers import free_port, spawn_ranks
 
 
 def _bench_worker(rank: int, port: int, argv: list[str], path: str) -> None:
@@ -25,35 +25,26 @@ def _bench_worker(rank: int, port: int, argv: list[str], path: str) -> None:
         f.write(str(code))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.skipif(
+needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )
+
+
+def _run_bench(argv: list[str], path: str) -> dict:
+    spawn_ranks(_bench_worker, (free_port(), argv, path), 2, 120, "the benchmark")
+    codes = [pathlib.Path(f"{path}.rank{r}").read_text() for r in range(2)]
+    assert codes == ["0", "0"]
+    with open(path) as f:
+        return json.load(f)
+
+
+@needs_gloo
 def test_ep_bench_on_two_cpu_processes():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         argv = ["--device", "cpu", "--scale", "32", "--tokens", "4,7", "--dtypes", "bf16",
                 "--iters", "1", "--warmup", "0", "--check", "--json", path]  # fmt: skip
-        context = mp.start_processes(
-            _bench_worker, args=(_free_port(), argv, path), nprocs=2, join=False,
-            start_method="spawn",
-        )  # fmt: skip
-        for _ in range(120):
-            if context.join(timeout=1):
-                break
-        else:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the benchmark did not finish in 120 s")
-        codes = [pathlib.Path(f"{path}.rank{r}").read_text() for r in range(2)]
-        with open(path) as f:
-            report = json.load(f)
-    assert codes == ["0", "0"]
+        report = _run_bench(argv, path)
     rows = report["rows"]
     assert [(r["kind"], r["tokens_per_rank"]) for r in rows] == [
         ("naive", 4), ("naive", 7), ("all_to_all", 4), ("all_to_all", 7),
@@ -65,6 +56,30 @@ def test_ep_bench_on_two_cpu_processes():
         assert row["check"].startswith("ok") if row["tokens_per_rank"] == 4 else not row["check"]
     naive, a2a = rows[0], rows[2]
     assert a2a["dispatch_bytes"] <= naive["dispatch_bytes"]
+
+
+@needs_gloo
+def test_ep_bench_symm_mem_over_the_emulated_transport(monkeypatch):
+    """The symm_mem kind's rows (its traffic read on the host where the bench asks), checked
+    against the unsharded layer, on gloo through the emulated transport."""
+    monkeypatch.setenv(TRANSPORT_ENV, "emulated")  # the spawned ranks inherit it
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        argv = ["--device", "cpu", "--scale", "32", "--tokens", "3,6", "--dtypes",
+                "bf16,fp8_block", "--kinds", "symm_mem,all_to_all", "--iters", "1", "--warmup",
+                "0", "--check", "--json", path]  # fmt: skip
+        rows = _run_bench(argv, path)["rows"]
+    assert [(r["dtype"], r["kind"], r["tokens_per_rank"]) for r in rows] == [
+        (d, k, t) for d in ("bf16", "fp8_block") for k in ("symm_mem", "all_to_all") for t in (3, 6)
+    ]
+    for symm, a2a in [(rows[i], rows[i + 2]) for i in (0, 1, 4, 5)]:
+        assert symm["kind"] == "symm_mem" and a2a["kind"] == "all_to_all"
+        assert symm["tokens_per_rank"] == a2a["tokens_per_rank"]
+        # the same tokens travel to the same ranks: the same rows, counted the same way
+        assert symm["dispatch_bytes"] == a2a["dispatch_bytes"] > 0
+        assert symm["combine_bytes"] == a2a["combine_bytes"] > 0
+    for row in rows:
+        assert row["check"].startswith("ok") if row["tokens_per_rank"] == 3 else not row["check"]
 
 
 @pytest.mark.parametrize(

@@ -8,17 +8,15 @@ tokens, sequence parallel, EPLB replicas with a rebalance. Needs >= 2 CUDA GPUs.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fusedmoe import FusedMoE, ParallelConfig
-from tests.helpers import assert_close
+from tests.helpers import assert_close, free_port, fused_checkpoint, spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,36 +125,18 @@ def _worker(rank: int, port: int, path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def spawned():
     torch.manual_seed(0)
     full = _layer("cpu")
-    checkpoint = [
-        ("experts.gate_up_proj", full.w13_weight.detach()),
-        ("experts.down_proj", full.w2_weight.detach()),
-    ]
+    checkpoint = fused_checkpoint(full)
     rows = max(sum(sum(c) for c in CALLS), sum(SP_CALLS))
     x = torch.randn(rows, H, dtype=torch.bfloat16)
     logits = torch.randn(rows, E)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ep_gpu.pt")
         torch.save({"checkpoint": checkpoint, "x": x, "logits": logits}, path)
-        context = mp.start_processes(
-            _worker, args=(_free_port(), path), nprocs=2, join=False, start_method="spawn"
-        )
-        for _ in range(300):
-            if context.join(timeout=1):
-                break
-        else:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the NCCL EP workers did not finish in 300 s")
+        spawn_ranks(_worker, (free_port(), path), 2, 300, "the NCCL EP workers")
         results = [torch.load(f"{path}.rank{r}") for r in range(2)]
     return checkpoint, x, logits, results
 

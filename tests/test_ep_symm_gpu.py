@@ -9,17 +9,15 @@ unsharded layer with skewed routing (most tokens to one rank) and ranks without 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fusedmoe import FusedMoE, ParallelConfig
-from tests.helpers import assert_close
+from tests.helpers import assert_close, free_port, fused_checkpoint, spawn_ranks
 
 
 def _nvshmem() -> bool:
@@ -136,20 +134,11 @@ def _worker(rank: int, port: int, path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def spawned():
     torch.manual_seed(0)
     full = _layer("cpu")
-    checkpoint = [
-        ("experts.gate_up_proj", full.w13_weight.detach()),
-        ("experts.down_proj", full.w2_weight.detach()),
-    ]
+    checkpoint = fused_checkpoint(full)
     rows = sum(sum(c) for c in CALLS)
     x = torch.randn(rows, H, dtype=torch.bfloat16)
     # skewed: the experts of rank 0 (the first E / WORLD) are favoured
@@ -158,16 +147,7 @@ def spawned():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ep_symm.pt")
         torch.save({"checkpoint": checkpoint, "x": x, "skewed": skewed}, path)
-        context = mp.start_processes(
-            _worker, args=(_free_port(), path), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        for _ in range(400):
-            if context.join(timeout=1):
-                break
-        else:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the symm_mem EP workers did not finish in 400 s")
+        spawn_ranks(_worker, (free_port(), path), WORLD, 400, "the symm_mem EP workers")
         results = [torch.load(f"{path}.rank{r}") for r in range(WORLD)]
     return checkpoint, x, skewed, results
 

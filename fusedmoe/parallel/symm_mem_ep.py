@@ -58,9 +58,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedmoe._checks import INDEX_DTYPES, check_tensor
+from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
 from fusedmoe.parallel.comm import to_wire
-from fusedmoe.parallel.naive_ep import EPPrepareFinalize, TokenBatch
+from fusedmoe.parallel.naive_ep import TokenBatch
 from fusedmoe.parallel.rows import (
     dispatch_positions,
     gather_sum_rows,
@@ -217,8 +217,9 @@ class _DispatchState:
     buffers: _Buffers  # the set the dispatch used: the combine moves its rows back through it
 
 
-class SymmMemEPPrepareFinalize(EPPrepareFinalize):
-    """Dispatch and combine on symmetric memory, counts on the GPU (the module docstring).
+class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
+    """Dispatch and combine on symmetric memory, counts on the GPU (the module docstring): the
+    all_to_all kind's traffic (each token once to each rank of its experts), its own transport.
 
     expert_owner: int [P], the rank of every physical expert (ExpertPlacement.owner()).
     max_tokens_per_rank: B, the most tokens a rank may pass in one call.
@@ -234,13 +235,11 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
         max_tokens_per_rank: int,
         sequence_parallel: bool = False,
     ) -> None:
-        super().__init__(ep_size, ep_rank, group, sequence_parallel=sequence_parallel)
-        check_tensor("expert_owner", expert_owner, ndim=1, dtypes=INDEX_DTYPES)
+        super().__init__(ep_size, ep_rank, expert_owner, group, sequence_parallel=sequence_parallel)
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int):
             raise TypeError(f"max_tokens_per_rank must be an int, got {max_tokens_per_rank!r}")
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
-        self.expert_owner = expert_owner.long()
         self.max_tokens = max_tokens_per_rank
         self.capacity = ep_size * max_tokens_per_rank  # C
         self._transport = None
@@ -321,11 +320,6 @@ class SymmMemEPPrepareFinalize(EPPrepareFinalize):
             return None
         out = _Buffers.as_rows(in_flight.dispatch.buffers.out, shape[1], dtype)
         return out[: shape[0]]
-
-    def _owner_on(self, device: torch.device) -> torch.Tensor:
-        if self.expert_owner.device != device:
-            self.expert_owner = self.expert_owner.to(device)
-        return self.expert_owner
 
     # ---- dispatch and combine ----
     def _dispatch(self, batch: TokenBatch):

@@ -180,27 +180,19 @@ def prepare_finalize(
         return NoEPPrepareFinalize()
     kind = kind or pc.all2all_backend
     # torch.distributed is imported here, only when a dispatch is asked for
-    if kind == "symm_mem":
-        from fusedmoe.parallel.symm_mem_ep import SymmMemEPPrepareFinalize
+    if kind in ("all_to_all", "symm_mem"):  # tokens to the ranks of their experts
+        if kind == "symm_mem":
+            from fusedmoe.parallel.symm_mem_ep import SymmMemEPPrepareFinalize as cls
 
-        return SymmMemEPPrepareFinalize(
-            pc.ep_size,
-            pc.ep_rank,
-            placement.owner(),
-            pc.group,
-            max_tokens_per_rank=pc.max_tokens_per_rank,
-            sequence_parallel=pc.sequence_parallel,
-        )
-    if kind == "all_to_all":
-        from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
+            extra = {"max_tokens_per_rank": pc.max_tokens_per_rank}
+        else:
+            from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize as cls
 
-        return AllToAllEPPrepareFinalize(
-            pc.ep_size,
-            pc.ep_rank,
-            placement.owner(),
-            pc.group,
-            sequence_parallel=pc.sequence_parallel,
-        )
+            extra = {}
+        return cls(
+            pc.ep_size, pc.ep_rank, placement.owner(), pc.group,
+            sequence_parallel=pc.sequence_parallel, **extra,
+        )  # fmt: skip
     from fusedmoe.parallel.naive_ep import NaiveEPPrepareFinalize
 
     return NaiveEPPrepareFinalize(

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fusedmoe.layer import FusedMoE
+from fusedmoe.modular.kernel import WorkspaceCache
 from fusedmoe.modular.types import ExpertsCall
 from fusedmoe.parallel.comm import EPCommStats
 from fusedmoe.parallel.config import ParallelConfig
@@ -240,6 +241,24 @@ class _Timer:
         return (end - start) * 1e3
 
 
+def _stage_buffers(layer: FusedMoE, kernel, weights, prepared, x, workspaces):
+    """The experts' workspaces and output for a prepared call, as the modular kernel takes them
+    (the output where the prepare/finalize offers a buffer of its own: symm_mem's send rows)."""
+    experts = kernel.experts
+    num_tokens, top_k = prepared.topk_ids.shape
+    shapes = experts.workspace_shapes(
+        num_tokens, weights.gemm1_out_size, weights.hidden_size, top_k,
+        layer.placement.num_physical, weights.num_local_experts, layer.activation.kind,
+    )  # fmt: skip
+    dtype = experts.workspace_dtype(x.dtype)
+    ws13 = workspaces.get("workspace13", shapes.workspace13, dtype, x.device)
+    ws2 = workspaces.get("workspace2", shapes.workspace2, dtype, x.device)
+    out = kernel.prepare_finalize.expert_output_buffer(tuple(shapes.output), x.dtype, x.device)
+    if out is None:
+        out = workspaces.get("output", shapes.output, x.dtype, x.device)
+    return ws13, ws2, out
+
+
 def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float, float, float]:
     """One forward split into its stages, through the layer's own modular kernel:
     -> (dispatch ms, experts ms, combine ms)."""
@@ -256,15 +275,8 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
         defer_input_quant=experts.wants_unquantized_input(),
     )  # fmt: skip
     t1 = timer.mark()
-    num_tokens, top_k = prepared.topk_ids.shape
-    shapes = experts.workspace_shapes(
-        num_tokens, weights.gemm1_out_size, weights.hidden_size, top_k, num_physical,
-        weights.num_local_experts, layer.activation.kind,
-    )  # fmt: skip
-    dtype = experts.workspace_dtype(x.dtype)
-    ws13 = kernel.workspaces.get("workspace13", shapes.workspace13, dtype, x.device)
-    ws2 = kernel.workspaces.get("workspace2", shapes.workspace2, dtype, x.device)
-    out = kernel.workspaces.get("output", shapes.output, x.dtype, x.device)
+    num_tokens = prepared.topk_ids.shape[0]
+    ws13, ws2, out = _stage_buffers(layer, kernel, weights, prepared, x, kernel.workspaces)
     t2 = timer.mark()
     if num_tokens:
         experts.apply(
@@ -298,7 +310,8 @@ def _captured(fn):
 
 def graphed_stages(layer: FusedMoE, x, logits):
     """The stages of time_stages and the whole forward, each captured in a CUDA graph (after
-    the eager warm-up): -> (prepare, experts, finalize, forward) graphs, replayed in order."""
+    the eager warm-up): -> (prepare, experts, finalize, forward) graphs, replayed in order, and
+    the tensors they read and write that were allocated outside them (kept alive with them)."""
     _, kernel = layer._kernel(x.device, x.dtype, False)
     pf, experts = kernel.prepare_finalize, kernel.experts
     weights = expert_weights(layer, experts.hidden_size_alignment)
@@ -311,15 +324,7 @@ def graphed_stages(layer: FusedMoE, x, logits):
             defer_input_quant=experts.wants_unquantized_input(),
         )
     )  # fmt: skip
-    num_tokens, top_k = prepared.topk_ids.shape
-    shapes = experts.workspace_shapes(
-        num_tokens, weights.gemm1_out_size, weights.hidden_size, top_k, num_physical,
-        weights.num_local_experts, layer.activation.kind,
-    )  # fmt: skip
-    dtype = experts.workspace_dtype(x.dtype)
-    ws13 = torch.empty(shapes.workspace13, dtype=dtype, device=x.device)
-    ws2 = torch.empty(shapes.workspace2, dtype=dtype, device=x.device)
-    out = torch.empty(shapes.output, dtype=x.dtype, device=x.device)
+    ws13, ws2, out = _stage_buffers(layer, kernel, weights, prepared, x, WorkspaceCache())
     call = ExpertsCall(
         output=out, hidden_states=prepared.a1q, weights=weights,
         topk_weights=prepared.topk_weights, topk_ids=prepared.topk_ids,
@@ -336,12 +341,12 @@ def graphed_stages(layer: FusedMoE, x, logits):
         )
     )  # fmt: skip
     g4, _ = _captured(lambda: layer(x, logits))
-    return g1, g2, g3, g4
+    return (g1, g2, g3, g4), (call, output, topk_weights, topk_ids)
 
 
 def time_graphs(graphs, timer: _Timer, dist) -> tuple[float, float, float, float]:
     """(dispatch, experts, combine, forward) ms of one replay of each graph."""
-    g1, g2, g3, g4 = graphs
+    (g1, g2, g3, g4), _ = graphs
     dist.barrier()
     marks = [timer.mark()]
     for graph in (g1, g2, g3):
