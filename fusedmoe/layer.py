@@ -28,10 +28,14 @@ Parallelism (parallel_config; fusedmoe.parallel.config says how tokens and exper
                   ep_rank 0 only, so the sum stays exact; a routed_output_transform (not linear
                   in general) is refused.
       dp_size == ep_size (EP over the DP group) or sequence_parallel: tokens travel to their
-                  experts (modular backends: parallel_config.all2all_backend, "naive"
-                  all-gather or "all_to_all"; monolithic: all-gather) and each rank gets the
-                  full output of its own tokens (sequence parallel: of every token).
-                  Modular backends train there too: backward runs the adjoint collectives
+                  experts (modular backends: parallel_config.all2all_backend, "auto":
+                  "symm_mem" on CUDA with NVSHMEM (counts on the GPU, CUDA-graph capturable,
+                  inference only), else "naive" all-gather; or "all_to_all"; monolithic:
+                  all-gather) and each rank gets the full output of its own tokens (sequence
+                  parallel: of every token). Ranks built with different layers raise a
+                  ValueError before tokens travel (fusedmoe.parallel.fingerprint).
+                  Modular backends train there too (naive / all_to_all; a training call under
+                  symm_mem runs all_to_all): backward runs the adjoint collectives
                   (fusedmoe.parallel.comm); under sequence parallel the output's gradient must
                   be the same on every rank, and each gets the whole gradient of its inputs.
     dp_size > 1, ep_size == 1: every rank holds every expert and its tokens stay local.

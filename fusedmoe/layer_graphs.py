@@ -81,9 +81,12 @@ class Replayed:
 
 def graph_safe(layer: FusedMoE, choice: BackendChoice) -> bool:
     """Whether the routed part of a call may be captured: a backend and router whose calls
-    launch the same kernels every time without reading device values, no EP (its dispatch
-    exchanges counts on the host) or EPLB load counting (padding rows would count), and no
-    activation scale taken over the whole batch (the padding rows would change it).
+    launch the same kernels every time without reading device values, no EP (naive and
+    all_to_all exchange counts on the host; a symm_mem forward can be captured whole, but the
+    ranks must capture and replay together, which a per-rank cache of token buckets cannot
+    promise: capture the EP forward yourself) or EPLB load counting (padding rows would
+    count), and no activation scale taken over the whole batch (the padding rows would
+    change it).
     """
     pc = layer.parallel_config
     return (

@@ -513,6 +513,7 @@ MISMATCHES = [
     ("experts", "all_to_all", dict(num_experts=E + 4), "num_experts"),
     ("symm_tokens", "symm_mem", dict(max_tokens=SYMM_MAX_TOKENS + 1), "max_tokens_per_rank"),
     ("quantized_later", "naive", dict(quantize_after_first="fp8_block"), "quant_scheme"),
+    ("a2a_sp_placement", "all_to_all", dict(placement="round_robin", sp=True), "placement"),
 ]
 
 
@@ -523,11 +524,14 @@ def _mismatch_worker(rank: int, world: int, port: int, path: str) -> None:
         torch.set_num_threads(1)
         results = {}
         for name, kind, change, _ in MISMATCHES:
+            sp = change.get("sp", False)  # both ranks: sequence parallel
             change = change if rank == 1 else {}
             hidden = change.get("hidden_size", H)
             experts = change.get("num_experts", E)
             pc = ParallelConfig(
-                ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank, all2all_backend=kind,
+                ep_size=world, ep_rank=rank, dp_size=1 if sp else world, dp_rank=0 if sp else rank,
+                sequence_parallel=sp, all2all_backend=kind,
+                placement=change.get("placement", "linear"),
                 max_tokens_per_rank=change.get("max_tokens", SYMM_MAX_TOKENS),
             )  # fmt: skip
             layer = FusedMoE(experts, TOP_K, hidden, I, params_dtype=torch.float32,
@@ -565,3 +569,53 @@ def test_ranks_built_differently_fail_fast(case, mismatched):
         message = errors[-1]
         assert "ranks of the EP group were built with different layers" in message, message
         assert f"{field}:" in message and "ranks [0]" in message and "ranks [1]" in message
+
+
+def _over_bound_worker(rank: int, world: int, port: int, path: str) -> None:
+    """symm_mem, rank 0 over the bound in the first call: it raises, rank 1's output is right,
+    and both ranks' next call runs."""
+    os.environ[TRANSPORT_ENV] = "emulated"
+    init_gloo(rank, world, port)
+    try:
+        torch.set_num_threads(1)
+        data = torch.load(path)
+        pc = ParallelConfig(
+            ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank,
+            all2all_backend="symm_mem", max_tokens_per_rank=SYMM_MAX_TOKENS,
+        )  # fmt: skip
+        layer = make_layer(EPCase("over"), pc)
+        layer.load_weights(data["checkpoint"])
+        results = []
+        for counts in OVER_BOUND_CALLS:
+            start = sum(counts[:rank])
+            rows = slice(start, start + counts[rank])
+            try:
+                with torch.no_grad():
+                    results.append(layer(data["x"][rows], data["logits"][rows, :E]))
+            except ValueError as e:
+                results.append(str(e))
+        torch.save(results, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+OVER_BOUND_CALLS = ((SYMM_MAX_TOKENS + 3, 4), (2, 5))
+
+
+@needs_gloo
+def test_symm_mem_rank_over_the_bound_raises_and_its_peer_is_right():
+    full, data, logits = _data([EPCase("x", calls=((SYMM_MAX_TOKENS + 3, 4), (2, 5)))])
+    ranks = run_ranks(2, [], {**data, "logits": logits}, worker=_over_bound_worker)
+    assert isinstance(ranks[0][0], str) and "max_tokens_per_rank = 13" in ranks[0][0]
+    assert "this rank had 16 tokens" in ranks[0][0]
+    for c, counts in enumerate(OVER_BOUND_CALLS):
+        with torch.no_grad():
+            expected = full(data["x"][: sum(counts)], logits[: sum(counts), :E])
+        for rank in range(2):
+            if c == 0 and rank == 0:
+                continue
+            start = sum(counts[:rank])
+            got = ranks[rank][c]
+            assert not isinstance(got, str), got
+            assert_close(got, expected[start : start + counts[rank]], torch.float32,
+                         what=f"call {c} rank {rank}")  # fmt: skip

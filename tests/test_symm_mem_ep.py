@@ -13,6 +13,7 @@ Legend: M tokens, E experts (P physical), k top-k, R ranks, C send slots (C: no 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -608,14 +609,19 @@ def test_num_tokens_bounded_by_max_tokens_per_rank(
     monkeypatch, sequence_parallel, ep_size, ok, too_many
 ):
     """B = 4: a rank's own count, or under sequence parallelism its slice ceil(M / R), is at
-    most B; the count itself is returned (one pass of every token, nothing exchanged)."""
+    most B; the count itself is returned (one pass of every token, nothing exchanged). Over
+    the bound the call is refused at its end (finalize raises the reason recorded here): the
+    rank still joins the call's exchanges, so that its peers do not wait or fall out of step."""
     pf = symm_pf(4, ep_size=ep_size, sequence_parallel=sequence_parallel)
     monkeypatch.setattr(pf.comm, "check", lambda: None)  # no process group here
     for num_tokens in ok:
         assert pf.num_tokens_across_ranks(num_tokens, CPU) == num_tokens
+        assert pf._refused is None
     for num_tokens in too_many:
-        with pytest.raises(ValueError, match=r"at most max_tokens_per_rank = 4 .*raise"):
-            pf.num_tokens_across_ranks(num_tokens, CPU)
+        assert pf.num_tokens_across_ranks(num_tokens, CPU) == num_tokens
+        assert re.search(r"at most max_tokens_per_rank = 4 .*raise", pf._refused)
+    pf.num_tokens_across_ranks(ok[-1], CPU)  # the next call starts afresh
+    assert pf._refused is None
 
 
 def test_num_tokens_needs_a_process_group():
@@ -841,3 +847,34 @@ def test_unpack_meta_empties_the_stale_rows(received, num_scales):
         assert torch.equal(got[1].view(torch.int32), weights.view(torch.int32))
         if num_scales:
             assert torch.equal(got[2].view(torch.int32), scale.view(torch.int32))
+
+
+def test_buffers_refuse_a_second_caller_while_a_forward_is_in_flight():
+    """Between a dispatch and its combine the shared buffers belong to that forward's thread
+    and stream: another thread is refused (not silently mixed in); after the combine, anyone;
+    the same caller again (an earlier call that raised midway) is let through."""
+    import threading
+
+    from fusedmoe.parallel.symm_mem_ep import _Buffers
+
+    empty = torch.empty(0)
+    bufs = _Buffers(send=empty, recv=empty, out=empty, counts=empty, received=empty)
+    errors = []
+
+    def other():
+        try:
+            bufs.take(CPU)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    bufs.take(CPU)
+    bufs.take(CPU)  # the same thread again
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "one EP forward of a group at a time" in errors[0]
+    bufs.release()
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1  # free again: the other thread took it

@@ -151,10 +151,22 @@ class EPGroup:
             self.all_gather_counts(0, device)
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """int64 [R] rows this rank sends to each rank -> int64 [R] rows it receives from each."""
-        recv = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv, send_counts.contiguous(), group=self.group)
-        return recv
+        """int64 [R] rows this rank sends to each rank -> int64 [R] rows it receives from each,
+        the fingerprints compared on the way (one all-gather of every rank's counts and codes:
+        a host read, as the caller makes anyway)."""
+        if self.fingerprint is None:
+            recv = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv, send_counts.contiguous(), group=self.group)
+            return recv
+        codes = torch.tensor(self.fingerprint.codes(), dtype=torch.int64)
+        mine = torch.cat([send_counts.long(), codes.to(send_counts.device)])
+        table = torch.empty(self.size, mine.numel(), dtype=torch.int64, device=mine.device)
+        _all_gather(table.view(-1), mine, self.group)
+        rows = table.tolist()
+        why = disagreement([row[self.size :] for row in rows], self.fingerprint, self.rank)
+        if why is not None:
+            raise ValueError(why)
+        return table[:, self.rank].contiguous()
 
     # ---- rows (differentiable where autograd records; see the module docstring) ----
     def all_gather_rows(

@@ -22,15 +22,18 @@ C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
 Each token travels once to each rank that owns one of its experts, as in the all_to_all kind,
 but the split sizes never reach the host. The price is the fixed shape: the buffers and the
 experts' workspaces are sized for C rows, and a call with more than B tokens on a rank is
-refused before anything is sent (ValueError): set ParallelConfig.max_tokens_per_rank to the
-largest call a rank makes (a prefill chunk), or use the all_to_all kind for longer calls.
+refused: that rank sends none of them, still takes part in the call's exchanges (its peers
+finish the call right, the ranks stay in step) and raises a ValueError at the call's end. Set
+ParallelConfig.max_tokens_per_rank to the largest call a rank makes (a prefill chunk), or use
+the all_to_all kind for longer calls.
 
 Buffers are symmetric (allocated collectively at a layer's first call, the same size on every
 rank) and shared by every layer of the process per (group, device, size): a model's layers run
 one after another. One EP forward is in flight per group at a time, as for any collective: the
-ranks must issue their dispatches in the same order, so two streams or threads calling EP
-layers of one group at once would deadlock or mix their rows whatever the buffers. A CUDA graph
-captured on a side stream (after a warm-up call) uses the buffers of the eager calls.
+ranks must issue their dispatches in the same order. Between its dispatch and its combine a
+forward holds the buffers: another thread or CUDA stream that dispatches meanwhile gets a
+RuntimeError. A CUDA graph captured on a side stream (after a warm-up call, which allocates
+the buffers) uses the buffers of the eager calls.
 
 all_to_all_vdev starts with a barrier of the group and has none at its end (peers may still be
 reading this rank's send buffer when it returns here), so each buffer is written only where a
@@ -38,7 +41,8 @@ barrier since its last remote use guarantees the peers are done with it: `send` 
 combine's rows back (the combine's barrier comes after every peer's dispatch), `out` is written
 by the experts after the dispatch's barrier (the peers finished reading the last combine's), and
 the dispatch and the combine have each their own received-counts tensor (peers write into it
-before the barrier). Three byte buffers of at least C + 1 rows.
+before the barrier). Three byte buffers; the dispatch's rows and the combine's each have their
+own size (x's bytes and the metadata; the partial sums), at least C + 1 of them.
 
 Transport: NVSHMEM (torch.ops.symm_mem.all_to_all_vdev) where torch has it. For machines
 without NVSHMEM (CPU, gloo) an emulation moves the same buffers with all_to_all_single, reading
@@ -58,9 +62,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fusedmoe.modular.kernel import _stream_of
 from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
 from fusedmoe.parallel.comm import to_wire
-from fusedmoe.parallel.naive_ep import TokenBatch
+from fusedmoe.parallel.naive_ep import TokenBatch, quantizes_before_dispatch
 from fusedmoe.parallel.rows import (
     dispatch_positions,
     gather_sum_rows,
@@ -90,8 +95,11 @@ def nvshmem_unavailable_reason(device: torch.device, group=None) -> str | None:
     if not symm_mem.is_nvshmem_available():
         return "NVSHMEM is not available in this torch build or on this machine"
     if dist.is_initialized():
-        if dist.get_backend(group) != "nccl":
-            return f"the process group's backend is {dist.get_backend(group)!r}, not NCCL"
+        # "nccl", or a mixed group's "cpu:gloo,cuda:nccl" (init_process_group() unnamed)
+        get_config = getattr(dist, "get_backend_config", None)
+        backend = str(get_config(group) if get_config else dist.get_backend(group))
+        if "nccl" not in backend:
+            return f"the process group's CUDA backend is not NCCL ({backend!r})"
         size = dist.get_world_size(group)
         if size & (size - 1):
             return (
@@ -175,16 +183,18 @@ def _make_transport(group):
     return _NvshmemTransport(group)
 
 
-# ---- buffers -------------------------------------------------------------------------------
-#: (transport kind, group, device, rows, row bytes, meta width) -> symmetric buffers;
-#: kept for the process (a CUDA graph captured with them reads and writes their addresses)
+# ---- buffers ----------------------------------------------------------------------------
+#: (transport kind, group, device, bytes) -> symmetric buffers; kept for the process (a CUDA
+#: graph captured with them reads and writes their addresses; freeing NVSHMEM memory is a
+#: collective)
 _BUFFERS: dict[tuple, _Buffers] = {}
 _BUFFERS_LOCK = threading.Lock()
 #: all_to_all_vdev moves each peer's bytes in equal blocks, and asserts that they divide evenly:
 #: it launches ceil(input bytes / 64 KiB) blocks, rounded up to a multiple of the group's size,
 #: at most 64 (16 across nodes), so with a power-of-two group and an input of at least 64
 #: blocks' worth (_MIN_BYTES) each peer gets 64 / R blocks (a power of two, at most 32). Rows
-#: are padded to a multiple of 64 bytes: any count of them then divides evenly.
+#: are padded to a multiple of 64 bytes: any count of them then divides evenly. (A block count
+#: set by hand, TORCH_SYMMMEM_NBLOCKS, must keep 64 / (its blocks per peer) whole.)
 _ROW_ALIGN = 64
 _MIN_BYTES = 8 << 20  # 64 blocks of up to 128 KiB
 
@@ -193,28 +203,57 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _row_bytes(nbytes: int) -> int:
+    return -(-nbytes // _ROW_ALIGN) * _ROW_ALIGN
+
+
+def _view_rows(capacity: int, row_bytes: int) -> int:
+    """Rows of a view: at least C + 1 (row C takes what goes nowhere), and _MIN_BYTES."""
+    return max(capacity + 1, -(-_MIN_BYTES // row_bytes))
+
+
 @dataclass
 class _Buffers:
-    """One set of symmetric buffers: rows of row_bytes, at least C + 1 of them (row C takes
-    what goes nowhere; the all-to-all sees every row, its block split depends on the size)."""
+    """One set of symmetric byte buffers, viewed per call as rows: the dispatch's rows (x's
+    bytes, then the metadata words) in send and recv, the combine's (the partial sums) in out
+    and send. Each all-to-all sees a whole view: its block split depends on the size."""
 
-    send: torch.Tensor  # uint8 [rows, row_bytes]: the dispatch's rows out, the combine's back in
-    recv: torch.Tensor  # uint8 [rows, row_bytes]: the dispatch's rows in (the experts read x)
-    out: torch.Tensor  # uint8 [rows, row_bytes]: the experts' output, the combine's rows out
+    send: torch.Tensor  # uint8: the dispatch's rows out; the combine's rows back in
+    recv: torch.Tensor  # uint8: the dispatch's rows in (the experts read x there)
+    out: torch.Tensor  # uint8: the experts' output; the combine's rows out
     counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
     received: torch.Tensor  # int64 [2, 2, R]: (rows, offsets) received, dispatch and combine
+    #: (thread, CUDA stream) of the forward between its dispatch and its combine: the buffers
+    #: refuse another caller meanwhile (STYLE: shared state refuses the second caller)
+    holder: tuple[int, int] | None = None
 
     @staticmethod
-    def as_rows(buf: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """A [rows, row_bytes] byte buffer as [rows, width] of dtype (width elements fill at
-        most a row; the row stride stays row_bytes)."""
-        return buf[:, : width * _element_size(dtype)].view(dtype)
+    def rows(buf: torch.Tensor, capacity: int, row_bytes: int) -> torch.Tensor:
+        """buf's first bytes as [rows, row_bytes] (_view_rows)."""
+        num_rows = _view_rows(capacity, row_bytes)
+        return buf[: num_rows * row_bytes].view(num_rows, row_bytes)
+
+    def take(self, device: torch.device) -> None:
+        me = (threading.get_ident(), _stream_of(device))
+        with _BUFFERS_LOCK:
+            if self.holder is not None and self.holder != me:
+                raise RuntimeError(
+                    "the symm_mem dispatch's buffers are in use by an EP forward of another "
+                    "thread or CUDA stream: one EP forward of a group at a time (the ranks must "
+                    "issue their dispatches in the same order)"
+                )
+            self.holder = me
+
+    def release(self) -> None:
+        self.holder = None
 
 
 @dataclass
 class _DispatchState:
     pos: torch.Tensor  # int64 [M, R]: the send slot of token m for rank r (C: not sent)
     buffers: _Buffers  # the set the dispatch used: the combine moves its rows back through it
+    combine_bytes: int  # bytes of a combine row (the partial sums', padded)
+    refused: bool  # this rank was over the bound: it sent nothing, its output is refused
 
 
 class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
@@ -248,6 +287,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         #: call: for benchmarks, off by default)
         self.count_traffic = False
         self._agreed = False  # the ranks' fingerprints compared (EPGroup.agree)
+        self._refused: str | None = None  # this call was over the bound: why (finalize raises)
 
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
@@ -255,9 +295,19 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
 
     def num_tokens_across_ranks(self, num_tokens: int, device: torch.device) -> int:
         """This rank's own count: every rank makes one dispatch per call whatever its count
-        (single_pass), so nothing is exchanged on the host."""
+        (single_pass), so nothing is exchanged on the host. A count over the bound is refused
+        at the end of the call (finalize), not here: the rank still joins the call's dispatch
+        and combine (sending nothing), so that its peers finish their calls right and the ranks
+        stay in step."""
         self.comm.check()
+        self._refused = None
         if not self._agreed:  # once, at the first call (a host sync: the warm-up's)
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "the first call of a symm_mem EP layer allocates its symmetric buffers and "
+                    "compares the ranks' layers (collectives): make one eager call on every "
+                    "rank before capturing a CUDA graph"
+                )
             self.comm.agree(device)
             self._agreed = True
         mine = num_tokens
@@ -265,34 +315,64 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             mine = -(-num_tokens // self.comm.size)
         if mine > self.max_tokens:
             what = "tokens per rank (sequence parallel)" if self.sequence_parallel else "tokens"
-            raise ValueError(
+            self._refused = (
                 f"the symm_mem dispatch takes at most max_tokens_per_rank = {self.max_tokens} "
-                f"tokens per rank in a call, this rank has {mine} {what}: raise "
+                f"tokens per rank in a call, this rank had {mine} {what}: raise "
                 "ParallelConfig.max_tokens_per_rank (its buffers and workspaces are sized for "
                 f"ep_size * max_tokens_per_rank = {self.capacity} rows), split the call, or "
-                "use all2all_backend='all_to_all'"
+                "use all2all_backend='all_to_all' (this rank sent nothing; its peers' outputs "
+                "of the call are right)"
             )
         return num_tokens
 
-    def prepare(self, a1, *args, requires_grad=False, **kwargs):
+    def prepare(
+        self,
+        a1,
+        topk_weights,
+        topk_ids,
+        num_experts,
+        expert_map,
+        apply_router_weight_on_input,
+        quant_config,
+        defer_input_quant=False,
+        requires_grad=False,
+    ):
         if requires_grad:
             raise ValueError(
                 "the symm_mem dispatch is inference only: a forward that autograd records runs "
                 "the all_to_all kind (FusedMoE picks it; backend_choice(requires_grad=True) "
                 "says so)"
             )
+        if not quantizes_before_dispatch(None if defer_input_quant else quant_config):
+            raise ValueError(
+                "the symm_mem dispatch cannot run a scheme with one activation scale over the "
+                "whole batch (FP8 per-tensor dynamic, NVFP4): its fixed-size receive buffer's "
+                "stale rows would enter the scale; use all2all_backend='naive'"
+            )
         self._out_dtype = a1.dtype
-        return super().prepare(a1, *args, **kwargs)
+        return super().prepare(
+            a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+            quant_config, defer_input_quant,
+        )  # fmt: skip
+
+    def finalize(self, *args, **kwargs):
+        try:
+            super().finalize(*args, **kwargs)
+        finally:
+            refused, self._refused = self._refused, None
+        if refused is not None:
+            raise ValueError(refused)
 
     # ---- buffers ----
-    def _buffers(self, device: torch.device, row_bytes: int) -> _Buffers:
+    def _buffers(self, device: torch.device, dispatch_bytes: int, combine_bytes: int) -> _Buffers:
         if self._transport is None:
             self._transport = _make_transport(self.comm.group)
         transport = self._transport
         group_key = getattr(transport, "group_name", None) or id(self.comm.group)
-        # at least C + 1 rows, and _MIN_BYTES (what all_to_all_vdev's block split needs)
-        rows = max(self.capacity + 1, -(-(_MIN_BYTES + row_bytes) // row_bytes))
-        key = (transport.name, group_key, device, rows, row_bytes)
+        nbytes = max(
+            _view_rows(self.capacity, row) * row for row in (dispatch_bytes, combine_bytes)
+        )
+        key = (transport.name, group_key, device, nbytes)
         with _BUFFERS_LOCK:
             bufs = _BUFFERS.get(key)
             if bufs is None:
@@ -302,9 +382,9 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     return transport.alloc(shape, dtype, device)
 
                 bufs = _BUFFERS[key] = _Buffers(
-                    send=alloc((rows, row_bytes), torch.uint8),
-                    recv=alloc((rows, row_bytes), torch.uint8),
-                    out=alloc((rows, row_bytes), torch.uint8),
+                    send=alloc((nbytes,), torch.uint8),
+                    recv=alloc((nbytes,), torch.uint8),
+                    out=alloc((nbytes,), torch.uint8),
                     counts=alloc((size,), torch.int64),
                     received=alloc((2, 2, size), torch.int64),
                 )
@@ -316,15 +396,21 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         in_flight = self._in_flight
         if in_flight is None or len(shape) != 2 or shape[0] != self.capacity:
             return None
-        if dtype != self._out_dtype:
+        state = in_flight.dispatch
+        if dtype != self._out_dtype or _row_bytes(shape[1] * _element_size(dtype)) != (
+            state.combine_bytes
+        ):
             return None
-        out = _Buffers.as_rows(in_flight.dispatch.buffers.out, shape[1], dtype)
-        return out[: shape[0]]
+        rows = _Buffers.rows(state.buffers.out, self.capacity, state.combine_bytes)
+        return rows[: shape[0], : shape[1] * _element_size(dtype)].view(dtype)
 
     # ---- dispatch and combine ----
     def _dispatch(self, batch: TokenBatch):
         """One all-to-all of packed rows: x's bytes, then ids | weights (| scales) as int32."""
         device, capacity = batch.x.device, self.capacity
+        refused = self._refused is not None
+        if refused:  # over the bound: this rank sends nothing, and still joins the exchange
+            batch = batch.map(lambda t: t[:0])
         top_k = batch.topk_ids.shape[1]
         hidden = batch.x.shape[1]
         x = to_wire(batch.x).view(torch.uint8)  # [M, H * bytes]
@@ -332,55 +418,63 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         out_dtype = self._out_dtype or batch.x.dtype
         x_bytes = -(-x.shape[1] // 16) * 16  # the metadata starts 16-byte aligned
         meta_words = 2 * top_k + num_scales
-        row_bytes = max(x_bytes + 4 * meta_words, hidden * _element_size(out_dtype))
-        bufs = self._buffers(device, -(-row_bytes // _ROW_ALIGN) * _ROW_ALIGN)
+        dispatch_bytes = _row_bytes(x_bytes + 4 * meta_words)
+        combine_bytes = _row_bytes(hidden * _element_size(out_dtype))
+        bufs = self._buffers(device, dispatch_bytes, combine_bytes)
+        bufs.take(device)
+        send = _Buffers.rows(bufs.send, capacity, dispatch_bytes)
+        recv = _Buffers.rows(bufs.recv, capacity, dispatch_bytes)
         owner = self._owner_on(device)
         pos = dispatch_positions(batch.topk_ids, owner, self.comm.size, capacity, bufs.counts)
-
-        scatter_rows(x, pos, bufs.send, 0, capacity)
-        words = bufs.send.view(torch.int32)  # [rows, row_bytes / 4]
+        scatter_rows(x, pos, send, 0, capacity)
         pack_meta(
-            batch.topk_ids, batch.topk_weights, batch.scale, pos, words, x_bytes // 4, capacity
-        )
-        self._transport.all_to_all(bufs.send, bufs.recv, bufs.counts, bufs.received[0])
+            batch.topk_ids, batch.topk_weights, batch.scale, pos, send.view(torch.int32),
+            x_bytes // 4, capacity,
+        )  # fmt: skip
+        self._transport.all_to_all(send, recv, bufs.counts, bufs.received[0])
 
         # rows [n, C) of recv hold what an earlier call left: empty slots
         ids, weights, scale = unpack_meta(
-            bufs.recv.view(torch.int32), x_bytes // 4, bufs.received[0, 0], capacity, top_k,
+            recv.view(torch.int32), x_bytes // 4, bufs.received[0, 0], capacity, top_k,
             num_scales,
         )  # fmt: skip
         if scale is not None:
             scale = scale.to(batch.scale.dtype)
-        x_in = bufs.recv[:capacity, : x.shape[1]].view(batch.x.dtype)  # rows row_bytes apart
+        x_in = recv[:capacity, : x.shape[1]].view(batch.x.dtype)  # rows dispatch_bytes apart
         if self.count_traffic:  # the counts on the host: a sync, only where asked
-            self._count(bufs.counts, bufs.received[0, 0], batch.row_bytes(), out_dtype, hidden)
-        return TokenBatch(x_in, scale, ids, weights), _DispatchState(pos, bufs)
+            self._count(bufs.counts, bufs.received[0, 0], dispatch_bytes, combine_bytes)
+        state = _DispatchState(pos, bufs, combine_bytes, refused)
+        return TokenBatch(x_in, scale, ids, weights), state
 
-    def _count(self, sent, received, row_bytes: int, out_dtype: torch.dtype, hidden: int):
+    def _count(self, sent, received, dispatch_bytes: int, combine_bytes: int) -> None:
+        """The traffic of the call (rows as they travel, padding included) into self.stats."""
         me = self.comm.rank
         sent, received = sent.tolist(), received.tolist()
-        out_row = hidden * _element_size(out_dtype)
         peers_sent, peers_received = sum(sent) - sent[me], sum(received) - received[me]
         self.stats.add(
-            dispatch_bytes_sent=peers_sent * row_bytes,
-            dispatch_bytes_received=peers_received * row_bytes,
-            combine_bytes_sent=peers_received * out_row,
-            combine_bytes_received=peers_sent * out_row,
+            dispatch_bytes_sent=peers_sent * dispatch_bytes,
+            dispatch_bytes_received=peers_received * dispatch_bytes,
+            combine_bytes_sent=peers_received * combine_bytes,
+            combine_bytes_received=peers_sent * combine_bytes,
             tokens_sent=peers_sent,
             tokens_received=peers_received,
         )
 
     def _combine(self, partial, state: _DispatchState, num_tokens: int, out=None):
         bufs, capacity = state.buffers, self.capacity
-        hidden = partial.shape[1]
-        send_c = _Buffers.as_rows(bufs.out, hidden, partial.dtype)
-        recv_c = _Buffers.as_rows(bufs.send, hidden, partial.dtype)
+        hidden, width = partial.shape[1], partial.shape[1] * partial.element_size()
+        send = _Buffers.rows(bufs.out, capacity, state.combine_bytes)
+        back = _Buffers.rows(bufs.send, capacity, state.combine_bytes)
+        send_c = send[:capacity, :width].view(partial.dtype)
         if partial.data_ptr() != send_c.data_ptr():  # else the experts wrote it there
-            send_c[:capacity].copy_(partial)
+            send_c.copy_(partial)
         # the rows each rank sent are what goes back to it: the dispatch's received counts
         # (read before the combine's barrier; no peer writes them again before it)
-        self._transport.all_to_all(bufs.out, bufs.send, bufs.received[0, 0], bufs.received[1])
+        self._transport.all_to_all(send, back, bufs.received[0, 0], bufs.received[1])
+        bufs.release()
         if out is None or out.dtype != partial.dtype:
             out = partial.new_empty(num_tokens, hidden)
-        gather_sum_rows(recv_c, state.pos, out, capacity)
+        if state.refused:  # this rank sent nothing: its call is refused in finalize
+            return out.zero_()
+        gather_sum_rows(back[:, :width].view(partial.dtype), state.pos, out, capacity)
         return out

@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        parser.error("--max-tokens must be >= 1")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.backend is None:
@@ -301,7 +303,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
 
 
 def _captured(fn):
-    """fn() captured in a CUDA graph: (graph, what fn returned, its static outputs)."""
+    """fn() captured in a CUDA graph: (graph, what fn returned: its static outputs)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
@@ -398,7 +400,7 @@ def run(args) -> list[Row]:
         for kind in args.kinds:
             pc = ParallelConfig(
                 ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank, all2all_backend=kind,
-                max_tokens_per_rank=args.max_tokens or max(max(args.tokens), 1),
+                max_tokens_per_rank=args.max_tokens or max(*args.tokens, 1),
             )  # fmt: skip
             layer = build_layer(preset, scheme, dtype, device, args.backend, args.seed, pc)
             for num_tokens in args.tokens:
