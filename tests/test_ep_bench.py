@@ -72,12 +72,16 @@ def test_ep_bench_symm_mem_over_the_emulated_transport(monkeypatch):
     assert [(r["dtype"], r["kind"], r["tokens_per_rank"]) for r in rows] == [
         (d, k, t) for d in ("bf16", "fp8_block") for k in ("symm_mem", "all_to_all") for t in (3, 6)
     ]
+    # the bytes of a dispatch row (H = 224): all_to_all's payload, symm_mem's row as it
+    # travels (x, then ids | weights (| scales) as int32 words, padded to 64 bytes)
+    row_bytes = {"bf16": (448 + 64, 512), "fp8_block": (224 + 8 + 64, 320)}
     for symm, a2a in [(rows[i], rows[i + 2]) for i in (0, 1, 4, 5)]:
         assert symm["kind"] == "symm_mem" and a2a["kind"] == "all_to_all"
         assert symm["tokens_per_rank"] == a2a["tokens_per_rank"]
-        # the same tokens travel to the same ranks: the same rows, counted the same way
-        assert symm["dispatch_bytes"] == a2a["dispatch_bytes"] > 0
-        assert symm["combine_bytes"] == a2a["combine_bytes"] > 0
+        # the same tokens travel to the same ranks: the same rows, each of its kind's size
+        a2a_row, symm_row = row_bytes[symm["dtype"]]
+        assert symm["dispatch_bytes"] * a2a_row == a2a["dispatch_bytes"] * symm_row > 0
+        assert symm["combine_bytes"] == a2a["combine_bytes"] > 0  # bf16 rows of 448 bytes
     for row in rows:
         assert row["check"].startswith("ok") if row["tokens_per_rank"] == 3 else not row["check"]
 

@@ -226,7 +226,7 @@ def bucket_of(num_tokens: int) -> int:
 
 def _lane_key(device: torch.device) -> tuple[int, int]:
     """(device index, the handle of its current stream): the lane of a call on device. The
-    handle is read as fusedmoe.modular.kernel._stream_of does, without building a Stream."""
+    handle is read as fusedmoe.modular.kernel.stream_handle does, without building a Stream."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return index, torch._C._cuda_getCurrentRawStream(index)
 

@@ -54,7 +54,7 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
         return torch.empty(numel, dtype=dtype, device=device)
 
 
-def _stream_of(device: torch.device) -> int:
+def stream_handle(device: torch.device) -> int:
     """The current stream's handle on a CUDA device (0 elsewhere), without building a Stream."""
     if device.type != "cuda":
         return 0
@@ -112,7 +112,7 @@ class WorkspaceCache:
         numel = 1
         for size in shape:
             numel *= size
-        key = (role, device, dtype, _stream_of(device), threading.get_ident())
+        key = (role, device, dtype, stream_handle(device), threading.get_ident())
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             size = max(numel, 1)

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedmoe.modular.kernel import _stream_of
+from fusedmoe.modular.kernel import stream_handle
 from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
 from fusedmoe.parallel.comm import to_wire
 from fusedmoe.parallel.naive_ep import TokenBatch, quantizes_before_dispatch
@@ -234,7 +234,7 @@ class _Buffers:
         return buf[: num_rows * row_bytes].view(num_rows, row_bytes)
 
     def take(self, device: torch.device) -> None:
-        me = (threading.get_ident(), _stream_of(device))
+        me = (threading.get_ident(), stream_handle(device))
         with _BUFFERS_LOCK:
             if self.holder is not None and self.holder != me:
                 raise RuntimeError(
