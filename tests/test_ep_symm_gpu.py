@@ -44,6 +44,7 @@ TOL = {None: dict(tol=3e-2), "fp8_block": dict(tol=8e-2, rms_tol=1e-2)}
 # tokens of each rank per eager call: uneven, zero on some ranks, one rank full
 CALLS = ((37, 0, 96, 1)[:WORLD], (0, 5, 0, 0)[:WORLD], (96,) * WORLD)
 GRAPH_TOKENS = 24  # every rank's tokens in the captured forward
+OVER_CALLS = ((MAX_TOKENS + 5, 7, 0, 3)[:WORLD], (4, 9, 2, 1)[:WORLD])  # rank 0 over, then not
 GRAPH_REPLAYS = 3
 _ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
@@ -125,8 +126,21 @@ def _worker(rank: int, port: int, path: str) -> None:
                     graph.replay()
                     replayed = static_y.clone()
                     replays.append((replayed.cpu(), layer(new_x, new_logits).cpu()))
+            # rank 0 over the bound: it raises at the call's end, the others' outputs are
+            # right, and every rank's next call runs
+            over = []
+            for counts in OVER_CALLS:
+                start = sum(counts[:rank])
+                rows = slice(start, start + counts[rank])
+                x, logits = data["x"][rows].to(device), logits_all[rows].to(device)
+                try:
+                    with torch.no_grad():
+                        over.append(layer(x, logits).cpu())
+                except ValueError as e:
+                    over.append(str(e))
             results[scheme] = {
                 "eager": eager, "explain": explain, "synced": synced, "replays": replays,
+                "over": over,
             }  # fmt: skip
             del graph, layer
         torch.save(results, f"{path}.rank{rank}")
@@ -183,3 +197,22 @@ def test_symm_mem_forward_replays_from_a_cuda_graph(scheme, spawned):
         assert len(replays) == GRAPH_REPLAYS
         for i, (replayed, eager) in enumerate(replays):
             assert_close(replayed, eager, torch.bfloat16, what=f"replay {i} rank {rank}", tol=1e-2)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
+def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(scheme, spawned):
+    checkpoint, x, logits, results = spawned
+    first = results[0][scheme]["over"][0]
+    assert isinstance(first, str) and f"max_tokens_per_rank = {MAX_TOKENS}" in first
+    layer = _finish(_layer("cuda"), checkpoint, scheme)
+    for c, counts in enumerate(OVER_CALLS):
+        with torch.no_grad():
+            expected = layer(x[: sum(counts)].cuda(), logits[: sum(counts)].cuda()).cpu()
+        for rank in range(WORLD):
+            if c == 0 and rank == 0:
+                continue
+            got = results[rank][scheme]["over"][c]
+            assert not isinstance(got, str), got
+            start = sum(counts[:rank])
+            exp = expected[start : start + counts[rank]]
+            assert_close(got, exp, torch.bfloat16, what=f"call {c} rank {rank}", **TOL[scheme])
