@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fusedmoe.modular.kernel import shared_workspaces
+from fusedmoe.modular.kernel import shared_workspaces, stream_handle
 
 GRAPHS_ENV = "FUSEDMOE_CUDA_GRAPHS"
 DEFAULT_MAX_TOKENS = 4096
@@ -225,10 +225,9 @@ def bucket_of(num_tokens: int) -> int:
 
 
 def _lane_key(device: torch.device) -> tuple[int, int]:
-    """(device index, the handle of its current stream): the lane of a call on device. The
-    handle is read as fusedmoe.modular.kernel.stream_handle does, without building a Stream."""
+    """(device index, the handle of its current stream): the lane of a call on device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return index, torch._C._cuda_getCurrentRawStream(index)
+    return index, stream_handle(device)
 
 
 @dataclass(eq=False)

@@ -18,6 +18,7 @@ first call (the warm-up before a CUDA graph is captured).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -39,8 +40,12 @@ def _code(value: object) -> int:
 class LayerFingerprint:
     fields: tuple[tuple[str, object], ...]  # (name, value), the same order on every rank
 
+    @functools.cached_property
+    def _codes(self) -> tuple[int, ...]:
+        return tuple(_code(value) for _, value in self.fields)  # hashed once, not per call
+
     def codes(self) -> list[int]:
-        return [_code(value) for _, value in self.fields]
+        return list(self._codes)
 
     def __len__(self) -> int:
         return len(self.fields)

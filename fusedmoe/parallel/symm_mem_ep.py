@@ -199,10 +199,6 @@ _ROW_ALIGN = 64
 _MIN_BYTES = 8 << 20  # 64 blocks of up to 128 KiB
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _row_bytes(nbytes: int) -> int:
     return -(-nbytes // _ROW_ALIGN) * _ROW_ALIGN
 
@@ -397,12 +393,12 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         if in_flight is None or len(shape) != 2 or shape[0] != self.capacity:
             return None
         state = in_flight.dispatch
-        if dtype != self._out_dtype or _row_bytes(shape[1] * _element_size(dtype)) != (
+        if dtype != self._out_dtype or _row_bytes(shape[1] * dtype.itemsize) != (
             state.combine_bytes
         ):
             return None
         rows = _Buffers.rows(state.buffers.out, self.capacity, state.combine_bytes)
-        return rows[: shape[0], : shape[1] * _element_size(dtype)].view(dtype)
+        return rows[: shape[0], : shape[1] * dtype.itemsize].view(dtype)
 
     # ---- dispatch and combine ----
     def _dispatch(self, batch: TokenBatch):
@@ -419,7 +415,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         x_bytes = -(-x.shape[1] // 16) * 16  # the metadata starts 16-byte aligned
         meta_words = 2 * top_k + num_scales
         dispatch_bytes = _row_bytes(x_bytes + 4 * meta_words)
-        combine_bytes = _row_bytes(hidden * _element_size(out_dtype))
+        combine_bytes = _row_bytes(hidden * out_dtype.itemsize)
         bufs = self._buffers(device, dispatch_bytes, combine_bytes)
         bufs.take(device)
         send = _Buffers.rows(bufs.send, capacity, dispatch_bytes)
