@@ -241,6 +241,7 @@ class EPCase:
     shared: bool = False  # shared experts and zero experts
     rebalance: bool = False  # EPLB: rebalance after the calls, run them again
     backend: str = "torch"  # triton: on the CPU under its interpreter (TRITON_INTERPRET=1)
+    transport: str = "emulated"  # symm_mem's: the regions layout, or "emulated_vdev" (grouped)
 
 
 A1_SCALE, A2_SCALE = torch.tensor([0.02]), torch.tensor([0.05])
@@ -275,6 +276,10 @@ EP2_CASES = [
     EPCase("symm_eplb", "symm_mem", redundant=2, rebalance=True, calls=((11, 4), (0, 6))),
     EPCase("symm_triton_fp8_block", "symm_mem", scheme="fp8_block", backend="triton",
            calls=((5, 0), (3, 4))),
+    # the grouped layout (all_to_all_vdev's, where peers are not mapped)
+    EPCase("symm_vdev", "symm_mem", transport="emulated_vdev"),
+    EPCase("symm_vdev_fp8_block", "symm_mem", scheme="fp8_block", calls=((6, 3), (0, 4)),
+           transport="emulated_vdev"),
 ]  # fmt: skip
 EP4_CASES = [
     EPCase("naive4", calls=((3, 0, 7, 1), (0, 0, 0, 2))),
@@ -286,6 +291,8 @@ EP4_CASES = [
     EPCase("symm4", "symm_mem", calls=((3, 0, 7, 1), (0, 0, 0, 2), (13, 13, 13, 13))),
     EPCase("symm4_eplb", "symm_mem", redundant=4, placement="round_robin", rebalance=True,
            calls=((5, 1, 0, 3),)),
+    EPCase("symm4_vdev", "symm_mem", calls=((3, 0, 7, 1), (13, 13, 13, 13)),
+           transport="emulated_vdev"),
 ]  # fmt: skip
 CASES = {case.name: case for case in EP2_CASES + EP4_CASES}
 
@@ -349,6 +356,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
         data = torch.load(path)
         results = {}
         for case in (CASES[name] for name in data["cases"]):
+            os.environ[TRANSPORT_ENV] = case.transport
             if case.chunk_size is not None:
                 os.environ["FUSEDMOE_CHUNK_SIZE"] = str(case.chunk_size)
             pc = ParallelConfig(

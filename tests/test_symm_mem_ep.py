@@ -407,9 +407,9 @@ def test_dispatchers_pick_the_kernel_where_triton_runs(monkeypatch, dtype, inter
     launched = []
 
     def recording(fn):
-        def run(*args):
+        def run(*args, **kwargs):
             launched.append(fn.__name__)
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return run
 

@@ -1,24 +1,31 @@
 """Row movers of the symmetric-memory EP dispatch (fusedmoe.parallel.symm_mem_ep): each token's
-row scattered to one send slot per destination rank, and the rows that come back summed per
-token. Their torch twins, the spec, are in fusedmoe.parallel.rows.
+row scattered to one slot per destination rank, the rows that come back summed per token, and
+a barrier of the ranks on the GPU. Their torch twins, the spec, are in fusedmoe.parallel.rows.
 
-Legend: M tokens of this rank, R ranks, W bytes (or elements) of a row, H hidden, C send slots.
+Legend: M tokens of this rank, R ranks, W bytes (or elements) of a row, H hidden, C the value of
+pos where a token does not go (trash).
 
-    dispatch_positions: pos [M, R] and counts [R] of fusedmoe.parallel.rows (one program)
-    scatter_rows:    dst[pos[m, r], col:col + W] = src[m, :W]    for every r with pos[m, r] != C
-    pack_meta / unpack_meta: a token's ids | weights (| scales) as int32 words into its send
-                     rows; the received words back, rows past the received count as empty
-                     slots (fusedmoe.parallel.rows has their twins)
-    gather_sum_rows: out[m, :H] = sum over r with pos[m, r] != C of src[pos[m, r], :H]
+    dispatch_positions: pos [M, R] and counts [R] of fusedmoe.parallel.rows (one program); the
+                     counts also stored into one slot per rank (a peer's, over NVLink)
+    scatter_rows:    dst_r[pos[m, r], col:col + W] = src[m, :W]  for every r with pos[m, r] != C
+    pack_meta / unpack_meta: a token's ids | weights (| scales) as int32 words into its rows;
+                     the received words back, the rows past what arrived as empty slots
+    gather_sum_rows: out[m, :H] = sum over r with pos[m, r] != C of src_r[pos[m, r], :H]
                      (accumulated in float32, rounded once to out's dtype)
+    barrier:         every rank signals every rank, then waits for every rank's signal
 
-pos [M, R] int64 holds send slots in [0, C), or C where token m does not go to rank r. Both
-kernels read pos on the GPU: no host synchronisation, the same launches whatever the routing
-(CUDA-graph safe). Each program takes one token and one column block, so a token's row is read
-once however many ranks it goes to.
+A destination (or source) per rank, dst_r: one tensor for all (a send buffer grouped by rank),
+or R tensors of one dtype and row stride, each at its own address (peers' buffers mapped into
+this process by symmetric memory, read and written with plain loads and stores). A kernel takes
+the first as its pointer and the others as element offsets from it, kept on the GPU (one small
+tensor per set of addresses, made once): the launch is the same whatever the routing, and can
+be captured in a CUDA graph. Each program takes one token and one column block, so a token's
+row is read once however many ranks it goes to.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import triton
@@ -27,6 +34,7 @@ import triton.language as tl
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 
 __all__ = [
+    "barrier_triton",
     "dispatch_positions_triton",
     "gather_sum_rows_triton",
     "pack_meta_triton",
@@ -35,15 +43,69 @@ __all__ = [
 ]
 
 _BLOCK_BYTES = 4096  # columns of a program, in bytes: one 16-byte vector per thread of 8 warps
+_ALIGN_ELEMENTS = 16  # offsets that are multiples of this keep the kernels' 16-byte vectors
+
+
+# ---- per-rank addresses -----------------------------------------------------------------
+_OFFSETS: dict[tuple, torch.Tensor] = {}
+_OFFSETS_LOCK = threading.Lock()
+
+
+def rank_offsets(
+    targets: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
+    num_ranks: int,
+    base_index: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """-> (base = targets[base_index], offsets int64 [R] on base's device, aligned): target r
+    is at base + offsets[r] elements. One tensor: offsets 0. Several: each at its own address,
+    one dtype and (for 2-D) one row stride. aligned: every offset a multiple of _ALIGN_ELEMENTS
+    (the kernels then keep their vector accesses). The offsets tensor is made once per set of
+    addresses (a host copy: a first call must not be inside a CUDA graph capture, which the
+    symm_mem dispatch ensures)."""
+    if isinstance(targets, torch.Tensor):
+        targets = (targets,) * num_ranks
+    if len(targets) != num_ranks:
+        raise ValueError(f"{len(targets)} per-rank targets for {num_ranks} ranks")
+    base = targets[base_index]
+    for t in targets:
+        if t.dtype != base.dtype or t.device != base.device or t.stride()[:1] != base.stride()[:1]:
+            raise ValueError(
+                "per-rank targets need one dtype, device and row stride, got "
+                f"{[(t.dtype, t.device, t.stride()) for t in targets]}"
+            )
+    item = base.element_size()
+    deltas = []
+    for t in targets:
+        delta = t.data_ptr() - base.data_ptr()
+        if delta % item:
+            raise ValueError(f"per-rank targets {delta} bytes apart: not whole {base.dtype}s")
+        deltas.append(delta // item)
+    aligned = all(d % _ALIGN_ELEMENTS == 0 for d in deltas)
+    key = (base.device, tuple(deltas))
+    with _OFFSETS_LOCK:
+        offsets = _OFFSETS.get(key)
+        if offsets is None:
+            if len(_OFFSETS) > 4096:  # a process that keeps making buffers: start over
+                _OFFSETS.clear()
+            offsets = _OFFSETS[key] = torch.tensor(deltas, dtype=torch.int64, device=base.device)
+    return base, offsets, aligned
+
+
+@triton.jit
+def _rank_offset(offsets_ptr, r, ALIGNED: tl.constexpr):
+    delta = tl.load(offsets_ptr + r)
+    if ALIGNED:
+        delta = tl.multiple_of(delta, 16)
+    return delta
 
 
 @triton.jit
 def _scatter_rows_kernel(
     src_ptr, stride_src,
-    dst_ptr, stride_dst, col,
+    dst_ptr, offsets_ptr, stride_dst, col,
     pos_ptr,
     width, trash,
-    NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -52,16 +114,17 @@ def _scatter_rows_kernel(
     for r in tl.static_range(NUM_RANKS):
         slot = tl.load(pos_ptr + token * NUM_RANKS + r)
         if slot != trash:
-            tl.store(dst_ptr + slot * stride_dst + col + cols, row, mask=mask)
+            base = dst_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
+            tl.store(base + slot * stride_dst + col + cols, row, mask=mask)
 
 
 @triton.jit
 def _gather_sum_rows_kernel(
-    src_ptr, stride_src,
+    src_ptr, offsets_ptr, stride_src,
     out_ptr, stride_out,
     pos_ptr,
     hidden, trash,
-    NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -70,7 +133,8 @@ def _gather_sum_rows_kernel(
     for r in tl.static_range(NUM_RANKS):
         slot = tl.load(pos_ptr + token * NUM_RANKS + r)
         if slot != trash:
-            acc += tl.load(src_ptr + slot * stride_src + cols, mask=mask).to(tl.float32)
+            base = src_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
+            acc += tl.load(base + slot * stride_src + cols, mask=mask).to(tl.float32)
     tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -78,13 +142,14 @@ def _gather_sum_rows_kernel(
 def _dispatch_positions_kernel(
     ids_ptr, stride_ids_m, stride_ids_k,
     owner_ptr,
-    pos_ptr, counts_ptr,
+    pos_ptr, counts_ptr, post_ptr, post_offsets_ptr,
     num_tokens, num_slots,
     TOP_K: tl.constexpr, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUPED: tl.constexpr, POST: tl.constexpr,
 ):  # fmt: skip
     """One program: a running count per rank over blocks of tokens (pass 1 stores each sent
-    pair's index within its rank), then the ranks' starts added (pass 2)."""
+    pair's index within its rank), then, GROUPED, the ranks' starts added (pass 2); the counts
+    stored, and POST, also each at post + post_offsets[r]."""
     ranks = tl.arange(0, RANKS_PAD)
     rank_ok = ranks < NUM_RANKS
     seen = tl.zeros((RANKS_PAD,), dtype=tl.int64)  # tokens so far going to each rank
@@ -100,19 +165,26 @@ def _dispatch_positions_kernel(
             dest = tl.load(owner_ptr + expert, mask=expert >= 0, other=-1)
             goes = tl.maximum(goes, (dest[:, None] == ranks[None, :]).to(tl.int64))
         within = seen[None, :] + tl.cumsum(goes, axis=0) - goes
-        slot = tl.where(goes > 0, within, -1)
+        fill = num_slots
+        if GROUPED:
+            fill = -1  # pass 2 tells the sent pairs from the others
+        slot = tl.where(goes > 0, within, fill)
         mask = row_ok[:, None] & rank_ok[None, :]
         tl.store(pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :], slot, mask=mask)
         seen += tl.sum(goes, axis=0)
     tl.store(counts_ptr + ranks, seen, mask=rank_ok)
-    starts = tl.cumsum(seen, axis=0) - seen
-    tl.debug_barrier()  # pass 1's stores seen by every thread of the program
-    for start in range(0, num_tokens, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        mask = (rows < num_tokens)[:, None] & rank_ok[None, :]
-        ptrs = pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
-        slot = tl.load(ptrs, mask=mask, other=-1)
-        tl.store(ptrs, tl.where(slot >= 0, slot + starts[None, :], num_slots), mask=mask)
+    if POST:
+        post = tl.load(post_offsets_ptr + ranks, mask=rank_ok, other=0)
+        tl.store(post_ptr + post, seen, mask=rank_ok)
+    if GROUPED:
+        starts = tl.cumsum(seen, axis=0) - seen
+        tl.debug_barrier()  # pass 1's stores seen by every thread of the program
+        for start in range(0, num_tokens, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            mask = (rows < num_tokens)[:, None] & rank_ok[None, :]
+            ptrs = pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
+            slot = tl.load(ptrs, mask=mask, other=-1)
+            tl.store(ptrs, tl.where(slot >= 0, slot + starts[None, :], num_slots), mask=mask)
 
 
 def dispatch_positions_triton(
@@ -121,18 +193,25 @@ def dispatch_positions_triton(
     num_ranks: int,
     num_slots: int,
     counts: torch.Tensor,
+    *,
+    grouped: bool = True,
+    post: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """fusedmoe.parallel.rows.dispatch_positions_torch in one launch: -> pos int64 [M, R],
-    the counts written into `counts` (int64 [R])."""
+    the counts written into `counts` (int64 [R]) and, where given, count r into post[r]
+    (a one-element int64 tensor: a peer's)."""
     num_tokens, top_k = topk_ids.shape
     pos = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=topk_ids.device)
+    post_base, post_offsets = counts, counts
+    if post is not None:
+        post_base, post_offsets, _ = rank_offsets(post, num_ranks)
     args = (
-        topk_ids, topk_ids.stride(0), topk_ids.stride(1), owner, pos, counts,
-        num_tokens, num_slots,
+        topk_ids, topk_ids.stride(0), topk_ids.stride(1), owner, pos, counts, post_base,
+        post_offsets, num_tokens, num_slots,
     )  # fmt: skip
     constexprs = dict(
         TOP_K=top_k, NUM_RANKS=num_ranks, RANKS_PAD=max(next_power_of_2(num_ranks), 2),
-        BLOCK_M=64, num_warps=4,
+        BLOCK_M=64, GROUPED=grouped, POST=post is not None, num_warps=4,
     )  # fmt: skip
     with device_guard(topk_ids):
         launch(_dispatch_positions_kernel, (1,), args, constexprs, topk_ids.is_cuda)
@@ -145,12 +224,12 @@ def _pack_meta_kernel(
     w_ptr, stride_w_m, stride_w_k,
     scale_ptr, stride_scale_m, stride_scale_g,
     pos_ptr,
-    dst_ptr, stride_dst, col,
+    dst_ptr, offsets_ptr, stride_dst, col,
     trash,
     TOP_K: tl.constexpr, NUM_SCALES: tl.constexpr, NUM_RANKS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """One token's ids | weights | scales as int32 words, stored at each of its send rows."""
+    """One token's ids | weights | scales as int32 words, stored at each of its rows."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     is_id = cols < TOP_K
@@ -169,7 +248,8 @@ def _pack_meta_kernel(
     for r in tl.static_range(NUM_RANKS):
         slot = tl.load(pos_ptr + token * NUM_RANKS + r)
         if slot != trash:
-            tl.store(dst_ptr + slot * stride_dst + col + cols, words, mask=mask)
+            base = dst_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
+            tl.store(base + slot * stride_dst + col + cols, words, mask=mask)
 
 
 @triton.jit
@@ -177,18 +257,24 @@ def _unpack_meta_kernel(
     src_ptr, stride_src, col,
     received_ptr,
     ids_ptr, w_ptr, scale_ptr,
-    capacity,
+    capacity, region_rows,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, NUM_SCALES: tl.constexpr,
     S_PAD: tl.constexpr, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, REGIONS: tl.constexpr,
 ):  # fmt: skip
-    """Rows [0, n) of the received words -> ids, weights (and scales); rows [n, C) empty slots:
-    id -1, weight 0, scale 1. n = the rows received, summed here from the counts."""
-    ranks = tl.arange(0, RANKS_PAD)
-    received = tl.sum(tl.load(received_ptr + ranks, mask=ranks < NUM_RANKS, other=0), axis=0)
+    """Rows that arrived -> ids, weights (and scales); the others empty slots: id -1, weight 0,
+    scale 1. Grouped (REGIONS false): rows [0, n) arrived, n the sum of the received counts.
+    REGIONS: rank s's rows are [s * region_rows, s * region_rows + received[s])."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < capacity
-    live = (rows < received)[:, None]
+    if REGIONS:
+        source = rows // region_rows
+        arrived = tl.load(received_ptr + source, mask=row_ok, other=0)
+        live = (rows - source * region_rows < arrived)[:, None]
+    else:
+        ranks = tl.arange(0, RANKS_PAD)
+        received = tl.sum(tl.load(received_ptr + ranks, mask=ranks < NUM_RANKS, other=0), axis=0)
+        live = (rows < received)[:, None]
     base = src_ptr + rows.to(tl.int64)[:, None] * stride_src + col
     k = tl.arange(0, K_PAD)[None, :]
     k_ok = row_ok[:, None] & (k < TOP_K)
@@ -210,23 +296,26 @@ def pack_meta_triton(
     topk_weights: torch.Tensor,
     scale: torch.Tensor | None,
     pos: torch.Tensor,
-    dst: torch.Tensor,
+    dst,
     col: int,
     trash: int,
 ) -> None:
-    """fusedmoe.parallel.rows.pack_meta_torch in one launch (dst: int32 words)."""
+    """fusedmoe.parallel.rows.pack_meta_torch in one launch (dst: int32 words, one tensor or
+    one per rank)."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return
+    num_ranks = pos.shape[1]
+    base, offsets, aligned = rank_offsets(dst, num_ranks)
     num_scales = 0 if scale is None else scale.shape[1]
     sc = topk_weights if scale is None else scale
     args = (
         topk_ids, *topk_ids.stride(), topk_weights, *topk_weights.stride(), sc, *sc.stride(),
-        pos, dst, dst.stride(0), col, trash,
+        pos, base, offsets, base.stride(0), col, trash,
     )  # fmt: skip
     constexprs = dict(
-        TOP_K=top_k, NUM_SCALES=num_scales, NUM_RANKS=pos.shape[1],
-        BLOCK=next_power_of_2(2 * top_k + num_scales), num_warps=1,
+        TOP_K=top_k, NUM_SCALES=num_scales, NUM_RANKS=num_ranks,
+        BLOCK=next_power_of_2(2 * top_k + num_scales), ALIGNED=aligned, num_warps=1,
     )  # fmt: skip
     with device_guard(topk_ids):
         launch(_pack_meta_kernel, (num_tokens,), args, constexprs, topk_ids.is_cuda)
@@ -239,6 +328,7 @@ def unpack_meta_triton(
     capacity: int,
     top_k: int,
     num_scales: int,
+    region_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """fusedmoe.parallel.rows.unpack_meta_torch in one launch."""
     device = src.device
@@ -249,12 +339,12 @@ def unpack_meta_triton(
         scale = torch.empty(capacity, num_scales, dtype=torch.float32, device=device)
     block_rows = 64
     args = (src, src.stride(0), col, received, ids, weights, weights if scale is None else scale,
-            capacity)  # fmt: skip
+            capacity, region_rows or 1)  # fmt: skip
     constexprs = dict(
         TOP_K=top_k, K_PAD=max(next_power_of_2(top_k), 2), NUM_SCALES=num_scales,
         S_PAD=max(next_power_of_2(num_scales), 2), NUM_RANKS=received.shape[0],
         RANKS_PAD=max(next_power_of_2(received.shape[0]), 2), BLOCK_ROWS=block_rows,
-        num_warps=4,
+        REGIONS=region_rows is not None, num_warps=4,
     )  # fmt: skip
     with device_guard(src):
         launch(_unpack_meta_kernel, (cdiv(capacity, block_rows),), args, constexprs, src.is_cuda)
@@ -265,36 +355,65 @@ def _block(width: int, element_size: int) -> int:
     return min(next_power_of_2(max(width, 1)), max(_BLOCK_BYTES // element_size, 16))
 
 
-def scatter_rows_triton(
-    src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor, col: int, trash: int
-) -> None:
-    """src [M, W] (unit stride along W) -> rows pos[m, r] of dst [> C, >= col + W], columns
-    [col, col + W), for pos[m, r] != trash = C (the module docstring). One dtype for both."""
+def scatter_rows_triton(src: torch.Tensor, pos: torch.Tensor, dst, col: int, trash: int) -> None:
+    """src [M, W] (unit stride along W) -> rows pos[m, r] of dst_r (one tensor, or one per
+    rank), columns [col, col + W), for pos[m, r] != trash (the module docstring). One dtype."""
     num_tokens, width = src.shape
     if num_tokens == 0 or width == 0:
         return
+    base, offsets, aligned = rank_offsets(dst, pos.shape[1])
     block = _block(width, src.element_size())
     grid = (num_tokens, cdiv(width, block))
-    args = (src, src.stride(0), dst, dst.stride(0), col, pos, width, trash)
+    args = (src, src.stride(0), base, offsets, base.stride(0), col, pos, width, trash)
+    constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned, num_warps=8)
     with device_guard(src):
-        launch(
-            _scatter_rows_kernel, grid, args,
-            dict(NUM_RANKS=pos.shape[1], BLOCK=block, num_warps=8), src.is_cuda,
-        )  # fmt: skip
+        launch(_scatter_rows_kernel, grid, args, constexprs, src.is_cuda)
 
 
-def gather_sum_rows_triton(
-    src: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, trash: int
-) -> None:
-    """out [M, H] = the sum of rows pos[m, r] of src [>= C, >= H], pos[m, r] != trash = C."""
+def gather_sum_rows_triton(src, pos: torch.Tensor, out: torch.Tensor, trash: int) -> None:
+    """out [M, H] = the sum of rows pos[m, r] of src_r [>= H columns] (one tensor, or one per
+    rank), over pos[m, r] != trash."""
     num_tokens, hidden = out.shape
     if num_tokens == 0 or hidden == 0:
         return
+    base, offsets, aligned = rank_offsets(src, pos.shape[1])
     block = _block(hidden, 4)  # the float32 accumulator's bytes
     grid = (num_tokens, cdiv(hidden, block))
-    args = (src, src.stride(0), out, out.stride(0), pos, hidden, trash)
-    with device_guard(src):
-        launch(
-            _gather_sum_rows_kernel, grid, args,
-            dict(NUM_RANKS=pos.shape[1], BLOCK=block, num_warps=8), src.is_cuda,
-        )  # fmt: skip
+    args = (base, offsets, base.stride(0), out, out.stride(0), pos, hidden, trash)
+    constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned, num_warps=8)
+    with device_guard(out):
+        launch(_gather_sum_rows_kernel, grid, args, constexprs, out.is_cuda)
+
+
+# ---- barrier ----------------------------------------------------------------------------
+@triton.jit
+def _barrier_kernel(
+    pad_ptr, offsets_ptr, rank,
+    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+):  # fmt: skip
+    """Counting semaphores, pad[s] on each rank = signals from rank s not yet consumed: add one
+    to every rank's pad[rank] (release: what this rank wrote before is seen by whoever
+    consumes it), then take one from each of this rank's pad[s] as it arrives (acquire)."""
+    ranks = tl.arange(0, RANKS_PAD)
+    ok = ranks < NUM_RANKS
+    peer = tl.load(offsets_ptr + ranks, mask=ok, other=0)
+    tl.atomic_add(pad_ptr + peer + rank, 1, mask=ok, sem="release", scope="sys")
+    waiting = ok
+    while tl.max(waiting.to(tl.int32), axis=0) > 0:
+        seen = tl.atomic_add(pad_ptr + ranks, 0, mask=waiting, sem="acquire", scope="sys")
+        got = waiting & (seen > 0)
+        tl.atomic_add(pad_ptr + ranks, -1, mask=got, sem="relaxed", scope="sys")
+        waiting = waiting & (seen <= 0)
+
+
+def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
+    """Every rank of the group signals every rank and waits for all their signals, on the
+    current stream. pads[r]: rank r's semaphore pad (int32 [R], zero at start, symmetric
+    memory, mapped here), pads[rank] this rank's own. A rank that never arrives leaves the
+    others waiting, as in any collective: the launcher (torchrun) ends the job when one dies."""
+    num_ranks = len(pads)
+    mine, offsets, _ = rank_offsets(pads, num_ranks, base_index=rank)
+    constexprs = dict(NUM_RANKS=num_ranks, RANKS_PAD=max(next_power_of_2(num_ranks), 2),
+                      num_warps=1)  # fmt: skip
+    with device_guard(mine):
+        launch(_barrier_kernel, (1,), (mine, offsets, rank), constexprs, mine.is_cuda)

@@ -5,27 +5,53 @@ in a CUDA graph.
 Legend: R ranks, M tokens of this rank in the call (M <= B), B = max_tokens_per_rank,
 C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
 
-    dispatch: pos, counts = dispatch_positions(topk_ids, owner)       # [M, R], [R] (rows.py)
-              row of token m = x's bytes | ids | weights (| scales) -> send[pos[m, r]]
-              all_to_all_vdev(send -> recv, counts): each rank pulls its rows from its peers'
-                  send buffers on the GPU; received [2, R], the rows and offsets received
-                  from each rank, is filled there
-              n = sum(received[0]);  rows [n, C) of recv are stale: their ids become -1
-              (empty slots) and their weights 0
-    experts:  the C received rows (a fixed shape: the same launches whatever the routing),
-              x read in place; the expert_map keeps the slots of this rank's experts; a
-              backend that reduces writes its [C, H] output straight into `out`
-    combine:  all_to_all_vdev(out -> send, received[0]): every rank gets its rows back where
-              it sent them (row pos[m, r] of send holds rank r's partial sum of token m)
-              out[m] = sum_r send[pos[m, r]]                         (gather_sum_rows, fp32)
+Two layouts, one per transport. Where every peer's buffers are mapped into this process (one
+host: NVLink or PCIe peer access, what nvshmem_ptr gives), the kernels load and store peers'
+memory directly (the peer transport, the default there); elsewhere (across nodes) torch's
+all_to_all_vdev moves the rows (the vdev transport).
 
-Each token travels once to each rank that owns one of its experts, as in the all_to_all kind,
-but the split sizes never reach the host. The price is the fixed shape: the buffers and the
-experts' workspaces are sized for C rows, and a call with more than B tokens on a rank is
-refused: that rank sends none of them, still takes part in the call's exchanges (its peers
-finish the call right, the ranks stay in step) and raises a ValueError at the call's end. Set
-ParallelConfig.max_tokens_per_rank to the largest call a rank makes (a prefill chunk), or use
-the all_to_all kind for longer calls.
+Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's recv):
+
+    dispatch: pos, counts = dispatch_positions(topk_ids, owner, grouped=False)  # [M, R], [R]
+              count r stored into rank r's incoming[me] (a peer store)
+              row of token m = x's bytes | ids | weights (| scales), stored straight into
+                  rank r's recv row me * B + pos[m, r] for every rank r it goes to
+              barrier (every rank's stores done and seen)
+              rows of region s past incoming[s] are stale: ids -1 (empty slots), weights 0
+    experts:  the C received rows (a fixed shape: the same launches whatever the routing), x
+              read in place; a backend that reduces writes its [C, H] output into `out`
+    combine:  barrier (every rank's experts done)
+              out[m] = sum_r rank r's out row me * B + pos[m, r]   (peer loads, summed in fp32)
+
+Two barriers a call, and no copy but the stores and loads themselves: the next call's stores
+into a peer's recv come after this call's second barrier (the peer's experts are done with
+it), and its experts write `out` after the next first barrier (every peer has summed this
+call's rows). The barrier is counting semaphores in symmetric memory (kernels.ep_rows).
+
+vdev transport, grouped (the rows a rank sends grouped by destination, as an all-to-all's):
+
+    dispatch: pos, counts = dispatch_positions(topk_ids, owner)            # grouped
+              rows -> send[pos[m, r]];  all_to_all_vdev(send -> recv, counts): each rank pulls
+              its rows from its peers' send buffers; received [2, R] is filled on the GPU
+              rows [n, C) of recv, n = sum(received[0]), are stale
+    combine:  all_to_all_vdev(out -> send, received[0]): every rank gets its rows back where it
+              sent them;  out[m] = sum_r send[pos[m, r]]
+
+all_to_all_vdev starts with a barrier of the group and has none at its end (peers may still be
+reading this rank's send buffer when it returns here), so each buffer is written only where a
+barrier since its last remote use guarantees the peers are done with it: `send` takes the
+combine's rows back (the combine's barrier comes after every peer's dispatch), `out` is written
+by the experts after the dispatch's barrier, and the dispatch and the combine have each their
+own received-counts tensor. Its blocks must divide each peer's bytes evenly: buffers of at
+least _MIN_BYTES, rows padded to 64 bytes, a power-of-two group.
+
+Either way each token travels once to each rank that owns one of its experts, as in the
+all_to_all kind, but the split sizes never reach the host. The price is the fixed shape: the
+buffers and the experts' workspaces are sized for C rows, and a call with more than B tokens
+on a rank is refused: that rank sends none of them, still takes part in the call's exchanges
+(its peers finish the call right, the ranks stay in step) and raises a ValueError at the
+call's end. Set ParallelConfig.max_tokens_per_rank to the largest call a rank makes (a prefill
+chunk), or use the all_to_all kind for longer calls.
 
 Buffers are symmetric (allocated collectively at a layer's first call, the same size on every
 rank) and shared by every layer of the process per (group, device, size): a model's layers run
@@ -35,19 +61,11 @@ forward holds the buffers: another thread or CUDA stream that dispatches meanwhi
 RuntimeError. A CUDA graph captured on a side stream (after a warm-up call, which allocates
 the buffers) uses the buffers of the eager calls.
 
-all_to_all_vdev starts with a barrier of the group and has none at its end (peers may still be
-reading this rank's send buffer when it returns here), so each buffer is written only where a
-barrier since its last remote use guarantees the peers are done with it: `send` takes the
-combine's rows back (the combine's barrier comes after every peer's dispatch), `out` is written
-by the experts after the dispatch's barrier (the peers finished reading the last combine's), and
-the dispatch and the combine have each their own received-counts tensor (peers write into it
-before the barrier). Three byte buffers; the dispatch's rows and the combine's each have their
-own size (x's bytes and the metadata; the partial sums), at least C + 1 of them.
-
-Transport: NVSHMEM (torch.ops.symm_mem.all_to_all_vdev) where torch has it. For machines
-without NVSHMEM (CPU, gloo) an emulation moves the same buffers with all_to_all_single, reading
-the split sizes on the host (FUSEDMOE_SYMM_MEM_TRANSPORT=emulated): it tests the layout, not
-the speed, and is never chosen by itself.
+Transports (FUSEDMOE_SYMM_MEM_TRANSPORT): "auto" (the default: peer where every peer is
+mapped on every rank, else vdev), "peer", "vdev", and for machines without NVSHMEM (CPU,
+gloo) "emulated" (the regions layout; the rows move with all_to_all_single) and
+"emulated_vdev" (the grouped layout; the split sizes read on the host): they test the layouts,
+not the speed, and are never chosen by themselves.
 
 Inference only: under autograd the layer runs the all_to_all kind (whose collectives have
 their adjoints), and its backend choice says so. Schemes with one activation scale over the
@@ -58,7 +76,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,7 +92,14 @@ from fusedmoe.parallel.rows import (
     unpack_meta,
 )
 
-__all__ = ["TRANSPORT_ENV", "SymmMemEPPrepareFinalize", "nvshmem_unavailable_reason"]
+__all__ = [
+    "TRANSPORTS",
+    "TRANSPORT_ENV",
+    "SymmMemEPPrepareFinalize",
+    "emulated_transport",
+    "nvshmem_unavailable_reason",
+    "transport_kind",
+]
 
 TRANSPORT_ENV = "FUSEDMOE_SYMM_MEM_TRANSPORT"  # "nvshmem" (default) or "emulated" (tests)
 
@@ -116,44 +141,124 @@ def nvshmem_unavailable_reason(device: torch.device, group=None) -> str | None:
 
 
 # ---- transports ----------------------------------------------------------------------------
+TRANSPORTS = ("auto", "peer", "vdev", "emulated", "emulated_vdev")
+
+
+def transport_kind() -> str:
+    """FUSEDMOE_SYMM_MEM_TRANSPORT, checked ("nvshmem", the old spelling, is "auto")."""
+    kind = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    kind = "auto" if kind == "nvshmem" else kind
+    if kind not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {TRANSPORTS}, got {kind!r}")
+    return kind
+
+
+def emulated_transport() -> bool:
+    """An emulated transport (tests): symm_mem on any device and process group."""
+    return transport_kind().startswith("emulated")
+
+
 class _NvshmemTransport:
-    """torch's NVSHMEM symmetric memory: buffers from symm_mem.empty, rendezvoused on the group;
-    all_to_all_vdev reads the split sizes on the GPU and writes what it received there."""
+    """torch's NVSHMEM symmetric memory: buffers from symm_mem.empty, rendezvoused on the group.
+    Regions layout where every peer's buffers are mapped on every rank (the kernels store and
+    load peers' memory; barriers in symmetric memory), else the grouped one (all_to_all_vdev
+    reads the split sizes on the GPU and writes what it received there)."""
 
-    name = "nvshmem"
-
-    def __init__(self, group) -> None:
+    def __init__(self, group, kind: str, region_rows: int) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         self._symm_mem = symm_mem
-        group = group if group is not None else dist.group.WORLD
-        self.group_name = group.group_name
+        self.group = group if group is not None else dist.group.WORLD
+        self.group_name = self.group.group_name
+        self.rank = dist.get_rank(self.group)
+        self.kind = kind  # "auto", "peer" or "vdev"
+        self.name = "nvshmem"
+        self.region_rows = region_rows
+        self._handles: dict[int, object] = {}
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         t = self._symm_mem.empty(shape, dtype=dtype, device=device)
-        self._symm_mem.rendezvous(t, self.group_name)
+        self._handles[t.data_ptr()] = self._symm_mem.rendezvous(t, self.group_name)
         return t
+
+    def _peers(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's copy of t, mapped here; None where one is not (another node)."""
+        handle = self._handles[t.data_ptr()]
+        if not all(handle.buffer_ptrs):
+            return None
+        size = len(handle.buffer_ptrs)
+        return [handle.get_buffer(r, tuple(t.shape), t.dtype, 0) for r in range(size)]
+
+    def regions(self, bufs: _Buffers) -> bool:
+        """Decide the layout of a new set of buffers (collective: every rank, same order)."""
+        import torch.distributed as dist
+
+        if self.kind == "vdev":
+            return False
+        bufs.pads.zero_()
+        peers = {n: self._peers(getattr(bufs, n)) for n in ("recv", "out", "incoming", "pads")}
+        mapped = torch.tensor([all(v is not None for v in peers.values())], device=bufs.pads.device)
+        # a MIN over the group (after every rank's pads are zero: ordered on the streams)
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group)
+        if not bool(mapped.item()):
+            if self.kind == "peer":
+                raise ValueError(
+                    f"{TRANSPORT_ENV}=peer needs every rank's buffers mapped on every rank (one "
+                    "host, peer access over NVLink or PCIe); some are not: use 'auto' or 'vdev'"
+                )
+            return False
+        bufs.peer = peers
+        return True
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, counts: torch.Tensor, received: torch.Tensor
     ) -> None:
-        """send rows grouped by destination, counts [R] of them -> recv, grouped by source;
-        received [2, R] <- (rows from each rank, their offsets in recv)."""
+        """Grouped: send rows grouped by destination, counts [R] of them -> recv, grouped by
+        source; received [2, R] <- (rows from each rank, their offsets in recv)."""
         torch.ops.symm_mem.all_to_all_vdev(send, recv, counts, received, self.group_name)
+
+    # ---- the regions layout ----
+    def dispatch_targets(self, bufs: _Buffers, view) -> tuple[list, list]:
+        """(rank r's recv rows of this rank's region, rank r's incoming slot of this rank)."""
+        me, region = self.rank, self.region_rows
+        rows = [view(peer)[me * region :] for peer in bufs.peer["recv"]]
+        return rows, [peer[me : me + 1] for peer in bufs.peer["incoming"]]
+
+    def after_dispatch(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
+        """The rows stored are seen where they went (dst, src: the staging's rows; unused)."""
+        from fusedmoe.kernels.ep_rows import barrier_triton
+
+        barrier_triton(bufs.peer["pads"], self.rank)
+
+    def combine_sources(self, bufs: _Buffers, view) -> list[torch.Tensor]:
+        """Rank r's out rows of this rank's region."""
+        return [view(peer)[self.rank * self.region_rows :] for peer in bufs.peer["out"]]
+
+    before_combine = after_dispatch
 
 
 class _EmulatedTransport:
-    """The same contract over any process group (gloo on the CPU), for tests: the split sizes
-    are read on the host and the rows move with all_to_all_single."""
+    """Either layout over any process group (gloo on the CPU), for tests. Grouped: the split
+    sizes are read on the host and the rows move with all_to_all_single. Regions: the rows for
+    rank r are stored into region r of a local staging buffer (send), and all_to_all_single
+    moves region r to rank r's region of this rank."""
 
     name = "emulated"
 
-    def __init__(self, group) -> None:
+    def __init__(self, group, kind: str, region_rows: int) -> None:
+        import torch.distributed as dist
+
         self.group = group
+        self.rank = dist.get_rank(group)
+        self.kind = kind  # "emulated" (regions) or "emulated_vdev" (grouped)
+        self.region_rows = region_rows
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
+
+    def regions(self, bufs: _Buffers) -> bool:
+        return self.kind == "emulated"
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, counts: torch.Tensor, received: torch.Tensor
@@ -173,28 +278,55 @@ class _EmulatedTransport:
         received[0].copy_(recv_counts)
         received[1].copy_(torch.cumsum(recv_counts, 0) - recv_counts)
 
+    # ---- the regions layout ----
+    def _regions(self, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+        return [rows[r * self.region_rows :] for r in range(size)]
 
-def _make_transport(group):
-    kind = os.environ.get(TRANSPORT_ENV, "nvshmem").strip().lower()
-    if kind == "emulated":
-        return _EmulatedTransport(group)
-    if kind != "nvshmem":
-        raise ValueError(f"{TRANSPORT_ENV} must be 'nvshmem' or 'emulated', got {kind!r}")
-    return _NvshmemTransport(group)
+    def dispatch_targets(self, bufs: _Buffers, view) -> tuple[list, list]:
+        size = bufs.counts.shape[0]
+        return self._regions(view(bufs.send), size), [bufs.staged[r : r + 1] for r in range(size)]
+
+    def _move(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Region r of src -> this rank's region of rank r's dst."""
+        import torch.distributed as dist
+
+        rows = self.region_rows * bufs.counts.shape[0]
+        dist.all_to_all_single(dst[:rows], src[:rows], group=self.group)
+
+    def after_dispatch(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
+        """The staged rows (src) and counts to their ranks."""
+        import torch.distributed as dist
+
+        self._move(bufs, dst, src)
+        dist.all_to_all_single(bufs.incoming, bufs.staged, group=self.group)
+
+    def combine_sources(self, bufs: _Buffers, view) -> list[torch.Tensor]:
+        return self._regions(view(bufs.send), bufs.counts.shape[0])
+
+    def before_combine(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
+        """out's rows (src) back to the ranks they came from, into their send (dst)."""
+        self._move(bufs, dst, src)
+
+
+def _make_transport(group, region_rows: int):
+    kind = transport_kind()
+    if kind.startswith("emulated"):
+        return _EmulatedTransport(group, kind, region_rows)
+    return _NvshmemTransport(group, kind, region_rows)
 
 
 # ---- buffers ----------------------------------------------------------------------------
-#: (transport kind, group, device, bytes) -> symmetric buffers; kept for the process (a CUDA
-#: graph captured with them reads and writes their addresses; freeing NVSHMEM memory is a
-#: collective)
+#: (transport, group, device, bytes) -> symmetric buffers; kept for the process (a CUDA graph
+#: captured with them reads and writes their addresses; freeing NVSHMEM memory is a collective)
 _BUFFERS: dict[tuple, _Buffers] = {}
 _BUFFERS_LOCK = threading.Lock()
-#: all_to_all_vdev moves each peer's bytes in equal blocks, and asserts that they divide evenly:
-#: it launches ceil(input bytes / 64 KiB) blocks, rounded up to a multiple of the group's size,
-#: at most 64 (16 across nodes), so with a power-of-two group and an input of at least 64
-#: blocks' worth (_MIN_BYTES) each peer gets 64 / R blocks (a power of two, at most 32). Rows
-#: are padded to a multiple of 64 bytes: any count of them then divides evenly. (A block count
-#: set by hand, TORCH_SYMMMEM_NBLOCKS, must keep 64 / (its blocks per peer) whole.)
+#: all_to_all_vdev (the grouped layout) moves each peer's bytes in equal blocks, and asserts
+#: that they divide evenly: it launches ceil(input bytes / 64 KiB) blocks, rounded up to a
+#: multiple of the group's size, at most 64 (16 across nodes), so with a power-of-two group and
+#: an input of at least 64 blocks' worth (_MIN_BYTES) each peer gets 64 / R blocks (a power of
+#: two, at most 32). Rows are padded to a multiple of 64 bytes: any count of them then divides
+#: evenly, and the regions layout's kernels keep their 16-byte vectors. (A block count set by
+#: hand, TORCH_SYMMMEM_NBLOCKS, must keep 64 / (its blocks per peer) whole.)
 _ROW_ALIGN = 64
 _MIN_BYTES = 8 << 20  # 64 blocks of up to 128 KiB
 
@@ -210,15 +342,22 @@ def _view_rows(capacity: int, row_bytes: int) -> int:
 
 @dataclass
 class _Buffers:
-    """One set of symmetric byte buffers, viewed per call as rows: the dispatch's rows (x's
-    bytes, then the metadata words) in send and recv, the combine's (the partial sums) in out
-    and send. Each all-to-all sees a whole view: its block split depends on the size."""
+    """One set of byte buffers (symmetric for NVSHMEM), viewed per call as rows: the dispatch's
+    rows (x's bytes, then the metadata words) in recv (and send: grouped, or staged regions),
+    the combine's (the partial sums) in out (and send, where they come back). Each all-to-all
+    of the grouped layout sees a whole view: its block split depends on the size."""
 
-    send: torch.Tensor  # uint8: the dispatch's rows out; the combine's rows back in
+    send: torch.Tensor | None  # uint8; None for the peer transport, which sends from nowhere
     recv: torch.Tensor  # uint8: the dispatch's rows in (the experts read x there)
     out: torch.Tensor  # uint8: the experts' output; the combine's rows out
     counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
     received: torch.Tensor  # int64 [2, 2, R]: (rows, offsets) received, dispatch and combine
+    incoming: torch.Tensor | None = None  # int64 [R]: rows from each rank (regions)
+    staged: torch.Tensor | None = None  # int64 [R]: counts before they move (emulated regions)
+    pads: torch.Tensor | None = None  # int32 [R]: the barrier's semaphores (peer transport)
+    regions: bool = False  # the layout (the module docstring)
+    peer: dict | None = None  # name -> every rank's copy of that buffer, mapped here (peer)
+    plans: dict = field(default_factory=dict)  # (what, row bytes, ...) -> _DispatchPlan etc.
     #: (thread, CUDA stream) of the forward between its dispatch and its combine: the buffers
     #: refuse another caller meanwhile (STYLE: shared state refuses the second caller)
     holder: tuple[int, int] | None = None
@@ -242,6 +381,23 @@ class _Buffers:
 
     def release(self) -> None:
         self.holder = None
+
+
+@dataclass
+class _DispatchPlan:
+    recv: torch.Tensor  # [rows, row bytes] the rows that arrive here
+    staging: torch.Tensor | None  # send as rows (grouped, emulated regions), else None
+    targets: object  # send [rows, row bytes] (grouped), or each rank's region (regions)
+    words: object  # targets as int32 words (the metadata's)
+    posts: list[torch.Tensor] | None  # regions: each rank's slot for this rank's count
+
+
+@dataclass
+class _CombinePlan:
+    rows: torch.Tensor  # out as [rows, row bytes]: the partial sums leave from there
+    rows_c: torch.Tensor  # its first C rows as the partial sums' dtype (the experts' output)
+    back: torch.Tensor | None  # send as [rows, row bytes], where they come back (not peer)
+    sources: object  # where this rank's partial sums are read: one tensor or one per rank
 
 
 @dataclass
@@ -362,13 +518,13 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
     # ---- buffers ----
     def _buffers(self, device: torch.device, dispatch_bytes: int, combine_bytes: int) -> _Buffers:
         if self._transport is None:
-            self._transport = _make_transport(self.comm.group)
+            self._transport = _make_transport(self.comm.group, self.max_tokens)
         transport = self._transport
         group_key = getattr(transport, "group_name", None) or id(self.comm.group)
         nbytes = max(
             _view_rows(self.capacity, row) * row for row in (dispatch_bytes, combine_bytes)
         )
-        key = (transport.name, group_key, device, nbytes)
+        key = (transport.name, transport.kind, group_key, device, nbytes)
         with _BUFFERS_LOCK:
             bufs = _BUFFERS.get(key)
             if bufs is None:
@@ -377,13 +533,20 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 def alloc(shape, dtype):
                     return transport.alloc(shape, dtype, device)
 
-                bufs = _BUFFERS[key] = _Buffers(
-                    send=alloc((nbytes,), torch.uint8),
+                bufs = _Buffers(
+                    send=None,
                     recv=alloc((nbytes,), torch.uint8),
                     out=alloc((nbytes,), torch.uint8),
-                    counts=alloc((size,), torch.int64),
+                    counts=alloc((size,), torch.int64),  # all_to_all_vdev's splits: symmetric
                     received=alloc((2, 2, size), torch.int64),
+                    incoming=alloc((size,), torch.int64),
+                    staged=torch.zeros(size, dtype=torch.int64, device=device),
+                    pads=alloc((size,), torch.int32),
                 )
+                bufs.regions = transport.regions(bufs)  # collective where it maps peers
+                if not (bufs.regions and bufs.peer is not None):  # all but the peer transport
+                    bufs.send = alloc((nbytes,), torch.uint8)
+                _BUFFERS[key] = bufs
         return bufs
 
     def expert_output_buffer(self, shape, dtype: torch.dtype, device: torch.device):
@@ -401,8 +564,53 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         return rows[: shape[0], : shape[1] * dtype.itemsize].view(dtype)
 
     # ---- dispatch and combine ----
+    def _dispatch_plan(self, bufs: _Buffers, row_bytes: int) -> _DispatchPlan:
+        """The views a dispatch with rows of row_bytes writes and reads (made once per set of
+        buffers, row size and region: a decode call makes no tensor views on the host)."""
+        key = ("dispatch", row_bytes, self.max_tokens)
+        plan = bufs.plans.get(key)
+        if plan is None:
+
+            def view(buf):
+                return _Buffers.rows(buf, self.capacity, row_bytes)
+
+            if bufs.regions:  # a region of each rank's recv (or of the staging buffer)
+                targets, posts = self._transport.dispatch_targets(bufs, view)
+                words = [t.view(torch.int32) for t in targets]
+            else:  # send, grouped by destination
+                targets, posts = view(bufs.send), None
+                words = targets.view(torch.int32)
+            staging = None if bufs.send is None else view(bufs.send)
+            plan = _DispatchPlan(view(bufs.recv), staging, targets, words, posts)
+            bufs.plans[key] = plan
+        return plan
+
+    def _combine_plan(
+        self, bufs: _Buffers, row_bytes: int, dtype: torch.dtype, width: int
+    ) -> _CombinePlan:
+        """The views a combine of [C, width bytes] partial sums writes and reads (made once)."""
+        key = ("combine", row_bytes, dtype, width, self.max_tokens)
+        plan = bufs.plans.get(key)
+        if plan is None:
+
+            def view(buf):
+                return _Buffers.rows(buf, self.capacity, row_bytes)
+
+            rows = view(bufs.out)
+            back = None if bufs.send is None else view(bufs.send)
+            if bufs.regions:
+                sources = [
+                    r[:, :width].view(dtype) for r in self._transport.combine_sources(bufs, view)
+                ]
+            else:
+                sources = back[:, :width].view(dtype)
+            rows_c = rows[: self.capacity, :width].view(dtype)
+            plan = bufs.plans[key] = _CombinePlan(rows, rows_c, back, sources)
+        return plan
+
     def _dispatch(self, batch: TokenBatch):
-        """One all-to-all of packed rows: x's bytes, then ids | weights (| scales) as int32."""
+        """Packed rows, x's bytes then ids | weights (| scales) as int32 words: stored into each
+        rank's region at the destination (regions), or grouped and moved by all_to_all_vdev."""
         device, capacity = batch.x.device, self.capacity
         refused = self._refused is not None
         if refused:  # over the bound: this rank sends nothing, and still joins the exchange
@@ -418,27 +626,32 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         combine_bytes = _row_bytes(hidden * out_dtype.itemsize)
         bufs = self._buffers(device, dispatch_bytes, combine_bytes)
         bufs.take(device)
-        send = _Buffers.rows(bufs.send, capacity, dispatch_bytes)
-        recv = _Buffers.rows(bufs.recv, capacity, dispatch_bytes)
+        plan = self._dispatch_plan(bufs, dispatch_bytes)
         owner = self._owner_on(device)
-        pos = dispatch_positions(batch.topk_ids, owner, self.comm.size, capacity, bufs.counts)
-        scatter_rows(x, pos, send, 0, capacity)
-        pack_meta(
-            batch.topk_ids, batch.topk_weights, batch.scale, pos, send.view(torch.int32),
-            x_bytes // 4, capacity,
-        )  # fmt: skip
-        self._transport.all_to_all(send, recv, bufs.counts, bufs.received[0])
+        ids_, weights_ = batch.topk_ids, batch.topk_weights
+        size, recv = self.comm.size, plan.recv
+        pos = dispatch_positions(
+            ids_, owner, size, capacity, bufs.counts, grouped=not bufs.regions, post=plan.posts
+        )
+        scatter_rows(x, pos, plan.targets, 0, capacity)
+        pack_meta(ids_, weights_, batch.scale, pos, plan.words, x_bytes // 4, capacity)
+        if bufs.regions:  # each rank's rows are in its region at the destination
+            self._transport.after_dispatch(bufs, recv, plan.staging)
+            received, region_rows = bufs.incoming, self.max_tokens
+        else:  # grouped by destination in send: all_to_all_vdev
+            self._transport.all_to_all(plan.targets, recv, bufs.counts, bufs.received[0])
+            received, region_rows = bufs.received[0, 0], None
 
-        # rows [n, C) of recv hold what an earlier call left: empty slots
+        # the rows that did not arrive hold what an earlier call left: empty slots
         ids, weights, scale = unpack_meta(
-            recv.view(torch.int32), x_bytes // 4, bufs.received[0, 0], capacity, top_k,
-            num_scales,
+            recv.view(torch.int32), x_bytes // 4, received, capacity, top_k, num_scales,
+            region_rows,
         )  # fmt: skip
         if scale is not None:
             scale = scale.to(batch.scale.dtype)
         x_in = recv[:capacity, : x.shape[1]].view(batch.x.dtype)  # rows dispatch_bytes apart
         if self.count_traffic:  # the counts on the host: a sync, only where asked
-            self._count(bufs.counts, bufs.received[0, 0], dispatch_bytes, combine_bytes)
+            self._count(bufs.counts, received, dispatch_bytes, combine_bytes)
         state = _DispatchState(pos, bufs, combine_bytes, refused)
         return TokenBatch(x_in, scale, ids, weights), state
 
@@ -459,18 +672,20 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
     def _combine(self, partial, state: _DispatchState, num_tokens: int, out=None):
         bufs, capacity = state.buffers, self.capacity
         hidden, width = partial.shape[1], partial.shape[1] * partial.element_size()
-        send = _Buffers.rows(bufs.out, capacity, state.combine_bytes)
-        back = _Buffers.rows(bufs.send, capacity, state.combine_bytes)
-        send_c = send[:capacity, :width].view(partial.dtype)
-        if partial.data_ptr() != send_c.data_ptr():  # else the experts wrote it there
-            send_c.copy_(partial)
-        # the rows each rank sent are what goes back to it: the dispatch's received counts
-        # (read before the combine's barrier; no peer writes them again before it)
-        self._transport.all_to_all(send, back, bufs.received[0, 0], bufs.received[1])
+
+        plan = self._combine_plan(bufs, state.combine_bytes, partial.dtype, width)
+        if partial.data_ptr() != plan.rows_c.data_ptr():  # else the experts wrote it there
+            plan.rows_c.copy_(partial)
+        if bufs.regions:  # every rank's experts done: read this rank's region of each
+            self._transport.before_combine(bufs, plan.back, plan.rows)
+        else:
+            # the rows each rank sent are what goes back to it: the dispatch's received counts
+            # (read before the combine's barrier; no peer writes them again before it)
+            self._transport.all_to_all(plan.rows, plan.back, bufs.received[0, 0], bufs.received[1])
         bufs.release()
         if out is None or out.dtype != partial.dtype:
             out = partial.new_empty(num_tokens, hidden)
         if state.refused:  # this rank sent nothing: its call is refused in finalize
             return out.zero_()
-        gather_sum_rows(back[:, :width].view(partial.dtype), state.pos, out, capacity)
+        gather_sum_rows(plan.sources, state.pos, out, capacity)
         return out

@@ -17,7 +17,6 @@ torch.distributed is imported only where a dispatch is asked for.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -153,9 +152,9 @@ def resolve_dispatch(
         )
     if not_symm is not None:
         return DispatchChoice("naive" if asked == "auto" else "all_to_all", not_symm)
-    from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV, nvshmem_unavailable_reason
+    from fusedmoe.parallel.symm_mem_ep import emulated_transport, nvshmem_unavailable_reason
 
-    emulated = os.environ.get(TRANSPORT_ENV, "").strip().lower() == "emulated"
+    emulated = emulated_transport()
     # the emulated transport (tests): any device, any process group
     why = None if emulated else nvshmem_unavailable_reason(device, pc.group)
     if why is None:
