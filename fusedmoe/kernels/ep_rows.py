@@ -12,6 +12,8 @@ pos where a token does not go (trash).
                      the received words back, the rows past what arrived as empty slots
     gather_sum_rows: out[m, :H] = sum over r with pos[m, r] != C of src_r[pos[m, r], :H]
                      (accumulated in float32, rounded once to out's dtype)
+    push_regions:    dst_s[j] = src[s * B + j] for j < received[s]: the combine's rows (region
+                     s: what rank s sent) back into rank s's buffer
     barrier:         every rank signals every rank, then waits for every rank's signal
 
 A destination (or source) per rank, dst_r: one tensor for all (a send buffer grouped by rank),
@@ -38,6 +40,7 @@ __all__ = [
     "dispatch_positions_triton",
     "gather_sum_rows_triton",
     "pack_meta_triton",
+    "push_regions_triton",
     "scatter_rows_triton",
     "unpack_meta_triton",
 ]
@@ -417,3 +420,39 @@ def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
                       num_warps=1)  # fmt: skip
     with device_guard(mine):
         launch(_barrier_kernel, (1,), (mine, offsets, rank), constexprs, mine.is_cuda)
+
+
+# ---- the combine's rows back to their ranks -----------------------------------------------
+@triton.jit
+def _push_regions_kernel(
+    src_ptr, stride_src,
+    dst_ptr, offsets_ptr, stride_dst,
+    received_ptr, region_rows, width,
+    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    source = row // region_rows
+    within = row - source * region_rows
+    if within < tl.load(received_ptr + source):  # a row that arrived (the others are stale)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        values = tl.load(src_ptr + row.to(tl.int64) * stride_src + cols, mask=mask)
+        base = dst_ptr + _rank_offset(offsets_ptr, source, ALIGNED)
+        tl.store(base + within.to(tl.int64) * stride_dst + cols, values, mask=mask)
+
+
+def push_regions_triton(src: torch.Tensor, dst, received: torch.Tensor, region_rows: int) -> None:
+    """fusedmoe.parallel.rows.push_regions_torch in one launch: rows [s * B, s * B +
+    received[s]) of src [C, W] -> rows [0, received[s]) of dst_s (one per rank), B =
+    region_rows; the stale rows' programs return at once."""
+    capacity, width = src.shape
+    if capacity == 0 or width == 0:
+        return
+    num_ranks = received.shape[0]
+    base, offsets, aligned = rank_offsets(dst, num_ranks)
+    block = _block(width, src.element_size())
+    grid = (capacity, cdiv(width, block))
+    args = (src, src.stride(0), base, offsets, base.stride(0), received, region_rows, width)
+    constexprs = dict(BLOCK=block, ALIGNED=aligned, num_warps=8)
+    with device_guard(src):
+        launch(_push_regions_kernel, grid, args, constexprs, src.is_cuda)
