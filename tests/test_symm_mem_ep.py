@@ -878,3 +878,528 @@ def test_buffers_refuse_a_second_caller_while_a_forward_is_in_flight():
     thread.start()
     thread.join()
     assert len(errors) == 1  # free again: the other thread took it
+
+
+# ---- the regions layout: ungrouped positions, per-rank targets, region unpack, barrier ---------
+# Each rank's rows go into a region of its own at the destination: pos[m, r] is token m's index
+# among the tokens going to rank r (no start added), the targets one tensor per rank (a region
+# of each peer's buffer, or of a local staging buffer), the received rows unpacked per region.
+def ungrouped_positions_ref(topk_ids, owner, num_ranks, num_slots):
+    """Plain loops: pos[m, r] = #{m' < m going to r} where m goes to r, else num_slots."""
+    pos = torch.full((topk_ids.shape[0], num_ranks), num_slots, dtype=torch.int64)
+    counts = [0] * num_ranks
+    for m, row in enumerate(topk_ids.tolist()):
+        for r in sorted({int(owner[e]) for e in row if e >= 0}):
+            pos[m, r] = counts[r]
+            counts[r] += 1
+    return pos, torch.tensor(counts, dtype=torch.int64)
+
+
+UNGROUPED_PARAMS = [*ROUTE_PARAMS, BLOCK_PARAMS[-1]]  # M150: a rank's count carried over blocks
+
+
+@pytest.mark.parametrize("case", UNGROUPED_PARAMS)
+@pytest.mark.parametrize("path", ["twin", "triton", "fallback"])
+def test_dispatch_positions_ungrouped_and_posted(monkeypatch, case, path):
+    """grouped=False: each rank's rows numbered from 0; count r also stored into post[r] (a
+    one-element slot of a separate tensor, nothing around it touched). "triton": the dispatcher
+    where Triton runs (the kernel); "fallback": where it does not (the twin, then the posts)."""
+    ids, owner = route(case)
+    num_ranks = case.num_ranks
+    num_slots = num_ranks * max(case.num_tokens, 1) + 3
+    expected_pos, expected_counts = ungrouped_positions_ref(ids, owner, num_ranks, num_slots)
+    me = min(1, num_ranks - 1)  # this rank's slot in each peer's incoming counts
+    incoming = [torch.full((num_ranks + 1,), -9, dtype=torch.int64) for _ in range(num_ranks)]
+    posts = [slots[me : me + 1] for slots in incoming]
+    if path == "twin":
+        pos, counts = dispatch_positions_torch(ids, owner, num_ranks, num_slots, grouped=False)
+    else:
+        if path == "triton" and not triton_runs_on(ids):
+            pytest.skip("needs Triton on this device")
+        if path == "fallback":
+            if torch.cuda.is_available():
+                pytest.skip("the CPU machine's case")
+            monkeypatch.setenv("TRITON_INTERPRET", "0")
+        counts = torch.full((num_ranks,), -7, dtype=torch.int64)  # written, not added to
+        pos = dispatch_positions(
+            ids, owner, num_ranks, num_slots, counts, grouped=False, post=posts
+        )
+        for r, slots in enumerate(incoming):
+            expected = torch.full((num_ranks + 1,), -9, dtype=torch.int64)
+            expected[me] = expected_counts[r]
+            assert_equal(slots, expected, what=f"rank {r}'s incoming slots")
+    assert pos.dtype == torch.int64 and pos.shape == (case.num_tokens, num_ranks)
+    assert_equal(counts, expected_counts, what="counts")
+    assert_equal(pos, expected_pos, what="ungrouped pos")
+    # the grouped layout is the same rows with each rank's start added
+    grouped, _ = dispatch_positions_ref(ids, owner, num_ranks, num_slots)
+    sent = pos != num_slots
+    starts = torch.cumsum(expected_counts, 0) - expected_counts
+    assert_equal(torch.where(sent, pos + starts, num_slots), grouped, what="grouped - starts")
+
+
+REGION_ROWS = 8  # B: rows of a rank's region (>= M)
+
+
+def regions_routing(num_tokens=7, num_ranks=3, silent=2):
+    """(topk_ids with -1 slots, pos [M, R] ungrouped, counts [R], C = R * B): repeats, token 0
+    sent nowhere, rank `silent` sent nothing."""
+    ids, owner = route(RouteCase("regions", num_tokens, 2 * num_ranks, 3, num_ranks,
+                                 "round_robin", empty=0.25, routing="repeats"))  # fmt: skip
+    ids = ids.masked_fill(owner[ids.long().clamp(min=0)] == silent, -1)
+    ids[0] = -1
+    capacity = num_ranks * REGION_ROWS
+    pos, counts = ungrouped_positions_ref(ids, owner, num_ranks, capacity)
+    assert counts[silent] == 0 and all(counts[r] > 0 for r in range(num_ranks) if r != silent)
+    return ids, owner, pos, counts, capacity
+
+
+# how the R per-rank targets lie: (buffers of the layout, targets from those buffers)
+TARGET_LAYOUTS = {
+    # region r of one buffer (the emulated transport's staging buffer)
+    "one_buffer": (1, lambda bufs, num_ranks: [bufs[0][r * REGION_ROWS :]
+                                               for r in range(num_ranks)]),
+    # as one_buffer, every other target a column further: offsets not multiples of 16 elements
+    "shifted": (1, lambda bufs, num_ranks: [bufs[0][r * REGION_ROWS :, r % 2 :]
+                                            for r in range(num_ranks)]),
+    # rank r's own buffer, this rank's region (1) of each: symm_mem's peers' buffers
+    "peers": (None, lambda bufs, num_ranks: [b[REGION_ROWS :] for b in bufs]),
+    # separate buffers, each target at a row offset of its own
+    "skewed": (None, lambda bufs, num_ranks: [b[2 * r + 1 :] for r, b in enumerate(bufs)]),
+}  # fmt: skip
+
+
+def rank_buffers(layout, num_ranks, cols, make_buffer):
+    """(buffers, targets): the buffers of the layout, made by make_buffer(shape)."""
+    count, targets = TARGET_LAYOUTS[layout]
+    shape = (num_ranks * REGION_ROWS + 3, cols)
+    bufs = [make_buffer(shape) for _ in range(count or num_ranks)]
+    return bufs, targets(bufs, num_ranks)
+
+
+def check_alignment(layout, targets):
+    """rank_offsets' offsets and aligned flag against the addresses."""
+    from fusedmoe.kernels.ep_rows import rank_offsets
+
+    base, offsets, aligned = rank_offsets(targets, len(targets))
+    assert base is targets[0] and offsets.dtype == torch.int64
+    item = base.element_size()
+    deltas = [(t.data_ptr() - base.data_ptr()) // item for t in targets]
+    assert offsets.tolist() == deltas
+    assert aligned == all(d % 16 == 0 for d in deltas)
+    if layout == "one_buffer":  # row stride 50 elements, regions of 8 rows: 400 = 25 * 16
+        assert aligned
+    if layout == "shifted":
+        assert not aligned
+
+
+def scatter_list_ref(src, pos, targets, col, trash):
+    """Plain loops into the targets (in place)."""
+    for m in range(pos.shape[0]):
+        for r, target in enumerate(targets):
+            p = int(pos[m, r])
+            if p != trash:
+                target[p, col : col + src.shape[1]] = src[m]
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", list(TARGET_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.int32])
+def test_scatter_rows_to_per_rank_targets(layout, dtype):
+    """M = 7, R = 3, W = 45 at column 2 of rows of 50: Triton == twin == loops, every element
+    the routing does not target (other regions, rank 2's, the row ends) still poisoned."""
+    from fusedmoe.kernels.ep_rows import scatter_rows_triton
+
+    _, _, pos, _, capacity = regions_routing()
+    width, col, cols = 45, 2, 50
+    src = random_rows((7, width + 4), dtype)[:, :width]  # row stride 49
+    results = {}
+    for name, run in (("loops", scatter_list_ref), ("twin", scatter_rows_torch),
+                      ("triton", scatter_rows_triton)):  # fmt: skip
+        bufs, targets = rank_buffers(layout, 3, cols, lambda shape: poisoned(shape, dtype))
+        if name == "triton":
+            check_alignment(layout, targets)
+        run(src, pos, targets, col, capacity)
+        results[name] = bufs
+    for name in ("twin", "triton"):
+        for i, (got, want) in enumerate(zip(results[name], results["loops"], strict=True)):
+            assert_same_rows(got, want, what=f"{name} buffer {i}")
+
+
+def pack_list_ref(ids, weights, scale, pos, targets, col, trash):
+    for m in range(pos.shape[0]):
+        words = [*ids[m].tolist(), *weights[m].float().view(torch.int32).tolist()]
+        if scale is not None:
+            words += scale[m].float().view(torch.int32).tolist()
+        for r, target in enumerate(targets):
+            p = int(pos[m, r])
+            if p != trash:
+                target[p, col : col + len(words)] = torch.tensor(words, dtype=torch.int32)
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", list(TARGET_LAYOUTS))
+@pytest.mark.parametrize("num_scales", [0, 5])
+def test_pack_meta_to_per_rank_targets(layout, num_scales):
+    """k = 3 ids | weights | scales as int32 words at column 4 of rows of 50: Triton == twin ==
+    loops, nothing else written."""
+    from fusedmoe.kernels.ep_rows import pack_meta_triton
+    from fusedmoe.parallel.rows import pack_meta, pack_meta_torch
+
+    ids, _, pos, _, capacity = regions_routing()
+    weights = torch.rand(7, 6)[:, ::2] + 0.1  # strided, never zero
+    scale = torch.rand(7, num_scales + 2)[:, 1:-1] + 0.5 if num_scales else None
+    col = 4
+    results = {}
+    for name, run in (("loops", pack_list_ref), ("twin", pack_meta_torch),
+                      ("triton", pack_meta_triton), ("dispatcher", pack_meta)):  # fmt: skip
+        bufs, targets = rank_buffers(layout, 3, 50, lambda shape: poisoned(shape, torch.int32))
+        if name == "triton":
+            check_alignment(layout, targets)
+        run(ids, weights, scale, pos, targets, col, capacity)
+        results[name] = bufs
+    for name in ("twin", "triton", "dispatcher"):
+        for i, (got, want) in enumerate(zip(results[name], results["loops"], strict=True)):
+            assert_equal(got, want, what=f"{name} buffer {i}")
+    written = sum(int((b != 77).sum()) for b in results["loops"])
+    assert written == int((pos != capacity).sum()) * (6 + num_scales)
+
+
+def gather_list_ref(targets, pos, hidden, trash):
+    out = torch.zeros(pos.shape[0], hidden, dtype=torch.float64)
+    for m in range(pos.shape[0]):
+        for r, source in enumerate(targets):
+            p = int(pos[m, r])
+            if p != trash:
+                out[m] += source[p, :hidden].double()
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", list(TARGET_LAYOUTS))
+@pytest.mark.parametrize(("src_dtype", "out_dtype"), [(torch.bfloat16, torch.bfloat16),
+                                                      (torch.float16, torch.float32),
+                                                      (torch.float32, torch.float32)])  # fmt: skip
+def test_gather_sum_rows_from_per_rank_sources(layout, src_dtype, out_dtype):
+    """H = 45 of rows of 50; only the rows each source rank holds for this rank hold values,
+    every other element (stale rows, other regions) NaN: Triton == twin == loops, a token sent
+    nowhere summing to 0."""
+    from fusedmoe.kernels.ep_rows import gather_sum_rows_triton
+
+    _, _, pos, counts, capacity = regions_routing()
+    hidden = 45
+    _, sources = rank_buffers(layout, 3, 50, lambda shape: poisoned(shape, src_dtype))
+    for r, source in enumerate(sources):  # the rows rank r holds for this rank
+        source[: int(counts[r])] = torch.randn(int(counts[r]), source.shape[1]).to(src_dtype)
+    check_alignment(layout, sources)
+    expected = gather_list_ref(sources, pos, hidden, capacity)
+    assert not expected.isnan().any() and (expected[0] == 0).all()
+    got, twin = poisoned((7, hidden), out_dtype), poisoned((7, hidden), out_dtype)
+    gather_sum_rows_triton(sources, pos, got, capacity)
+    gather_sum_rows_torch(sources, pos, twin, capacity)
+    assert_close(twin, expected, out_dtype, what="twin vs loops")
+    assert_close(got, expected, out_dtype, what="triton vs loops")
+    assert_close(got, twin, out_dtype, what="triton vs twin")
+    dispatched = poisoned((7, hidden), out_dtype)
+    gather_sum_rows(sources, pos, dispatched, capacity)
+    assert_close(dispatched, expected, out_dtype, what="dispatcher vs loops")
+
+
+def unpack_regions_ref(src, col, received, region_rows, num_regions, top_k, num_scales):
+    """Plain loops: rank s's rows [s * B, s * B + received[s]) as sent, the others empty."""
+    capacity = num_regions * region_rows
+    ids = torch.full((capacity, top_k), -1, dtype=torch.int32)
+    weights = torch.zeros(capacity, top_k, dtype=torch.float32)
+    scale = torch.ones(capacity, num_scales, dtype=torch.float32)
+    for s in range(num_regions):
+        for i in range(int(received[s])):
+            words = src[s * region_rows + i, col:]
+            ids[s * region_rows + i] = words[:top_k]
+            weights[s * region_rows + i] = words[top_k : 2 * top_k].view(torch.float32)
+            scale[s * region_rows + i] = words[2 * top_k : 2 * top_k + num_scales].view(
+                torch.float32
+            )
+    return ids, weights, scale if num_scales else None
+
+
+@pytest.mark.parametrize("received", [(0, 0, 0), (8, 8, 8), (0, 8, 3), (5, 0, 8), (1, 7, 0)])
+@pytest.mark.parametrize("num_scales", [0, 3])
+@pytest.mark.parametrize("path", ["twin", "triton", "dispatcher"])
+def test_unpack_meta_in_regions(received, num_scales, path):
+    """region_rows = B = 8, R = 3: rank s's rows [8s, 8s + received[s]) arrived (0 and B
+    among them), every other row an empty slot (id -1, weight 0, scale 1)."""
+    from fusedmoe.parallel.rows import unpack_meta, unpack_meta_torch
+
+    top_k, col, num_ranks = 3, 2, 3
+    capacity = num_ranks * REGION_ROWS
+    src = torch.randint(-(2**30), 2**30, (capacity + 2, col + 2 * top_k + num_scales + 1),
+                        dtype=torch.int32)  # fmt: skip
+    counts = torch.tensor(received, dtype=torch.int64)
+    if path == "triton":
+        if not triton_runs_on(src):
+            pytest.skip("needs Triton on this device")
+        from fusedmoe.kernels.ep_rows import unpack_meta_triton as run
+    else:
+        run = unpack_meta_torch if path == "twin" else unpack_meta
+    got = run(src, col, counts, capacity, top_k, num_scales, REGION_ROWS)
+    want = unpack_regions_ref(src, col, counts, REGION_ROWS, num_ranks, top_k, num_scales)
+    assert got[0].dtype == torch.int32 and got[0].shape == (capacity, top_k)
+    assert_equal(got[0], want[0], what="ids")
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)), "weights"
+    if num_scales:
+        assert torch.equal(got[2].view(torch.int32), want[2].view(torch.int32)), "scales"
+    else:
+        assert got[2] is None
+    live = int((got[0][:, 0] != -1).sum())  # ids of the live rows: never -1 by chance here
+    assert live == sum(received)
+
+
+@needs_triton
+def test_regions_round_trip_over_three_ranks():
+    """Three ranks on one process, through the dispatchers: each rank's rows (x's bytes, then
+    its ids | weights words) into its region of every destination's receive buffer and its
+    count into the destination's incoming slot; unpacked per region; the "experts" scale the
+    rows by (r + 1); each rank sums its tokens' rows back from the peers' out buffers. Rank 2
+    is sent nothing, and token 0 of each rank goes nowhere."""
+    from fusedmoe.parallel.rows import pack_meta, unpack_meta
+
+    num_ranks, hidden, top_k, B = 3, 45, 3, REGION_ROWS
+    capacity = num_ranks * B
+    x_bytes = 192  # 45 float32 = 180 bytes, the words from 16-byte aligned column 192
+    row_bytes = x_bytes + 4 * 2 * top_k
+    word_col = x_bytes // 4
+    owner = expert_placement(2 * num_ranks, num_ranks, "round_robin").owner()
+    num_tokens = (7, 5, 3)
+    xs, ids, weights = [], [], []
+    for m in num_tokens:
+        topk = torch.randint(0, 2 * num_ranks, (m, top_k), dtype=torch.int32)
+        topk = topk.masked_fill((torch.rand(m, top_k) < 0.2) | (owner[topk.long()] == 2), -1)
+        topk[0] = -1
+        xs.append(torch.randn(m, hidden))
+        ids.append(topk)
+        weights.append(torch.rand(m, top_k) + 0.1)
+    recv = [torch.full((capacity + 1, row_bytes), 0xEE, dtype=torch.uint8) for _ in range(3)]
+    incoming = [torch.full((num_ranks,), -5, dtype=torch.int64) for _ in range(3)]
+    positions_of = []
+    for q in range(num_ranks):  # rank q's dispatch
+        targets = [peer[q * B :] for peer in recv]
+        posts = [peer[q : q + 1] for peer in incoming]
+        counts = torch.empty(num_ranks, dtype=torch.int64)
+        pos = dispatch_positions(ids[q], owner, num_ranks, capacity, counts, grouped=False,
+                                 post=posts)  # fmt: skip
+        x = xs[q].view(torch.uint8)
+        scatter_rows(x, pos, targets, 0, capacity)
+        words = [t.view(torch.int32) for t in targets]
+        pack_meta(ids[q], weights[q], None, pos, words, word_col, capacity)
+        positions_of.append(pos)
+    outs = []
+    for r in range(num_ranks):  # what rank r received, from its incoming counts alone
+        sent = [[m for m, row in enumerate(ids[s].tolist())
+                 if any(e >= 0 and int(owner[e]) == r for e in row)]
+                for s in range(num_ranks)]  # fmt: skip
+        assert incoming[r].tolist() == [len(tokens) for tokens in sent]
+        got_ids, got_weights, scale = unpack_meta(recv[r].view(torch.int32), word_col,
+                                                  incoming[r], capacity, top_k, 0, B)  # fmt: skip
+        assert scale is None
+        x_in = recv[r][:capacity, : 4 * hidden].view(torch.float32)
+        out = poison_(torch.empty(capacity + 1, hidden))
+        for s in range(num_ranks):
+            for i in range(B):
+                row = s * B + i
+                if i < len(sent[s]):
+                    m = sent[s][i]
+                    assert_equal(got_ids[row], ids[s][m], what=f"rank {r} row {row} ids")
+                    assert torch.equal(got_weights[row], weights[s][m])
+                    assert torch.equal(x_in[row], xs[s][m])
+                    out[row] = x_in[row] * (r + 1)  # the experts' rows
+                else:
+                    assert (got_ids[row] == -1).all() and (got_weights[row] == 0).all()
+        outs.append(out)
+    assert (incoming[2] == 0).all()
+    for q in range(num_ranks):  # rank q's combine: its region of each peer's out rows
+        y = poison_(torch.empty(num_tokens[q], hidden))
+        gather_sum_rows([peer[q * B :] for peer in outs], positions_of[q], y, capacity)
+        factor = torch.tensor(
+            [sum(r + 1 for r in {int(owner[e]) for e in row if e >= 0}) for row in ids[q].tolist()],
+            dtype=torch.float32,
+        )
+        assert factor[0] == 0
+        assert_close(y, xs[q] * factor[:, None], torch.float32, what=f"rank {q} combine")
+
+
+# ---- rank_offsets -----------------------------------------------------------------------------
+def _unaligned_float32(offset_bytes):
+    import numpy as np
+
+    raw = bytearray(4 * 64)
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.float32, count=16, offset=offset_bytes))
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: [torch.zeros(4, 8)] * 2, "2 per-rank targets for 3 ranks"),
+        (lambda: [torch.zeros(4, 8)] * 4, "4 per-rank targets for 3 ranks"),
+        (lambda: [torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float16)],
+         "one dtype, device and row stride"),
+        (lambda: [torch.zeros(4, 8), torch.zeros(4, 9)[:, :8], torch.zeros(4, 8)],
+         "one dtype, device and row stride"),
+        (lambda: [torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(4, 8, device="meta")],
+         "one dtype, device and row stride"),
+        (lambda: [_unaligned_float32(0), _unaligned_float32(2), _unaligned_float32(4)],
+         "bytes apart: not whole"),
+    ],
+    ids=["too_few", "too_many", "dtype", "row_stride", "device", "not_whole_elements"],
+)  # fmt: skip
+def test_rank_offsets_refuses(make, match):
+    from fusedmoe.kernels.ep_rows import rank_offsets
+
+    with pytest.raises(ValueError, match=match):
+        rank_offsets(make(), 3)
+
+
+@needs_triton
+def test_rank_offsets_values_and_alignment():
+    from fusedmoe.kernels.ep_rows import rank_offsets
+
+    one = torch.zeros(10, 45)
+    base, offsets, aligned = rank_offsets(one, 3)  # one tensor: every rank, offset 0
+    assert base is one and offsets.tolist() == [0, 0, 0] and aligned
+    buf = torch.zeros(30, 48)  # regions of 5 rows of 48: 240 elements apart, 15 * 16
+    regions = [buf[5 * r :] for r in range(3)]
+    base, offsets, aligned = rank_offsets(regions, 3)
+    assert base is regions[0] and offsets.tolist() == [0, 240, 480] and aligned
+    base, offsets, aligned = rank_offsets(regions, 3, base_index=2)  # from the last one
+    assert base is regions[2] and offsets.tolist() == [-480, -240, 0] and aligned
+    odd = [buf[5 * r :, r:] for r in range(3)]  # one row stride, offsets 0, 241, 482
+    _, offsets, aligned = rank_offsets(odd, 3)
+    assert offsets.tolist() == [0, 241, 482] and not aligned
+    strided = torch.zeros(30, 45)  # regions of 5 rows of 45: 225 elements apart
+    _, offsets, aligned = rank_offsets([strided[5 * r :] for r in range(3)], 3)
+    assert offsets.tolist() == [0, 225, 450] and not aligned
+    rows_of_40 = torch.zeros(3, 40, dtype=torch.bfloat16)  # 40 apart: 16-byte, not 16-element
+    _, offsets, aligned = rank_offsets([rows_of_40[r:] for r in range(3)], 3)
+    assert offsets.tolist() == [0, 40, 80] and not aligned
+    slots = torch.zeros(7, dtype=torch.int64)  # the posts' one-element slots
+    _, offsets, aligned = rank_offsets([slots[1:2], slots[6:7], slots[0:1]], 3)
+    assert offsets.tolist() == [0, 5, -1] and not aligned
+    far = torch.zeros(40, dtype=torch.int64)
+    _, offsets, aligned = rank_offsets([far[16:17], far[0:1], far[32:33]], 3)
+    assert offsets.tolist() == [0, -16, 16] and aligned
+
+
+@pytest.mark.parametrize("runner", ["twin", pytest.param("triton", marks=needs_triton)])
+def test_row_movers_refuse_a_wrong_count_of_targets(runner):
+    from fusedmoe.parallel import rows as twins
+
+    if runner == "triton":
+        from fusedmoe.kernels import ep_rows
+
+        scatter, gather, pack = (ep_rows.scatter_rows_triton, ep_rows.gather_sum_rows_triton,
+                                 ep_rows.pack_meta_triton)  # fmt: skip
+    else:
+        scatter, gather, pack = (twins.scatter_rows_torch, twins.gather_sum_rows_torch,
+                                 twins.pack_meta_torch)  # fmt: skip
+    pos = torch.tensor([[0, 1, 6], [6, 0, 6]])  # R = 3, trash 6
+    two = [torch.zeros(6, 8), torch.zeros(6, 8)]
+    with pytest.raises(ValueError, match="2 per-rank targets for 3 ranks"):
+        scatter(torch.randn(2, 8), pos, two, 0, 6)
+    with pytest.raises(ValueError, match="2 per-rank targets for 3 ranks"):
+        gather(two, pos, torch.empty(2, 8), 6)
+    words = [torch.zeros(6, 8, dtype=torch.int32)] * 4
+    with pytest.raises(ValueError, match="4 per-rank targets for 3 ranks"):
+        pack(torch.zeros(2, 2, dtype=torch.int32), torch.rand(2, 2), None, pos, words, 0, 6)
+
+
+# ---- barrier_triton ---------------------------------------------------------------------------
+def semaphore_pads(num_ranks, rank, preset):
+    """(pads, their guarded buffers): pads[r] an int32 [R] view inside a buffer of its own with a
+    guard word (99) either side; this rank's pad[s] = preset[s] (signals already there), the
+    peers' pads random small counts (other barriers' signals: not this rank's to touch)."""
+    buffers = []
+    for r in range(num_ranks):
+        buf = torch.full((num_ranks + 2,), 99, dtype=torch.int32)
+        pad = buf[1:-1]
+        pad.copy_(torch.tensor(preset) if r == rank else torch.randint(0, 3, (num_ranks,)))
+        buffers.append(buf)
+    return [buf[1:-1] for buf in buffers], buffers
+
+
+def expected_pads(buffers, rank, consumed):
+    """After rank's barrier: one signal from rank in every pad; its own pad less `consumed`."""
+    want = [buf.clone() for buf in buffers]
+    for buf in want:
+        buf[1 + rank] += 1
+    want[rank][1:-1] -= torch.tensor(consumed, dtype=torch.int32)
+    return want
+
+
+def run_in_thread(fn, timeout):
+    """fn() in a daemon thread: (thread, errors); joined for `timeout` s (a hang fails the test
+    instead of the session)."""
+    import threading
+
+    errors = []
+
+    def body():
+        try:
+            fn()
+        except BaseException as e:  # reported in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return thread, errors
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("num_ranks", "rank", "preset"),
+    [(1, 0, [0]), (2, 1, [1, 0]), (3, 0, [0, 1, 1]), (3, 2, [2, 1, 0]), (4, 1, [2, 0, 2, 1])],
+)
+def test_barrier_signals_every_rank_and_takes_one_signal_of_each(num_ranks, rank, preset):
+    """The peers' signals already in this rank's pad (2: a fast peer that signalled twice, for
+    its next barrier too): rank's barrier adds one to pads[r][rank] for every r (itself too),
+    and takes one from each of its own pad[s] -> its own pad[rank] back to 0, one left where
+    two were; no other word written."""
+    from fusedmoe.kernels.ep_rows import barrier_triton
+
+    pads, buffers = semaphore_pads(num_ranks, rank, preset)
+    consumed = [1] * num_ranks
+    want = expected_pads(buffers, rank, consumed)
+    assert want[rank][1 + rank] == 0
+    thread, errors = run_in_thread(lambda: barrier_triton(pads, rank), timeout=30)
+    assert not thread.is_alive(), "the barrier did not return: a signal not seen"
+    assert not errors, errors
+    for r, (got, expected) in enumerate(zip(buffers, want, strict=True)):
+        assert_equal(got, expected, what=f"rank {r}'s pad (guards around it)")
+    assert pads[rank].tolist() == [max(p - 1, 0) for p in preset]
+    assert all(int(pads[r][rank]) >= 1 for r in range(num_ranks) if r != rank)
+
+
+@needs_triton
+def test_barrier_waits_for_a_late_peer():
+    """Rank 0 of 3, rank 2's signal not there yet: the barrier signals, then waits (in a thread
+    of its own: the only kernel running) until the signal arrives, then consumes it."""
+    import time
+
+    from fusedmoe.kernels.ep_rows import barrier_triton
+
+    pads, buffers = semaphore_pads(3, 0, [0, 1, 0])
+    want = expected_pads(buffers, 0, [1, 1, 1])
+    want[0][1 + 2] += 1  # rank 2's signal, when it comes: consumed
+    thread, errors = run_in_thread(lambda: barrier_triton(pads, 0), timeout=0)
+    deadline = time.monotonic() + 30
+    while any(int(buffers[r][1]) != int(want[r][1]) for r in (1, 2)):  # its signals sent
+        assert thread.is_alive() and time.monotonic() < deadline, (errors, buffers)
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert thread.is_alive() and not errors, "returned without rank 2's signal"
+    assert pads[0].tolist()[2] == 0
+    pads[0][2] = 1  # rank 2 arrives
+    thread.join(30)
+    assert not thread.is_alive() and not errors, errors
+    for r, (got, expected) in enumerate(zip(buffers, want, strict=True)):
+        assert_equal(got, expected, what=f"rank {r}'s pad")

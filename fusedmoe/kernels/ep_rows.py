@@ -70,6 +70,8 @@ def rank_offsets(
     if len(targets) != num_ranks:
         raise ValueError(f"{len(targets)} per-rank targets for {num_ranks} ranks")
     base = targets[base_index]
+    if base.dim() > 1 and base.stride(-1) != 1:
+        raise ValueError(f"per-rank targets need unit stride along a row, got {base.stride()}")
     for t in targets:
         if t.dtype != base.dtype or t.device != base.device or t.stride()[:1] != base.stride()[:1]:
             raise ValueError(
@@ -334,6 +336,10 @@ def unpack_meta_triton(
     region_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """fusedmoe.parallel.rows.unpack_meta_torch in one launch."""
+    if region_rows is not None and capacity > received.shape[0] * region_rows:
+        raise ValueError(
+            f"{capacity} rows in regions of {region_rows} for {received.shape[0]} ranks"
+        )
     device = src.device
     ids = torch.empty(capacity, top_k, dtype=torch.int32, device=device)
     weights = torch.empty(capacity, top_k, dtype=torch.float32, device=device)

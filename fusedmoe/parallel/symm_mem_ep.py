@@ -88,6 +88,7 @@ from fusedmoe.parallel.rows import (
     dispatch_positions,
     gather_sum_rows,
     pack_meta,
+    push_regions,
     scatter_rows,
     unpack_meta,
 )
@@ -197,7 +198,8 @@ class _NvshmemTransport:
         if self.kind == "vdev":
             return False
         bufs.pads.zero_()
-        peers = {n: self._peers(getattr(bufs, n)) for n in ("recv", "out", "incoming", "pads")}
+        names = ("send", "recv", "incoming", "pads")
+        peers = {n: self._peers(getattr(bufs, n)) for n in names}
         mapped = torch.tensor([all(v is not None for v in peers.values())], device=bufs.pads.device)
         # a MIN over the group (after every rank's pads are zero: ordered on the streams)
         dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group)
@@ -221,8 +223,8 @@ class _NvshmemTransport:
     # ---- the regions layout ----
     def dispatch_targets(self, bufs: _Buffers, view) -> tuple[list, list]:
         """(rank r's recv rows of this rank's region, rank r's incoming slot of this rank)."""
-        me, region = self.rank, self.region_rows
-        rows = [view(peer)[me * region :] for peer in bufs.peer["recv"]]
+        me = self.rank
+        rows = self.peer_regions(bufs, "recv", view)
         return rows, [peer[me : me + 1] for peer in bufs.peer["incoming"]]
 
     def after_dispatch(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
@@ -231,11 +233,21 @@ class _NvshmemTransport:
 
         barrier_triton(bufs.peer["pads"], self.rank)
 
-    def combine_sources(self, bufs: _Buffers, view) -> list[torch.Tensor]:
-        """Rank r's out rows of this rank's region."""
-        return [view(peer)[self.rank * self.region_rows :] for peer in bufs.peer["out"]]
+    def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
+        """The partial sums of rank s's rows (region s of out) stored into rank s's send, at
+        this rank's region; then a barrier: every rank's are here."""
+        from fusedmoe.kernels.ep_rows import barrier_triton
 
-    before_combine = after_dispatch
+        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows)
+        barrier_triton(bufs.peer["pads"], self.rank)
+
+    def push_targets(self, bufs: _Buffers, view) -> list[torch.Tensor]:
+        """Where the combine stores rank r's partial sums: rank r's send, this rank's region."""
+        return self.peer_regions(bufs, "send", view)
+
+    def peer_regions(self, bufs: _Buffers, name: str, view) -> list[torch.Tensor]:
+        """Rank r's buffer `name` as rows, from this rank's region on."""
+        return [view(peer)[self.rank * self.region_rows :] for peer in bufs.peer[name]]
 
 
 class _EmulatedTransport:
@@ -300,12 +312,16 @@ class _EmulatedTransport:
         self._move(bufs, dst, src)
         dist.all_to_all_single(bufs.incoming, bufs.staged, group=self.group)
 
-    def combine_sources(self, bufs: _Buffers, view) -> list[torch.Tensor]:
-        return self._regions(view(bufs.send), bufs.counts.shape[0])
+    def push_targets(self, bufs: _Buffers, view) -> list[torch.Tensor]:
+        """Where the combine stores rank r's partial sums: region r of recv (free by then: the
+        experts are done with it), the staging of the move."""
+        return self._regions(view(bufs.recv), bufs.counts.shape[0])
 
-    def before_combine(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
-        """out's rows (src) back to the ranks they came from, into their send (dst)."""
-        self._move(bufs, dst, src)
+    def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
+        """The partial sums staged in recv (push_regions, as the peer transport stores them),
+        then moved to the ranks they came from: into their send, at this rank's region."""
+        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows)
+        self._move(bufs, plan.back, plan.staging)
 
 
 def _make_transport(group, region_rows: int):
@@ -347,7 +363,7 @@ class _Buffers:
     the combine's (the partial sums) in out (and send, where they come back). Each all-to-all
     of the grouped layout sees a whole view: its block split depends on the size."""
 
-    send: torch.Tensor | None  # uint8; None for the peer transport, which sends from nowhere
+    send: torch.Tensor  # uint8: grouped, the dispatch's rows out; regions, what comes back
     recv: torch.Tensor  # uint8: the dispatch's rows in (the experts read x there)
     out: torch.Tensor  # uint8: the experts' output; the combine's rows out
     counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
@@ -396,8 +412,10 @@ class _DispatchPlan:
 class _CombinePlan:
     rows: torch.Tensor  # out as [rows, row bytes]: the partial sums leave from there
     rows_c: torch.Tensor  # its first C rows as the partial sums' dtype (the experts' output)
-    back: torch.Tensor | None  # send as [rows, row bytes], where they come back (not peer)
+    back: torch.Tensor  # send as [rows, row bytes], where they come back
+    staging: torch.Tensor  # recv as [rows, row bytes] (the emulated transport's staging)
     sources: object  # where this rank's partial sums are read: one tensor or one per rank
+    push: list[torch.Tensor] | None  # regions: where rank r's partial sums are stored
 
 
 @dataclass
@@ -534,7 +552,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     return transport.alloc(shape, dtype, device)
 
                 bufs = _Buffers(
-                    send=None,
+                    send=alloc((nbytes,), torch.uint8),
                     recv=alloc((nbytes,), torch.uint8),
                     out=alloc((nbytes,), torch.uint8),
                     counts=alloc((size,), torch.int64),  # all_to_all_vdev's splits: symmetric
@@ -544,8 +562,6 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     pads=alloc((size,), torch.int32),
                 )
                 bufs.regions = transport.regions(bufs)  # collective where it maps peers
-                if not (bufs.regions and bufs.peer is not None):  # all but the peer transport
-                    bufs.send = alloc((nbytes,), torch.uint8)
                 _BUFFERS[key] = bufs
         return bufs
 
@@ -580,7 +596,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             else:  # send, grouped by destination
                 targets, posts = view(bufs.send), None
                 words = targets.view(torch.int32)
-            staging = None if bufs.send is None else view(bufs.send)
+            staging = view(bufs.send)
             plan = _DispatchPlan(view(bufs.recv), staging, targets, words, posts)
             bufs.plans[key] = plan
         return plan
@@ -597,15 +613,18 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 return _Buffers.rows(buf, self.capacity, row_bytes)
 
             rows = view(bufs.out)
-            back = None if bufs.send is None else view(bufs.send)
-            if bufs.regions:
-                sources = [
-                    r[:, :width].view(dtype) for r in self._transport.combine_sources(bufs, view)
-                ]
+            back = view(bufs.send)
+            push = None
+            if bufs.regions:  # rank r's rows come back into region r of send
+                size = self.comm.size
+                regions = [back[r * self.max_tokens :] for r in range(size)]
+                sources = [r[:, :width].view(dtype) for r in regions]
+                push = [r[:, :width].view(dtype) for r in self._transport.push_targets(bufs, view)]
             else:
                 sources = back[:, :width].view(dtype)
             rows_c = rows[: self.capacity, :width].view(dtype)
-            plan = bufs.plans[key] = _CombinePlan(rows, rows_c, back, sources)
+            plan = _CombinePlan(rows, rows_c, back, view(bufs.recv), sources, push)
+            bufs.plans[key] = plan
         return plan
 
     def _dispatch(self, batch: TokenBatch):
@@ -676,8 +695,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         plan = self._combine_plan(bufs, state.combine_bytes, partial.dtype, width)
         if partial.data_ptr() != plan.rows_c.data_ptr():  # else the experts wrote it there
             plan.rows_c.copy_(partial)
-        if bufs.regions:  # every rank's experts done: read this rank's region of each
-            self._transport.before_combine(bufs, plan.back, plan.rows)
+        if bufs.regions:  # each rank's rows back into its region of their sender's send
+            self._transport.combine(bufs, plan)
         else:
             # the rows each rank sent are what goes back to it: the dispatch's received counts
             # (read before the combine's barrier; no peer writes them again before it)

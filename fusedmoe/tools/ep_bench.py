@@ -14,20 +14,21 @@ symm_mem):
     combine   PrepareFinalize.finalize: top-k reduce + send the partial sums back and sum
     forward   FusedMoE.forward: routing + all of the above (+ the count exchanges)
 
-Times are the median over --iters runs (CUDA events on GPUs, perf_counter on CPUs, a barrier
-before each run), the slowest rank's; with --graph, the symm_mem kind's stages and forward are
-captured in CUDA graphs (one per stage, one for the forward) and replayed (the other kinds
-make host syncs: eager); bytes are what one rank received from the others (mean
-over ranks); GB/s = those bytes / the stage's time; tokens/s = R * M / forward time. With
---check, the smallest token count of each configuration is compared with the unsharded layer
-(every expert on each rank, all ranks' tokens): the error is printed and a failure exits 1.
+Times are the median over --iters runs (CUDA events on GPUs, perf_counter on CPUs), the
+slowest rank's; each stage is timed alone (every rank's earlier work done and the ranks
+together before it starts: a stage's time holds no wait for a slower rank), the forward whole.
+With --graph, the symm_mem kind's stages and forward are captured in CUDA graphs (one per
+stage, one for the forward) and replayed (the other kinds make host syncs: eager). Bytes are
+what one rank received from the others (mean over ranks); GB/s = those bytes / the stage's
+time; tokens/s = R * M / forward time. With --check, the smallest token count of each
+configuration is compared with the unsharded layer (every expert on each rank, all ranks'
+tokens): the error is printed and a failure exits 1.
 Rank 0 prints the table; --json writes the rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -242,6 +243,13 @@ class _Timer:
             return start.elapsed_time(end)
         return (end - start) * 1e3
 
+    def settle(self, dist) -> None:
+        """Every rank's queued work done, and the ranks together: the next stage is timed
+        alone (a stage's time then holds no wait for a slower rank's earlier stage)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+
 
 def _stage_buffers(layer: FusedMoE, kernel, weights, prepared, x, workspaces):
     """The experts' workspaces and output for a prepared call, as the modular kernel takes them
@@ -270,7 +278,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     topk_weights, topk_ids = layer.router.select_experts(x, logits)
     qc = layer.quant_config
     num_physical = layer.placement.num_physical  # the ids the experts see (E without replicas)
-    dist.barrier()
+    timer.settle(dist)
     t0 = timer.mark()
     prepared = pf.prepare(
         x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
@@ -294,12 +302,14 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
         )  # fmt: skip
     t3 = timer.mark()
     output = torch.empty_like(x)
+    timer.settle(dist)
+    t3b = timer.mark()
     pf.finalize(
         output, out, prepared.topk_weights, prepared.topk_ids, False,
         experts.finalize_weight_and_reduce_impl(),
     )  # fmt: skip
     t4 = timer.mark()
-    return timer.elapsed_ms(t0, t1), timer.elapsed_ms(t2, t3), timer.elapsed_ms(t3, t4)
+    return timer.elapsed_ms(t0, t1), timer.elapsed_ms(t2, t3), timer.elapsed_ms(t3b, t4)
 
 
 def _captured(fn):
@@ -349,12 +359,12 @@ def graphed_stages(layer: FusedMoE, x, logits):
 def time_graphs(graphs, timer: _Timer, dist) -> tuple[float, float, float, float]:
     """(dispatch, experts, combine, forward) ms of one replay of each graph."""
     (g1, g2, g3, g4), _ = graphs
-    dist.barrier()
-    marks = [timer.mark()]
-    for graph in (g1, g2, g3):
+    stages = []
+    for graph in (g1, g2, g3):  # each stage alone: every rank starts it together
+        timer.settle(dist)
+        start = timer.mark()
         graph.replay()
-        marks.append(timer.mark())
-    stages = [timer.elapsed_ms(a, b) for a, b in itertools.pairwise(marks)]
+        stages.append(timer.elapsed_ms(start, timer.mark()))
     dist.barrier()
     start = timer.mark()
     g4.replay()
