@@ -40,6 +40,15 @@ WORLD = 4 if torch.cuda.device_count() >= 4 else 2
 E, TOP_K, H, I = 32, 4, 1024, 512
 MAX_TOKENS = 96  # max_tokens_per_rank
 SCHEMES = (None, "fp8_block")
+# (scheme, micro_batches): one dispatch a call, or two lanes overlapping the experts
+CONFIGS = tuple((scheme, mb) for mb in (1, 2) for scheme in SCHEMES)
+
+
+def _config_id(config) -> str:
+    scheme, micro_batches = config
+    return f"{scheme or 'bf16'}-mb{micro_batches}"
+
+
 TOL = {None: dict(tol=3e-2), "fp8_block": dict(tol=8e-2, rms_tol=1e-2)}
 # tokens of each rank per eager call: uneven, zero on some ranks, one rank full
 CALLS = ((37, 0, 96, 1)[:WORLD], (0, 5, 0, 0)[:WORLD], (96,) * WORLD)
@@ -80,10 +89,11 @@ def _worker(rank: int, port: int, path: str) -> None:
     try:
         data = torch.load(path)
         results = {}
-        for scheme in SCHEMES:
+        for scheme, micro_batches in CONFIGS:
             pc = ParallelConfig(
                 ep_size=WORLD, ep_rank=rank, dp_size=WORLD, dp_rank=rank,
                 all2all_backend="auto", max_tokens_per_rank=MAX_TOKENS,
+                micro_batches=micro_batches,
             )  # fmt: skip
             layer = _finish(_layer(device, pc), data["checkpoint"], scheme)
             explain = layer.backend_choice().explain()
@@ -138,9 +148,12 @@ def _worker(rank: int, port: int, path: str) -> None:
                         over.append(layer(x, logits).cpu())
                 except ValueError as e:
                     over.append(str(e))
-            results[scheme] = {
+            from fusedmoe.parallel.symm_mem_ep import _BUFFERS
+
+            peer = any(b.regions and b.peer is not None for b in _BUFFERS.values())
+            results[scheme, micro_batches] = {
                 "eager": eager, "explain": explain, "synced": synced, "replays": replays,
-                "over": over,
+                "over": over, "peer": peer,
             }  # fmt: skip
             del graph, layer
         torch.save(results, f"{path}.rank{rank}")
@@ -166,10 +179,13 @@ def spawned():
     return checkpoint, x, skewed, results
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_sharded_equals_unsharded(scheme, spawned):
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_symm_mem_sharded_equals_unsharded(config, spawned):
     checkpoint, x, logits, results = spawned
-    assert "dispatch: symm_mem" in results[0][scheme]["explain"]
+    scheme = config[0]
+    assert "dispatch: symm_mem" in results[0][config]["explain"]
+    if os.environ.get("FUSEDMOE_SYMM_MEM_TRANSPORT", "auto") in ("auto", "peer"):
+        assert all(results[r][config]["peer"] for r in range(WORLD)), "not the peer transport"
     layer = _finish(_layer("cuda"), checkpoint, scheme)
     start = 0
     for c, counts in enumerate(CALLS):
@@ -178,31 +194,32 @@ def test_symm_mem_sharded_equals_unsharded(scheme, spawned):
             expected = layer(x[whole].cuda(), logits[whole].cuda()).cpu()
         for rank in range(WORLD):
             mine = _rows(counts, rank, start)
-            got = results[rank][scheme]["eager"][c]
+            got = results[rank][config]["eager"][c]
             exp = expected[mine.start - start : mine.stop - start]
             assert_close(got, exp, torch.bfloat16, what=f"call {c} rank {rank}", **TOL[scheme])
         start += sum(counts)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_forward_makes_no_host_sync(scheme, spawned):
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_symm_mem_forward_makes_no_host_sync(config, spawned):
     for rank in range(WORLD):
-        assert spawned[3][rank][scheme]["synced"] == "", spawned[3][rank][scheme]["synced"]
+        assert spawned[3][rank][config]["synced"] == "", spawned[3][rank][config]["synced"]
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_forward_replays_from_a_cuda_graph(scheme, spawned):
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_symm_mem_forward_replays_from_a_cuda_graph(config, spawned):
     for rank in range(WORLD):
-        replays = spawned[3][rank][scheme]["replays"]
+        replays = spawned[3][rank][config]["replays"]
         assert len(replays) == GRAPH_REPLAYS
         for i, (replayed, eager) in enumerate(replays):
             assert_close(replayed, eager, torch.bfloat16, what=f"replay {i} rank {rank}", tol=1e-2)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(scheme, spawned):
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(config, spawned):
     checkpoint, x, logits, results = spawned
-    first = results[0][scheme]["over"][0]
+    scheme = config[0]
+    first = results[0][config]["over"][0]
     assert isinstance(first, str) and f"max_tokens_per_rank = {MAX_TOKENS}" in first
     layer = _finish(_layer("cuda"), checkpoint, scheme)
     for c, counts in enumerate(OVER_CALLS):
@@ -211,7 +228,7 @@ def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(scheme, spawned
         for rank in range(WORLD):
             if c == 0 and rank == 0:
                 continue
-            got = results[rank][scheme]["over"][c]
+            got = results[rank][config]["over"][c]
             assert not isinstance(got, str), got
             start = sum(counts[:rank])
             exp = expected[start : start + counts[rank]]
