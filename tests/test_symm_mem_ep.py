@@ -1403,34 +1403,3 @@ def test_barrier_waits_for_a_late_peer():
     assert not thread.is_alive() and not errors, errors
     for r, (got, expected) in enumerate(zip(buffers, want, strict=True)):
         assert_equal(got, expected, what=f"rank {r}'s pad")
-
-
-@pytest.mark.parametrize("programs", [1, 3, 1000])
-def test_row_movers_with_capped_programs_match_the_twins(programs):
-    """scatter_rows and push_regions with their grid capped (a program strides over several
-    (row, column block) items): the same rows as the torch twins, nothing else written."""
-    from fusedmoe.kernels.ep_rows import push_regions_triton, scatter_rows_triton
-    from fusedmoe.parallel.rows import push_regions_torch
-
-    torch.manual_seed(programs)
-    num_ranks, region, width = 3, 5, 3000  # 3000 bf16 columns: two column blocks
-    ids = torch.randint(0, 6, (7, 2))
-    ids[1, 0] = -1
-    owner = torch.tensor([0, 0, 1, 1, 2, 2])
-    pos, _ = dispatch_positions_torch(ids, owner, num_ranks, num_ranks * region, grouped=False)
-    src = torch.randn(7, width).to(torch.bfloat16)
-    bufs = [poisoned((num_ranks * region, width), torch.bfloat16) for _ in range(2)]
-    want = [poisoned((num_ranks * region, width), torch.bfloat16) for _ in range(2)]
-    for b, w in zip(bufs, want, strict=True):
-        w.copy_(b)
-    scatter_rows_triton(src, pos, [bufs[0][r * region :] for r in range(num_ranks)], 0,
-                        num_ranks * region, programs)  # fmt: skip
-    scatter_rows_torch(src, pos, [want[0][r * region :] for r in range(num_ranks)], 0,
-                       num_ranks * region)  # fmt: skip
-    assert torch.equal(bufs[0].view(torch.int16), want[0].view(torch.int16))
-    received = torch.tensor([2, 0, region])
-    rows = torch.randn(num_ranks * region, width).to(torch.bfloat16)
-    push_regions_triton(rows, [bufs[1][r * region :] for r in range(num_ranks)], received, region,
-                        programs)  # fmt: skip
-    push_regions_torch(rows, [want[1][r * region :] for r in range(num_ranks)], received, region)
-    assert torch.equal(bufs[1].view(torch.int16), want[1].view(torch.int16))

@@ -109,22 +109,18 @@ def _scatter_rows_kernel(
     src_ptr, stride_src,
     dst_ptr, offsets_ptr, stride_dst, col,
     pos_ptr,
-    num_tokens, width, trash,
+    width, trash,
     NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """Items (token, column block), one per program or, with fewer programs, strided over
-    them (a grid capped to leave the other stream's kernels most of the SMs)."""
-    blocks = tl.cdiv(width, BLOCK)
-    for item in range(tl.program_id(0), num_tokens * blocks, tl.num_programs(0)):
-        token = (item // blocks).to(tl.int64)
-        cols = (item % blocks) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        row = tl.load(src_ptr + token * stride_src + cols, mask=mask)
-        for r in tl.static_range(NUM_RANKS):
-            slot = tl.load(pos_ptr + token * NUM_RANKS + r)
-            if slot != trash:
-                base = dst_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
-                tl.store(base + slot * stride_dst + col + cols, row, mask=mask)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    row = tl.load(src_ptr + token * stride_src + cols, mask=mask)
+    for r in tl.static_range(NUM_RANKS):
+        slot = tl.load(pos_ptr + token * NUM_RANKS + r)
+        if slot != trash:
+            base = dst_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
+            tl.store(base + slot * stride_dst + col + cols, row, mask=mask)
 
 
 @triton.jit
@@ -364,27 +360,20 @@ def unpack_meta_triton(
     return ids, weights, scale
 
 
-def _programs(items: int, cap: int | None) -> int:
-    return items if cap is None else max(1, min(items, cap))
-
-
 def _block(width: int, element_size: int) -> int:
     return min(next_power_of_2(max(width, 1)), max(_BLOCK_BYTES // element_size, 16))
 
 
-def scatter_rows_triton(
-    src: torch.Tensor, pos: torch.Tensor, dst, col: int, trash: int, programs: int | None = None
-) -> None:
+def scatter_rows_triton(src: torch.Tensor, pos: torch.Tensor, dst, col: int, trash: int) -> None:
     """src [M, W] (unit stride along W) -> rows pos[m, r] of dst_r (one tensor, or one per
-    rank), columns [col, col + W), for pos[m, r] != trash (the module docstring). One dtype.
-    programs: at most this many programs (default: one per token and column block)."""
+    rank), columns [col, col + W), for pos[m, r] != trash (the module docstring). One dtype."""
     num_tokens, width = src.shape
     if num_tokens == 0 or width == 0:
         return
     base, offsets, aligned = rank_offsets(dst, pos.shape[1])
     block = _block(width, src.element_size())
-    grid = (_programs(num_tokens * cdiv(width, block), programs),)
-    args = (src, src.stride(0), base, offsets, base.stride(0), col, pos, num_tokens, width, trash)
+    grid = (num_tokens, cdiv(width, block))
+    args = (src, src.stride(0), base, offsets, base.stride(0), col, pos, width, trash)
     constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned, num_warps=8)
     with device_guard(src):
         launch(_scatter_rows_kernel, grid, args, constexprs, src.is_cuda)
@@ -444,39 +433,32 @@ def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
 def _push_regions_kernel(
     src_ptr, stride_src,
     dst_ptr, offsets_ptr, stride_dst,
-    received_ptr, region_rows, num_rows, width,
+    received_ptr, region_rows, width,
     BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """Items (row, column block), as in _scatter_rows_kernel."""
-    blocks = tl.cdiv(width, BLOCK)
-    for item in range(tl.program_id(0), num_rows * blocks, tl.num_programs(0)):
-        row = item // blocks
-        source = row // region_rows
-        within = row - source * region_rows
-        if within < tl.load(received_ptr + source):  # a row that arrived (else stale)
-            cols = (item % blocks) * BLOCK + tl.arange(0, BLOCK)
-            mask = cols < width
-            values = tl.load(src_ptr + row.to(tl.int64) * stride_src + cols, mask=mask)
-            base = dst_ptr + _rank_offset(offsets_ptr, source, ALIGNED)
-            tl.store(base + within.to(tl.int64) * stride_dst + cols, values, mask=mask)
+    row = tl.program_id(0)
+    source = row // region_rows
+    within = row - source * region_rows
+    if within < tl.load(received_ptr + source):  # a row that arrived (the others are stale)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        values = tl.load(src_ptr + row.to(tl.int64) * stride_src + cols, mask=mask)
+        base = dst_ptr + _rank_offset(offsets_ptr, source, ALIGNED)
+        tl.store(base + within.to(tl.int64) * stride_dst + cols, values, mask=mask)
 
 
-def push_regions_triton(
-    src: torch.Tensor, dst, received: torch.Tensor, region_rows: int, programs: int | None = None
-) -> None:
+def push_regions_triton(src: torch.Tensor, dst, received: torch.Tensor, region_rows: int) -> None:
     """fusedmoe.parallel.rows.push_regions_torch in one launch: rows [s * B, s * B +
     received[s]) of src [C, W] -> rows [0, received[s]) of dst_s (one per rank), B =
-    region_rows; the stale rows are skipped. programs: as in scatter_rows_triton."""
+    region_rows; the stale rows' programs return at once."""
     capacity, width = src.shape
     if capacity == 0 or width == 0:
         return
     num_ranks = received.shape[0]
     base, offsets, aligned = rank_offsets(dst, num_ranks)
     block = _block(width, src.element_size())
-    grid = (_programs(capacity * cdiv(width, block), programs),)
-    args = (
-        src, src.stride(0), base, offsets, base.stride(0), received, region_rows, capacity, width,
-    )  # fmt: skip
+    grid = (capacity, cdiv(width, block))
+    args = (src, src.stride(0), base, offsets, base.stride(0), received, region_rows, width)
     constexprs = dict(BLOCK=block, ALIGNED=aligned, num_warps=8)
     with device_guard(src):
         launch(_push_regions_kernel, grid, args, constexprs, src.is_cuda)

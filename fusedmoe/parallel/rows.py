@@ -137,18 +137,12 @@ def gather_sum_rows_torch(
 
 
 def scatter_rows(
-    src: torch.Tensor,
-    pos: torch.Tensor,
-    dst: RankTargets,
-    col: int,
-    trash: int,
-    programs: int | None = None,
+    src: torch.Tensor, pos: torch.Tensor, dst: RankTargets, col: int, trash: int
 ) -> None:
-    """scatter_rows_torch; programs: the kernel's cap on its programs (the SMs it takes)."""
     if triton_runs_on(src) and src.dtype != torch.float64:
         from fusedmoe.kernels.ep_rows import scatter_rows_triton
 
-        scatter_rows_triton(src, pos, dst, col, trash, programs)
+        scatter_rows_triton(src, pos, dst, col, trash)
     else:
         scatter_rows_torch(src, pos, dst, col, trash)
 
@@ -240,11 +234,10 @@ def push_regions_torch(
         target[:n] = src[s * region_rows : s * region_rows + n]
 
 
-def push_regions(src, dst, received, region_rows: int, programs: int | None = None) -> None:
-    """push_regions_torch; programs: the kernel's cap on its programs (the SMs it takes)."""
+def push_regions(src, dst, received, region_rows: int) -> None:
     if triton_runs_on(src) and src.dtype != torch.float64:
         from fusedmoe.kernels.ep_rows import push_regions_triton
 
-        push_regions_triton(src, dst, received, region_rows, programs)
+        push_regions_triton(src, dst, received, region_rows)
     else:
         push_regions_torch(src, dst, received, region_rows)

@@ -234,12 +234,12 @@ class _NvshmemTransport:
 
         barrier_triton(bufs.peer["pads"], self.rank)
 
-    def combine(self, bufs: _Buffers, plan: _CombinePlan, programs: int | None) -> None:
+    def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
         """The partial sums of rank s's rows (region s of out) stored into rank s's send, at
         this rank's region; then a barrier: every rank's are here."""
         from fusedmoe.kernels.ep_rows import barrier_triton
 
-        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows, programs)
+        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows)
         barrier_triton(bufs.peer["pads"], self.rank)
 
     def push_targets(self, bufs: _Buffers, view) -> list[torch.Tensor]:
@@ -318,10 +318,10 @@ class _EmulatedTransport:
         experts are done with it), the staging of the move."""
         return self._regions(view(bufs.recv), bufs.counts.shape[0])
 
-    def combine(self, bufs: _Buffers, plan: _CombinePlan, programs: int | None) -> None:
+    def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
         """The partial sums staged in recv (push_regions, as the peer transport stores them),
         then moved to the ranks they came from: into their send, at this rank's region."""
-        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows, programs)
+        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows)
         self._move(bufs, plan.back, plan.staging)
 
 
@@ -330,20 +330,6 @@ def _make_transport(group, region_rows: int):
     if kind.startswith("emulated"):
         return _EmulatedTransport(group, kind, region_rows)
     return _NvshmemTransport(group, kind, region_rows)
-
-
-LANE_PROGRAMS_ENV = "FUSEDMOE_SYMM_MEM_LANE_PROGRAMS"
-_LANE_PROGRAMS = 32  # the micro-batch lanes' row movers: programs (SMs) they take at most
-
-
-def _lane_programs() -> int | None:
-    """The lanes' cap on their row movers' programs: LANE_PROGRAMS_ENV ("0": no cap)."""
-    value = os.environ.get(LANE_PROGRAMS_ENV, "").strip()
-    if not value:
-        return _LANE_PROGRAMS
-    if not value.isdigit():
-        raise ValueError(f"{LANE_PROGRAMS_ENV} must be an int >= 0, got {value!r}")
-    return int(value) or None
 
 
 # ---- buffers ----------------------------------------------------------------------------
@@ -473,10 +459,6 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         self._lanes: tuple[SymmMemEPPrepareFinalize, ...] | None = None
         self._slot = 0  # which set of buffers (a micro-batch lane's own)
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
-        #: the most programs the row movers launch (None: one per row and column block); the
-        #: micro-batch lanes cap theirs (_lane_programs) so that the experts running meanwhile
-        #: on the other stream keep most of the SMs
-        self.comm_programs: int | None = None
         self._transport = None
         self._out_dtype: torch.dtype | None = None  # the activations' dtype, from prepare
         #: read the counts on the host after each dispatch to fill self.stats (a host sync per
@@ -508,7 +490,6 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         lane.capacity = self.comm.size * lane.max_tokens
         lane.num_micro_batches, lane._lanes, lane._slot = 1, None, slot
         lane._transport, lane._in_flight, lane._refused = None, None, None
-        lane.comm_programs = _lane_programs()
         return lane
 
     def overlap_stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -517,8 +498,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             return None
         stream = self._side_streams.get(device)
         if stream is None:
-            # high priority: its kernels take SMs as the experts' free them
-            stream = self._side_streams[device] = torch.cuda.Stream(device, priority=-1)
+            stream = self._side_streams[device] = torch.cuda.Stream(device)
         return stream
 
     def num_tokens_across_ranks(self, num_tokens: int, device: torch.device) -> int:
@@ -715,7 +695,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         pos = dispatch_positions(
             ids_, owner, size, capacity, bufs.counts, grouped=not bufs.regions, post=plan.posts
         )
-        scatter_rows(x, pos, plan.targets, 0, capacity, self.comm_programs)
+        scatter_rows(x, pos, plan.targets, 0, capacity)
         pack_meta(ids_, weights_, batch.scale, pos, plan.words, x_bytes // 4, capacity)
         if bufs.regions:  # each rank's rows are in its region at the destination
             self._transport.after_dispatch(bufs, recv, plan.staging)
@@ -759,7 +739,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         if partial.data_ptr() != plan.rows_c.data_ptr():  # else the experts wrote it there
             plan.rows_c.copy_(partial)
         if bufs.regions:  # each rank's rows back into its region of their sender's send
-            self._transport.combine(bufs, plan, self.comm_programs)
+            self._transport.combine(bufs, plan)
         else:
             # the rows each rank sent are what goes back to it: the dispatch's received counts
             # (read before the combine's barrier; no peer writes them again before it)
