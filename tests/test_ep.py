@@ -242,7 +242,6 @@ class EPCase:
     rebalance: bool = False  # EPLB: rebalance after the calls, run them again
     backend: str = "torch"  # triton: on the CPU under its interpreter (TRITON_INTERPRET=1)
     transport: str = "emulated"  # symm_mem's: the regions layout, or "emulated_vdev" (grouped)
-    micro_batches: int = 1  # symm_mem: 2 lanes, each with its own half of a call's tokens
 
 
 A1_SCALE, A2_SCALE = torch.tensor([0.02]), torch.tensor([0.05])
@@ -279,11 +278,6 @@ EP2_CASES = [
            calls=((5, 0), (3, 4))),
     # the grouped layout (all_to_all_vdev's, where peers are not mapped)
     EPCase("symm_vdev", "symm_mem", transport="emulated_vdev"),
-    EPCase("symm_micro", "symm_mem", micro_batches=2, calls=((5, 8), (13, 0), (0, 0), (1, 2))),
-    EPCase("symm_micro_fp8_block", "symm_mem", scheme="fp8_block", micro_batches=2,
-           calls=((6, 3), (0, 13))),
-    EPCase("symm_micro_sp", "symm_mem", sequence_parallel=True, micro_batches=2,
-           calls=((9,), (1,), (0,))),
     EPCase("symm_vdev_fp8_block", "symm_mem", scheme="fp8_block", calls=((6, 3), (0, 4)),
            transport="emulated_vdev"),
 ]  # fmt: skip
@@ -299,8 +293,6 @@ EP4_CASES = [
            calls=((5, 1, 0, 3),)),
     EPCase("symm4_vdev", "symm_mem", calls=((3, 0, 7, 1), (13, 13, 13, 13)),
            transport="emulated_vdev"),
-    EPCase("symm4_micro_vdev", "symm_mem", calls=((3, 0, 7, 1), (13, 13, 13, 13)),
-           transport="emulated_vdev", micro_batches=2),
 ]  # fmt: skip
 CASES = {case.name: case for case in EP2_CASES + EP4_CASES}
 
@@ -377,7 +369,6 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
                 placement=case.placement,
                 num_redundant_experts=case.redundant,
                 max_tokens_per_rank=SYMM_MAX_TOKENS,
-                micro_batches=case.micro_batches,
             )
             layer = make_layer(case, pc)
             os.environ.pop("FUSEDMOE_CHUNK_SIZE", None)

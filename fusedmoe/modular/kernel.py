@@ -15,7 +15,6 @@ part in backward on every rank).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -183,15 +182,6 @@ class FusedMoEModularKernel:
         else:
             step = self.chunk_size if self.experts.supports_chunking() else most
         recorded = needs_grad(hidden_states, weights, topk_weights)
-        lanes = None if recorded else self.prepare_finalize.micro_batches()
-        if lanes is not None:
-            self._forward_micro_batches(
-                lanes, output, hidden_states, weights, topk_weights, topk_ids,
-                activation=activation, global_num_experts=global_num_experts,
-                expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-                quant_config=quant_config,
-            )  # fmt: skip
-            return output
         for chunk_start in range(0, most, step):
             start, end = min(chunk_start, num_tokens), min(chunk_start + step, num_tokens)
             self._forward_chunk(
@@ -237,43 +227,6 @@ class FusedMoEModularKernel:
             # only when set: a PrepareFinalize written before this keyword still runs inference
             **({"requires_grad": True} if recorded else {}),
         )
-        expert_output, reduce = self._run_experts(
-            prepared, output, weights, hidden_states.dtype, hidden_states.device,
-            activation=activation, global_num_experts=global_num_experts,
-            expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-            quant_config=quant_config, recorded=recorded,
-        )  # fmt: skip
-        self.prepare_finalize.finalize(
-            output,
-            expert_output,
-            prepared.topk_weights,
-            prepared.topk_ids,
-            apply_router_weight_on_input,
-            reduce,
-        )
-
-    def _run_experts(
-        self,
-        prepared,
-        output,
-        weights,
-        dtype_in,
-        device,
-        *,
-        activation,
-        global_num_experts,
-        expert_map,
-        apply_router_weight_on_input,
-        quant_config,
-        recorded,
-        prepare_finalize=None,
-        output_key: str = "output",
-    ):
-        """The experts on the prepared tokens -> (their output, the reduce finalize applies).
-        prepare_finalize: the one that prepared them (a micro-batch lane; default the
-        kernel's); output_key: the workspace of the output where no buffer is offered."""
-        experts = self.experts
-        pf = self.prepare_finalize if prepare_finalize is None else prepare_finalize
         num_tokens, top_k = prepared.topk_ids.shape
         shapes = experts.workspace_shapes(
             num_tokens,
@@ -284,7 +237,8 @@ class FusedMoEModularKernel:
             weights.num_local_experts,
             activation.kind,
         )
-        dtype = experts.workspace_dtype(dtype_in)
+        dtype = experts.workspace_dtype(hidden_states.dtype)
+        device = hidden_states.device
         # Under autograd a backend keeps what it saves for backward in tensors of its own: it
         # gets empty workspaces, and an output buffer that is never reused.
         if recorded:
@@ -295,16 +249,18 @@ class FusedMoEModularKernel:
         reduce = experts.finalize_weight_and_reduce_impl()
         if (
             isinstance(reduce, TopKWeightAndReduceNoOp)
-            and pf.experts_may_write_output()
+            and self.prepare_finalize.experts_may_write_output()
             and tuple(shapes.output) == tuple(output.shape)
         ):
             expert_output = output  # the backend reduces into the result: finalize copies nothing
         else:
             expert_output = None
             if not recorded:
-                expert_output = pf.expert_output_buffer(tuple(shapes.output), dtype_in, device)
+                expert_output = self.prepare_finalize.expert_output_buffer(
+                    tuple(shapes.output), hidden_states.dtype, device
+                )
             if expert_output is None:
-                expert_output = workspaces.get(output_key, shapes.output, dtype_in, device)
+                expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
         if num_tokens:  # EP: a rank where no token landed skips its experts, not finalize
             experts.apply(
                 ExpertsCall(
@@ -325,85 +281,14 @@ class FusedMoEModularKernel:
                     apply_router_weight_on_input=apply_router_weight_on_input,
                 )
             )
-        return expert_output, reduce
-
-    def _forward_micro_batches(
-        self,
-        lanes,
-        output,
-        hidden_states,
-        weights,
-        topk_weights,
-        topk_ids,
-        *,
-        activation,
-        global_num_experts,
-        expert_map,
-        apply_router_weight_on_input,
-        quant_config,
-    ) -> None:
-        """The call's tokens in len(lanes) slices, lane i dispatching and combining slice i:
-        every dispatch first (on the overlap stream), then lane by lane the experts (on the
-        current stream, once that lane's dispatch is done) and the lane's combine (on the
-        overlap stream, once its experts are done). Lane i + 1's dispatch runs during lane i's
-        experts, and lane i's combine during lane i + 1's experts. Every lane dispatches and
-        combines, with no token too (the ranks stay in step); a lane's ValueError (a rank over
-        its bound) is raised once every lane has combined."""
-        device = hidden_states.device
-        num_tokens, count = hidden_states.shape[0], len(lanes)
-        step = -(-num_tokens // count)
-        bounds = [
-            (min(i * step, num_tokens), min((i + 1) * step, num_tokens)) for i in range(count)
-        ]
-        side = self.prepare_finalize.overlap_stream(device)
-        main = torch.cuda.current_stream(device) if side is not None else None
-
-        def on_side():
-            return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
-
-        def fence(waiter, stream):  # waiter waits for what stream has queued so far
-            if side is not None:
-                waiter.wait_stream(stream)
-
-        fence(side, main)
-        prepared, dispatched = [], []
-        with on_side():
-            for lane, (start, end) in zip(lanes, bounds, strict=True):
-                prepared.append(
-                    lane.prepare(
-                        hidden_states[start:end], topk_weights[start:end], topk_ids[start:end],
-                        global_num_experts, expert_map, apply_router_weight_on_input,
-                        quant_config, defer_input_quant=self.experts.wants_unquantized_input(),
-                    )
-                )  # fmt: skip
-                event = None
-                if side is not None:
-                    event = torch.cuda.Event()
-                    event.record(side)
-                dispatched.append(event)
-        errors = []
-        for i, (lane, (start, end)) in enumerate(zip(lanes, bounds, strict=True)):
-            if dispatched[i] is not None:
-                main.wait_event(dispatched[i])
-            expert_output, reduce = self._run_experts(
-                prepared[i], output[start:end], weights, hidden_states.dtype, device,
-                activation=activation, global_num_experts=global_num_experts,
-                expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-                quant_config=quant_config, recorded=False, prepare_finalize=lane,
-                output_key=f"output{i}",
-            )  # fmt: skip
-            fence(side, main)
-            with on_side():
-                try:
-                    lane.finalize(
-                        output[start:end], expert_output, prepared[i].topk_weights,
-                        prepared[i].topk_ids, apply_router_weight_on_input, reduce,
-                    )  # fmt: skip
-                except ValueError as exc:  # after its combine: the next lanes still run
-                    errors.append(exc)
-        fence(main, side)
-        if errors:
-            raise errors[0]
+        self.prepare_finalize.finalize(
+            output,
+            expert_output,
+            prepared.topk_weights,
+            prepared.topk_ids,
+            apply_router_weight_on_input,
+            reduce,
+        )
 
     def __repr__(self) -> str:
         return f"FusedMoEModularKernel({self.prepare_finalize!r}, {self.experts!r})"

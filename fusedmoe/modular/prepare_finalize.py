@@ -93,18 +93,6 @@ class PrepareFinalize(abc.ABC):
         this rank's own count (the symm_mem dispatch, which keeps the counts on the GPU)."""
         return False
 
-    def micro_batches(self) -> tuple[PrepareFinalize, ...] | None:
-        """None, or the lanes of a call split in micro-batches: lane i dispatches and combines
-        the i-th slice of the call's tokens, each with its own buffers, so that one lane's
-        dispatch and combine run (on overlap_stream) while another lane's experts run (the
-        modular kernel's _forward_micro_batches). Asked after num_tokens_across_ranks."""
-        return None
-
-    def overlap_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The CUDA stream the micro-batches' dispatches and combines run on (None: the
-        current stream, one after another: the CPU)."""
-        return None
-
     def topk_indices_dtype(self) -> torch.dtype | None:
         """The id dtype the dispatch needs, or None for any."""
         return None

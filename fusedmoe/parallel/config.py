@@ -47,10 +47,6 @@ class ParallelConfig:
     #: the symm_mem dispatch: the most tokens a rank passes in one call (its buffers and the
     #: experts' workspaces hold ep_size * max_tokens_per_rank rows; more is a ValueError)
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
-    #: the symm_mem dispatch: 2 splits each call's tokens in two micro-batches, one's dispatch
-    #: and combine overlapping the other's experts (prefill: communication hides behind
-    #: compute; at decode the experts then read their weights twice: keep 1 there)
-    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         for size_name, rank_name in (
@@ -85,10 +81,6 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig.max_tokens_per_rank must be an int >= 1, got {value!r}"
             )
-        if self.micro_batches not in (1, 2) or isinstance(self.micro_batches, bool):
-            raise ValueError(
-                f"ParallelConfig.micro_batches must be 1 or 2, got {self.micro_batches!r}"
-            )
         if not isinstance(self.sequence_parallel, bool):
             raise TypeError(
                 f"ParallelConfig.sequence_parallel must be a bool, got {self.sequence_parallel!r}"
@@ -120,7 +112,6 @@ class ParallelConfig:
         placement: str = "linear",
         num_redundant_experts: int = 0,
         max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
-        micro_batches: int = 1,
     ) -> ParallelConfig:
         """Expert parallelism over `group` (the default group when None): size and rank from it.
 
@@ -145,7 +136,6 @@ class ParallelConfig:
             placement=placement,
             num_redundant_experts=num_redundant_experts,
             max_tokens_per_rank=max_tokens_per_rank,
-            micro_batches=micro_batches,
         )
 
 

@@ -74,7 +74,6 @@ whole batch (FP8 per-tensor dynamic, NVFP4) are refused: the stale rows would en
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 from dataclasses import dataclass, field
@@ -444,21 +443,14 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         *,
         max_tokens_per_rank: int,
         sequence_parallel: bool = False,
-        micro_batches: int = 1,
     ) -> None:
         super().__init__(ep_size, ep_rank, expert_owner, group, sequence_parallel=sequence_parallel)
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int):
             raise TypeError(f"max_tokens_per_rank must be an int, got {max_tokens_per_rank!r}")
         if max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
-        if micro_batches not in (1, 2) or isinstance(micro_batches, bool):
-            raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
         self.max_tokens = max_tokens_per_rank
         self.capacity = ep_size * max_tokens_per_rank  # C
-        self.num_micro_batches = micro_batches
-        self._lanes: tuple[SymmMemEPPrepareFinalize, ...] | None = None
-        self._slot = 0  # which set of buffers (a micro-batch lane's own)
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._transport = None
         self._out_dtype: torch.dtype | None = None  # the activations' dtype, from prepare
         #: read the counts on the host after each dispatch to fill self.stats (a host sync per
@@ -470,36 +462,6 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
         return True
-
-    def micro_batches(self) -> tuple[SymmMemEPPrepareFinalize, ...] | None:
-        """micro_batches = 2: two lanes, each with half the bound (ceil(B / 2) tokens a rank)
-        and buffers of its own; this call's refusal (a rank over B) goes to both, which send
-        nothing and raise at their ends."""
-        if self.num_micro_batches == 1:
-            return None
-        if self._lanes is None:
-            self._lanes = tuple(self._lane(i) for i in range(self.num_micro_batches))
-        for lane in self._lanes:
-            lane._refused = self._refused
-        self._refused = None  # the lanes raise it
-        return self._lanes
-
-    def _lane(self, slot: int) -> SymmMemEPPrepareFinalize:
-        lane = copy.copy(self)  # the group, owner and stats shared
-        lane.max_tokens = -(-self.max_tokens // self.num_micro_batches)
-        lane.capacity = self.comm.size * lane.max_tokens
-        lane.num_micro_batches, lane._lanes, lane._slot = 1, None, slot
-        lane._transport, lane._in_flight, lane._refused = None, None, None
-        return lane
-
-    def overlap_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """A side stream of the device's (made once) for the lanes' dispatches and combines."""
-        if device.type != "cuda":
-            return None
-        stream = self._side_streams.get(device)
-        if stream is None:
-            stream = self._side_streams[device] = torch.cuda.Stream(device)
-        return stream
 
     def num_tokens_across_ranks(self, num_tokens: int, device: torch.device) -> int:
         """This rank's own count: every rank makes one dispatch per call whatever its count
@@ -580,7 +542,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         nbytes = max(
             _view_rows(self.capacity, row) * row for row in (dispatch_bytes, combine_bytes)
         )
-        key = (transport.name, transport.kind, group_key, device, nbytes, self._slot)
+        key = (transport.name, transport.kind, group_key, device, nbytes)
         with _BUFFERS_LOCK:
             bufs = _BUFFERS.get(key)
             if bufs is None:
@@ -669,11 +631,6 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         """Packed rows, x's bytes then ids | weights (| scales) as int32 words: stored into each
         rank's region at the destination (regions), or grouped and moved by all_to_all_vdev."""
         device, capacity = batch.x.device, self.capacity
-        if self._refused is None and batch.x.shape[0] > self.max_tokens:  # a lane's own bound
-            self._refused = (
-                f"the symm_mem dispatch's micro-batch took {batch.x.shape[0]} tokens, over its "
-                f"bound of {self.max_tokens}: raise ParallelConfig.max_tokens_per_rank"
-            )
         refused = self._refused is not None
         if refused:  # over the bound: this rank sends nothing, and still joins the exchange
             batch = batch.map(lambda t: t[:0])

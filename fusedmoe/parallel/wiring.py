@@ -183,10 +183,7 @@ def prepare_finalize(
         if kind == "symm_mem":
             from fusedmoe.parallel.symm_mem_ep import SymmMemEPPrepareFinalize as cls
 
-            extra = {
-                "max_tokens_per_rank": pc.max_tokens_per_rank,
-                "micro_batches": pc.micro_batches,
-            }
+            extra = {"max_tokens_per_rank": pc.max_tokens_per_rank}
         else:
             from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize as cls
 
@@ -227,7 +224,6 @@ def layer_fingerprint(layer, dispatch: str | None, experts: Experts) -> LayerFin
             ("num_redundant_experts", pc.num_redundant_experts),
             ("dispatch", dispatch or "none"),
             ("max_tokens_per_rank", pc.max_tokens_per_rank if dispatch == "symm_mem" else 0),
-            ("micro_batches", pc.micro_batches if dispatch == "symm_mem" else 1),
             ("chunk_size", layer.chunk_size if chunked else 0),
         )
     )

@@ -286,8 +286,6 @@ def run_ep_bench(args: argparse.Namespace) -> int:
         argv.append("--graph")
     if args.ep_max_tokens is not None:
         argv += ["--max-tokens", str(args.ep_max_tokens)]
-    if args.ep_micro_batches != 1:
-        argv += ["--micro-batches", str(args.ep_micro_batches)]
     return ep_bench.main(argv)
 
 
@@ -429,13 +427,6 @@ def _add_bench(sub) -> None:
         type=int,
         default=None,
         help="EP: symm_mem's max_tokens_per_rank (default: the largest --tokens)",
-    )
-    ep.add_argument(
-        "--ep-micro-batches",
-        type=int,
-        choices=(1, 2),
-        default=1,
-        help="EP: symm_mem's micro_batches (2: dispatch and combine overlap the experts)",
     )
     ep.add_argument("--check", action="store_true", help="EP: compare with the unsharded layer")
     p.set_defaults(func=run_bench)

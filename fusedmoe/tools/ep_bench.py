@@ -118,14 +118,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="symm_mem's max_tokens_per_rank (default: the largest --tokens)",
     )
-    parser.add_argument(
-        "--micro-batches",
-        type=int,
-        choices=(1, 2),
-        default=1,
-        help="symm_mem's micro_batches (2: the forward overlaps each half's dispatch and "
-        "combine with the other's experts; the stages stay one dispatch)",
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = parser.parse_args(argv)  # fmt: skip
@@ -419,7 +411,6 @@ def run(args) -> list[Row]:
             pc = ParallelConfig(
                 ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank, all2all_backend=kind,
                 max_tokens_per_rank=args.max_tokens or max(*args.tokens, 1),
-                micro_batches=args.micro_batches if kind == "symm_mem" else 1,
             )  # fmt: skip
             layer = build_layer(preset, scheme, dtype, device, args.backend, args.seed, pc)
             for num_tokens in args.tokens:
