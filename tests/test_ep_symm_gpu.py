@@ -138,9 +138,12 @@ def _worker(rank: int, port: int, path: str) -> None:
                         over.append(layer(x, logits).cpu())
                 except ValueError as e:
                     over.append(str(e))
+            from fusedmoe.parallel.symm_mem_ep import _BUFFERS
+
+            peer = any(b.regions and b.peer is not None for b in _BUFFERS.values())
             results[scheme] = {
                 "eager": eager, "explain": explain, "synced": synced, "replays": replays,
-                "over": over,
+                "over": over, "peer": peer,
             }  # fmt: skip
             del graph, layer
         torch.save(results, f"{path}.rank{rank}")
@@ -170,6 +173,8 @@ def spawned():
 def test_symm_mem_sharded_equals_unsharded(scheme, spawned):
     checkpoint, x, logits, results = spawned
     assert "dispatch: symm_mem" in results[0][scheme]["explain"]
+    if os.environ.get("FUSEDMOE_SYMM_MEM_TRANSPORT", "auto") in ("auto", "peer"):
+        assert all(results[r][scheme]["peer"] for r in range(WORLD)), "not the peer transport"
     layer = _finish(_layer("cuda"), checkpoint, scheme)
     start = 0
     for c, counts in enumerate(CALLS):
