@@ -192,26 +192,36 @@ class _NvshmemTransport:
         return [handle.get_buffer(r, tuple(t.shape), t.dtype, 0) for r in range(size)]
 
     def regions(self, bufs: _Buffers) -> bool:
-        """Decide the layout of a new set of buffers (collective: every rank, same order)."""
+        """Decide the layout of a new set of buffers, the same on every rank (collective:
+        every rank, in the same order): regions where every rank wants it ("auto" or "peer")
+        and has every peer mapped, else grouped; ranks that disagree (another
+        FUSEDMOE_SYMM_MEM_TRANSPORT) all raise rather than run different layouts."""
         import torch.distributed as dist
 
-        if self.kind == "vdev":
-            return False
         bufs.pads.zero_()
-        names = ("send", "recv", "incoming", "pads")
-        peers = {n: self._peers(getattr(bufs, n)) for n in names}
-        mapped = torch.tensor([all(v is not None for v in peers.values())], device=bufs.pads.device)
-        # a MIN over the group (after every rank's pads are zero: ordered on the streams)
-        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group)
-        if not bool(mapped.item()):
-            if self.kind == "peer":
-                raise ValueError(
-                    f"{TRANSPORT_ENV}=peer needs every rank's buffers mapped on every rank (one "
-                    "host, peer access over NVLink or PCIe); some are not: use 'auto' or 'vdev'"
-                )
-            return False
+        peers = None
+        if self.kind != "vdev":
+            names = ("send", "recv", "incoming", "pads")
+            peers = {n: self._peers(getattr(bufs, n)) for n in names}
+            if any(v is None for v in peers.values()):
+                peers = None
+        want = peers is not None
+        # [min, -max] of want over the group (after every rank's pads are zero: stream order)
+        votes = torch.tensor([int(want), -int(want)], device=bufs.pads.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
+        low, high = int(votes[0]), -int(votes[1])
+        if low != high:
+            raise ValueError(
+                "the ranks disagree on the symm_mem transport: some run the peer transport, "
+                f"others cannot or were told not to ({TRANSPORT_ENV}); set it alike on every rank"
+            )
+        if not want and self.kind == "peer":
+            raise ValueError(
+                f"{TRANSPORT_ENV}=peer needs every rank's buffers mapped on every rank (one "
+                "host, peer access over NVLink or PCIe); some are not: use 'auto' or 'vdev'"
+            )
         bufs.peer = peers
-        return True
+        return want
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, counts: torch.Tensor, received: torch.Tensor
