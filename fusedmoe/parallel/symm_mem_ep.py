@@ -468,6 +468,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         self.count_traffic = False
         self._agreed = False  # the ranks' fingerprints compared (EPGroup.agree)
         self._refused: str | None = None  # this call was over the bound: why (finalize raises)
+        self._last_buffers: _Buffers | None = None  # the set of the last call (device_barrier)
 
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
@@ -573,7 +574,20 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 )
                 bufs.regions = transport.regions(bufs)  # collective where it maps peers
                 _BUFFERS[key] = bufs
+        self._last_buffers = bufs
         return bufs
+
+    def device_barrier(self) -> bool:
+        """A barrier of the ranks' GPUs on the current stream (the peer transport's, on the
+        buffers of this layer's last call): a benchmark starts a timed stage on every rank
+        together, without the host's launch skew. False (nothing done) elsewhere."""
+        bufs = self._last_buffers
+        if bufs is None or bufs.peer is None:
+            return False
+        from fusedmoe.kernels.ep_rows import barrier_triton
+
+        barrier_triton(bufs.peer["pads"], self.comm.rank)
+        return True
 
     def expert_output_buffer(self, shape, dtype: torch.dtype, device: torch.device):
         """The combine's send rows, where the experts may write their reduced output [C, H]

@@ -243,12 +243,18 @@ class _Timer:
             return start.elapsed_time(end)
         return (end - start) * 1e3
 
-    def settle(self, dist) -> None:
+    def settle(self, dist, pf=None) -> None:
         """Every rank's queued work done, and the ranks together: the next stage is timed
-        alone (a stage's time then holds no wait for a slower rank's earlier stage)."""
+        alone (a stage's time then holds no wait for a slower rank's earlier stage). Where the
+        prepare/finalize has a barrier on the GPUs (symm_mem's peer transport), it runs last:
+        the ranks' timed stages then start together, not tens of microseconds apart (the
+        host's launch skew, which a stage that starts with a barrier would count)."""
         if self.cuda:
             torch.cuda.synchronize()
         dist.barrier()
+        barrier = getattr(pf, "device_barrier", None)
+        if self.cuda and barrier is not None:
+            barrier()
 
 
 def _stage_buffers(layer: FusedMoE, kernel, weights, prepared, x, workspaces):
@@ -278,7 +284,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     topk_weights, topk_ids = layer.router.select_experts(x, logits)
     qc = layer.quant_config
     num_physical = layer.placement.num_physical  # the ids the experts see (E without replicas)
-    timer.settle(dist)
+    timer.settle(dist, pf)
     t0 = timer.mark()
     prepared = pf.prepare(
         x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
@@ -302,7 +308,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
         )  # fmt: skip
     t3 = timer.mark()
     output = torch.empty_like(x)
-    timer.settle(dist)
+    timer.settle(dist, pf)
     t3b = timer.mark()
     pf.finalize(
         output, out, prepared.topk_weights, prepared.topk_ids, False,
@@ -356,16 +362,16 @@ def graphed_stages(layer: FusedMoE, x, logits):
     return (g1, g2, g3, g4), (call, output, topk_weights, topk_ids)
 
 
-def time_graphs(graphs, timer: _Timer, dist) -> tuple[float, float, float, float]:
+def time_graphs(graphs, timer: _Timer, dist, pf=None) -> tuple[float, float, float, float]:
     """(dispatch, experts, combine, forward) ms of one replay of each graph."""
     (g1, g2, g3, g4), _ = graphs
     stages = []
     for graph in (g1, g2, g3):  # each stage alone: every rank starts it together
-        timer.settle(dist)
+        timer.settle(dist, pf)
         start = timer.mark()
         graph.replay()
         stages.append(timer.elapsed_ms(start, timer.mark()))
-    dist.barrier()
+    timer.settle(dist, pf)
     start = timer.mark()
     g4.replay()
     return (*stages, timer.elapsed_ms(start, timer.mark()))
@@ -432,7 +438,7 @@ def run(args) -> list[Row]:
                         graphs = graphed_stages(layer, x, logits)
                     for i in range(args.warmup + args.iters):
                         if graphs is not None:
-                            *stage, forward = time_graphs(graphs, timer, dist)
+                            *stage, forward = time_graphs(graphs, timer, dist, pf)
                         else:
                             stage = time_stages(layer, x, logits, timer, dist)
                             forward = time_forward(layer, x, logits, timer, dist)
