@@ -138,9 +138,9 @@ def _worker(rank: int, port: int, path: str) -> None:
                         over.append(layer(x, logits).cpu())
                 except ValueError as e:
                     over.append(str(e))
-            from fusedmoe.parallel.symm_mem_ep import _BUFFERS
-
-            peer = any(b.regions and b.peer is not None for b in _BUFFERS.values())
+            _, kernel = layer._kernel(device, torch.bfloat16, False)
+            last = kernel.prepare_finalize._last_buffers  # this layer's buffers
+            peer = last is not None and last.regions and last.peer is not None
             results[scheme] = {
                 "eager": eager, "explain": explain, "synced": synced, "replays": replays,
                 "over": over, "peer": peer,

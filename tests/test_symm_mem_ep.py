@@ -1159,9 +1159,10 @@ def test_regions_round_trip_over_three_ranks():
     """Three ranks on one process, through the dispatchers: each rank's rows (x's bytes, then
     its ids | weights words) into its region of every destination's receive buffer and its
     count into the destination's incoming slot; unpacked per region; the "experts" scale the
-    rows by (r + 1); each rank sums its tokens' rows back from the peers' out buffers. Rank 2
-    is sent nothing, and token 0 of each rank goes nowhere."""
-    from fusedmoe.parallel.rows import pack_meta, unpack_meta
+    rows by (r + 1); each rank stores them back into their senders' send buffers (push_regions,
+    as bytes) and each sums its tokens' rows there. Rank 2 is sent nothing, and token 0 of each
+    rank goes nowhere."""
+    from fusedmoe.parallel.rows import pack_meta, push_regions, unpack_meta
 
     num_ranks, hidden, top_k, B = 3, 45, 3, REGION_ROWS
     capacity = num_ranks * B
@@ -1216,9 +1217,15 @@ def test_regions_round_trip_over_three_ranks():
                     assert (got_ids[row] == -1).all() and (got_weights[row] == 0).all()
         outs.append(out)
     assert (incoming[2] == 0).all()
-    for q in range(num_ranks):  # rank q's combine: its region of each peer's out rows
+    # each rank's combine stores: region s of its out (rank s's rows, the first incoming[s])
+    # into rank s's send at this rank's region, as bytes
+    sends = [poison_(torch.empty(capacity + 1, hidden)) for _ in range(num_ranks)]
+    for r in range(num_ranks):
+        targets = [send[r * B :].view(torch.uint8) for send in sends]
+        push_regions(outs[r][:capacity].view(torch.uint8), targets, incoming[r], B)
+    for q in range(num_ranks):  # rank q sums its tokens' rows out of its own send
         y = poison_(torch.empty(num_tokens[q], hidden))
-        gather_sum_rows([peer[q * B :] for peer in outs], positions_of[q], y, capacity)
+        gather_sum_rows([sends[q][r * B :] for r in range(num_ranks)], positions_of[q], y, capacity)
         factor = torch.tensor(
             [sum(r + 1 for r in {int(owner[e]) for e in row if e >= 0}) for row in ids[q].tolist()],
             dtype=torch.float32,
@@ -1313,25 +1320,28 @@ def test_row_movers_refuse_a_wrong_count_of_targets(runner):
 
 
 # ---- barrier_triton ---------------------------------------------------------------------------
-def semaphore_pads(num_ranks, rank, preset):
-    """(pads, their guarded buffers): pads[r] an int32 [R] view inside a buffer of its own with a
-    guard word (99) either side; this rank's pad[s] = preset[s] (signals already there), the
-    peers' pads random small counts (other barriers' signals: not this rank's to touch)."""
+def epoch_pads(num_ranks, rank, done, seen):
+    """(pads, their guarded buffers): pads[r] an int64 [R + 1] view inside a buffer of its own
+    with a guard word (99) either side. This rank has made `done` barriers (its pad[R]) and
+    seen the epochs `seen[s]` from each rank s (its pad[s]); the peers' pads hold random
+    epochs (their own business: only word [rank] of each is this rank's to write)."""
     buffers = []
     for r in range(num_ranks):
-        buf = torch.full((num_ranks + 2,), 99, dtype=torch.int32)
-        pad = buf[1:-1]
-        pad.copy_(torch.tensor(preset) if r == rank else torch.randint(0, 3, (num_ranks,)))
+        buf = torch.full((num_ranks + 3,), 99, dtype=torch.int64)
+        if r == rank:
+            buf[1:-1] = torch.tensor([*seen, done])
+        else:
+            buf[1:-1] = torch.randint(0, 9, (num_ranks + 1,))
         buffers.append(buf)
     return [buf[1:-1] for buf in buffers], buffers
 
 
-def expected_pads(buffers, rank, consumed):
-    """After rank's barrier: one signal from rank in every pad; its own pad less `consumed`."""
+def expected_pads(buffers, rank, epoch):
+    """After rank's barrier of `epoch`: word [rank] of every pad = epoch, its own count too."""
     want = [buf.clone() for buf in buffers]
     for buf in want:
-        buf[1 + rank] += 1
-    want[rank][1:-1] -= torch.tensor(consumed, dtype=torch.int32)
+        buf[1 + rank] = epoch
+    want[rank][1 + len(buffers)] = epoch
     return want
 
 
@@ -1356,50 +1366,95 @@ def run_in_thread(fn, timeout):
 
 @needs_triton
 @pytest.mark.parametrize(
-    ("num_ranks", "rank", "preset"),
-    [(1, 0, [0]), (2, 1, [1, 0]), (3, 0, [0, 1, 1]), (3, 2, [2, 1, 0]), (4, 1, [2, 0, 2, 1])],
-)
-def test_barrier_signals_every_rank_and_takes_one_signal_of_each(num_ranks, rank, preset):
-    """The peers' signals already in this rank's pad (2: a fast peer that signalled twice, for
-    its next barrier too): rank's barrier adds one to pads[r][rank] for every r (itself too),
-    and takes one from each of its own pad[s] -> its own pad[rank] back to 0, one left where
-    two were; no other word written."""
+    ("num_ranks", "rank", "done", "seen"),
+    [(1, 0, 0, [0]), (2, 1, 0, [1, 0]), (3, 0, 4, [4, 5, 5]), (3, 2, 1, [3, 2, 1]),
+     (4, 1, 6, [7, 6, 9, 7])],
+)  # fmt: skip
+def test_barrier_writes_its_epoch_everywhere_and_returns_once_every_rank_is_there(
+    num_ranks, rank, done, seen
+):
+    """Every peer already at this barrier's epoch (done + 1) or past it (a fast peer already at
+    its next barrier): rank's barrier writes the epoch into word [rank] of every pad (itself
+    too) and its own count, and returns; no other word written."""
     from fusedmoe.kernels.ep_rows import barrier_triton
 
-    pads, buffers = semaphore_pads(num_ranks, rank, preset)
-    consumed = [1] * num_ranks
-    want = expected_pads(buffers, rank, consumed)
-    assert want[rank][1 + rank] == 0
+    seen = [max(e, done + 1) if s != rank else e for s, e in enumerate(seen)]
+    pads, buffers = epoch_pads(num_ranks, rank, done, seen)
+    want = expected_pads(buffers, rank, done + 1)
     thread, errors = run_in_thread(lambda: barrier_triton(pads, rank), timeout=30)
-    assert not thread.is_alive(), "the barrier did not return: a signal not seen"
+    assert not thread.is_alive(), "the barrier did not return: an epoch not seen"
     assert not errors, errors
     for r, (got, expected) in enumerate(zip(buffers, want, strict=True)):
         assert_equal(got, expected, what=f"rank {r}'s pad (guards around it)")
-    assert pads[rank].tolist() == [max(p - 1, 0) for p in preset]
-    assert all(int(pads[r][rank]) >= 1 for r in range(num_ranks) if r != rank)
+
+
+@needs_triton
+def test_barrier_refuses_pads_of_another_shape():
+    from fusedmoe.kernels.ep_rows import barrier_triton
+
+    with pytest.raises(ValueError, match=r"int64 \[R \+ 1\]"):
+        barrier_triton([torch.zeros(2, dtype=torch.int32)] * 2, 0)
+    with pytest.raises(ValueError, match=r"int64 \[R \+ 1\]"):
+        barrier_triton([torch.zeros(2, dtype=torch.int64)] * 2, 0)
 
 
 @needs_triton
 def test_barrier_waits_for_a_late_peer():
-    """Rank 0 of 3, rank 2's signal not there yet: the barrier signals, then waits (in a thread
-    of its own: the only kernel running) until the signal arrives, then consumes it."""
+    """Rank 0 of 3 at its 3rd barrier, rank 2 still at its 2nd: the barrier writes its epoch,
+    then waits (in a thread of its own: the only kernel running) until rank 2's arrives."""
     import time
 
     from fusedmoe.kernels.ep_rows import barrier_triton
 
-    pads, buffers = semaphore_pads(3, 0, [0, 1, 0])
-    want = expected_pads(buffers, 0, [1, 1, 1])
-    want[0][1 + 2] += 1  # rank 2's signal, when it comes: consumed
+    pads, buffers = epoch_pads(3, 0, 2, [2, 3, 2])
+    want = expected_pads(buffers, 0, 3)
+    want[0][1 + 2] = 3  # rank 2's epoch, when it comes
     thread, errors = run_in_thread(lambda: barrier_triton(pads, 0), timeout=0)
     deadline = time.monotonic() + 30
-    while any(int(buffers[r][1]) != int(want[r][1]) for r in (1, 2)):  # its signals sent
+    while any(int(buffers[r][1]) != 3 for r in (1, 2)):  # its epoch written to its peers
         assert thread.is_alive() and time.monotonic() < deadline, (errors, buffers)
         time.sleep(0.01)
     time.sleep(0.3)
-    assert thread.is_alive() and not errors, "returned without rank 2's signal"
-    assert pads[0].tolist()[2] == 0
-    pads[0][2] = 1  # rank 2 arrives
+    assert thread.is_alive() and not errors, "returned before rank 2 arrived"
+    pads[0][2] = 3  # rank 2 arrives
     thread.join(30)
     assert not thread.is_alive() and not errors, errors
     for r, (got, expected) in enumerate(zip(buffers, want, strict=True)):
         assert_equal(got, expected, what=f"rank {r}'s pad")
+
+
+# ---- push_regions -----------------------------------------------------------------------------
+@pytest.mark.parametrize("runner", ["triton", "twin"])
+@pytest.mark.parametrize("received", [(2, 0, 5), (0, 0, 0), (5, 5, 5), (1, 4, 3)])
+def test_push_regions_moves_the_rows_that_arrived(runner, received):
+    """Region s of src (rows [s * B, s * B + received[s])) into dst_s rows [0, received[s]),
+    as bytes; the stale rows past received[s] stay where they are (poisoned), nothing else is
+    written. Checked against a loop, for the kernel and its twin."""
+    from fusedmoe.parallel.rows import push_regions_torch
+
+    if runner == "triton":
+        pytest.importorskip("triton")
+        from fusedmoe.kernels.ep_rows import push_regions_triton as push
+    else:
+        push = push_regions_torch
+    torch.manual_seed(sum(received))
+    num_ranks, region, width = 3, 5, 3000  # bytes: one full block and a ragged one
+    src = torch.randint(0, 256, (num_ranks * region, width), dtype=torch.uint8)
+    bufs = [torch.full((num_ranks * region + 2, width), 0xEE, dtype=torch.uint8)
+            for _ in range(num_ranks)]  # fmt: skip
+    me = 1  # this rank's region at each destination
+    want = [b.clone() for b in bufs]
+    for s, n in enumerate(received):
+        want[s][me * region : me * region + n] = src[s * region : s * region + n]
+    push(src, [b[me * region :] for b in bufs], torch.tensor(received), region)
+    for s in range(num_ranks):
+        assert torch.equal(bufs[s], want[s]), f"rank {s}'s buffer"
+
+
+@needs_triton
+def test_push_regions_refuses_rows_past_the_regions():
+    from fusedmoe.kernels.ep_rows import push_regions_triton
+
+    src = torch.zeros(16, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="16 rows in regions of 5 for 3 ranks"):
+        push_regions_triton(src, [src] * 3, torch.tensor([1, 1, 1]), 5)

@@ -17,8 +17,8 @@ pos where a token does not go (trash).
     barrier:         every rank signals every rank, then waits for every rank's signal
 
 A destination (or source) per rank, dst_r: one tensor for all (a send buffer grouped by rank),
-or R tensors of one dtype and row stride, each at its own address (peers' buffers mapped into
-this process by symmetric memory, read and written with plain loads and stores). A kernel takes
+or R tensors of one dtype and strides, each at its own address (peers' buffers mapped into
+this process by symmetric memory, written with plain stores). A kernel takes
 the first as its pointer and the others as element offsets from it, kept on the GPU (one small
 tensor per set of addresses, made once): the launch is the same whatever the routing, and can
 be captured in a CUDA graph. Each program takes one token and one column block, so a token's
@@ -50,6 +50,8 @@ _ALIGN_ELEMENTS = 16  # offsets that are multiples of this keep the kernels' 16-
 
 
 # ---- per-rank addresses -----------------------------------------------------------------
+#: (device, offsets) -> the offsets on the device; never evicted (a CUDA graph captured with one
+#: reads its address at every replay), a handful per set of buffers and row size
 _OFFSETS: dict[tuple, torch.Tensor] = {}
 _OFFSETS_LOCK = threading.Lock()
 
@@ -61,7 +63,7 @@ def rank_offsets(
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """-> (base = targets[base_index], offsets int64 [R] on base's device, aligned): target r
     is at base + offsets[r] elements. One tensor: offsets 0. Several: each at its own address,
-    one dtype and (for 2-D) one row stride. aligned: every offset a multiple of _ALIGN_ELEMENTS
+    one dtype and strides (unit along a row). aligned: every offset a multiple of _ALIGN_ELEMENTS
     (the kernels then keep their vector accesses). The offsets tensor is made once per set of
     addresses (a host copy: a first call must not be inside a CUDA graph capture, which the
     symm_mem dispatch ensures)."""
@@ -73,7 +75,7 @@ def rank_offsets(
     if base.dim() > 1 and base.stride(-1) != 1:
         raise ValueError(f"per-rank targets need unit stride along a row, got {base.stride()}")
     for t in targets:
-        if t.dtype != base.dtype or t.device != base.device or t.stride()[:1] != base.stride()[:1]:
+        if t.dtype != base.dtype or t.device != base.device or t.stride() != base.stride():
             raise ValueError(
                 "per-rank targets need one dtype, device and row stride, got "
                 f"{[(t.dtype, t.device, t.stride()) for t in targets]}"
@@ -90,8 +92,6 @@ def rank_offsets(
     with _OFFSETS_LOCK:
         offsets = _OFFSETS.get(key)
         if offsets is None:
-            if len(_OFFSETS) > 4096:  # a process that keeps making buffers: start over
-                _OFFSETS.clear()
             offsets = _OFFSETS[key] = torch.tensor(deltas, dtype=torch.int64, device=base.device)
     return base, offsets, aligned
 
@@ -400,28 +400,36 @@ def _barrier_kernel(
     pad_ptr, offsets_ptr, rank,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Counting semaphores, pad[s] on each rank = signals from rank s not yet consumed: add one
-    to every rank's pad[rank] (release: what this rank wrote before is seen by whoever
-    consumes it), then take one from each of this rank's pad[s] as it arrives (acquire)."""
+    """Epochs, one writer per word: pad[s] on each rank is the last epoch rank s reached,
+    written by rank s alone; pad[R] this rank's own count of its barriers, written by this
+    kernel alone. The epoch e = pad[R] + 1 goes into every rank's pad[rank] (release: what this
+    rank wrote before is seen by whoever reads e), then this rank waits until each pad[s] >= e
+    (acquire). No word has two writers: no atomic read-modify-write crosses the link (PCIe
+    peers may lack them); every rank counts the same barriers of a pad, so epochs match."""
     ranks = tl.arange(0, RANKS_PAD)
     ok = ranks < NUM_RANKS
+    epoch = tl.load(pad_ptr + NUM_RANKS) + 1
+    tl.store(pad_ptr + NUM_RANKS, epoch)
     peer = tl.load(offsets_ptr + ranks, mask=ok, other=0)
-    tl.atomic_add(pad_ptr + peer + rank, 1, mask=ok, sem="release", scope="sys")
+    tl.atomic_xchg(pad_ptr + peer + rank, epoch + ranks * 0, mask=ok, sem="release", scope="sys")
     waiting = ok
     while tl.max(waiting.to(tl.int32), axis=0) > 0:
         seen = tl.atomic_add(pad_ptr + ranks, 0, mask=waiting, sem="acquire", scope="sys")
-        got = waiting & (seen > 0)
-        tl.atomic_add(pad_ptr + ranks, -1, mask=got, sem="relaxed", scope="sys")
-        waiting = waiting & (seen <= 0)
+        waiting = waiting & (seen < epoch)
 
 
 def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
     """Every rank of the group signals every rank and waits for all their signals, on the
-    current stream. pads[r]: rank r's semaphore pad (int32 [R], zero at start, symmetric
-    memory, mapped here), pads[rank] this rank's own. A rank that never arrives leaves the
-    others waiting, as in any collective: the launcher (torchrun) ends the job when one dies."""
+    current stream. pads[r]: rank r's pad (int64 [R + 1], zero at start, symmetric memory,
+    mapped here), pads[rank] this rank's own. A rank that never arrives (it died, or it raised
+    between a dispatch and its combine and went on) leaves the others waiting on the GPU, as in
+    any collective: the launcher (torchrun) ends the job when a rank dies."""
     num_ranks = len(pads)
     mine, offsets, _ = rank_offsets(pads, num_ranks, base_index=rank)
+    if mine.dtype != torch.int64 or mine.shape != (num_ranks + 1,):
+        raise ValueError(
+            f"barrier pads must be int64 [R + 1], got {mine.dtype} {tuple(mine.shape)}"
+        )
     constexprs = dict(NUM_RANKS=num_ranks, RANKS_PAD=max(next_power_of_2(num_ranks), 2),
                       num_warps=1)  # fmt: skip
     with device_guard(mine):
@@ -455,6 +463,8 @@ def push_regions_triton(src: torch.Tensor, dst, received: torch.Tensor, region_r
     if capacity == 0 or width == 0:
         return
     num_ranks = received.shape[0]
+    if capacity > num_ranks * region_rows:
+        raise ValueError(f"{capacity} rows in regions of {region_rows} for {num_ranks} ranks")
     base, offsets, aligned = rank_offsets(dst, num_ranks)
     block = _block(width, src.element_size())
     grid = (capacity, cdiv(width, block))

@@ -191,6 +191,10 @@ def unpack_meta_torch(
     if region_rows is None:
         stale = rows >= received.sum()
     else:
+        if capacity > received.shape[0] * region_rows:
+            raise ValueError(
+                f"{capacity} rows in regions of {region_rows} for {received.shape[0]} ranks"
+            )
         source = rows // region_rows
         stale = rows - source * region_rows >= received[source]
     stale = stale[:, None]  # [C, 1]

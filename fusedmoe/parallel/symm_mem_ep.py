@@ -6,7 +6,7 @@ Legend: R ranks, M tokens of this rank in the call (M <= B), B = max_tokens_per_
 C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
 
 Two layouts, one per transport. Where every peer's buffers are mapped into this process (one
-host: NVLink or PCIe peer access, what nvshmem_ptr gives), the kernels load and store peers'
+host: NVLink or PCIe peer access, what nvshmem_ptr gives), the kernels store into peers'
 memory directly (the peer transport, the default there); elsewhere (across nodes) torch's
 all_to_all_vdev moves the rows (the vdev transport).
 
@@ -20,13 +20,17 @@ Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's
               rows of region s past incoming[s] are stale: ids -1 (empty slots), weights 0
     experts:  the C received rows (a fixed shape: the same launches whatever the routing), x
               read in place; a backend that reduces writes its [C, H] output into `out`
-    combine:  barrier (every rank's experts done)
-              out[m] = sum_r rank r's out row me * B + pos[m, r]   (peer loads, summed in fp32)
+    combine:  rank s's rows (region s of out, its first incoming[s]) stored into rank s's send
+                  at rows me * B + j (a peer store);  barrier (every rank's are there)
+              out[m] = sum_r send row r * B + pos[m, r]               (local, summed in fp32)
 
-Two barriers a call, and no copy but the stores and loads themselves: the next call's stores
-into a peer's recv come after this call's second barrier (the peer's experts are done with
-it), and its experts write `out` after the next first barrier (every peer has summed this
-call's rows). The barrier is counting semaphores in symmetric memory (kernels.ep_rows).
+Two barriers a call, and no copy but the stores themselves. Why each buffer is free when it
+is written (on rank p, for any peer q): q's next dispatch stores into p's recv and incoming
+only after it passed this call's second barrier, which p reaches after its experts (which
+read recv) and its combine's stores (which read incoming); q's next combine stores into p's
+send only after the next call's first barrier, which p reaches after summing this call's
+rows out of send; out is p's own. The barrier is epochs in symmetric memory, one writer per
+word (kernels.ep_rows.barrier_triton).
 
 vdev transport, grouped (the rows a rank sends grouped by destination, as an all-to-all's):
 
@@ -102,7 +106,7 @@ __all__ = [
     "transport_kind",
 ]
 
-TRANSPORT_ENV = "FUSEDMOE_SYMM_MEM_TRANSPORT"  # "nvshmem" (default) or "emulated" (tests)
+TRANSPORT_ENV = "FUSEDMOE_SYMM_MEM_TRANSPORT"  # TRANSPORTS; "auto" by default
 
 
 def nvshmem_unavailable_reason(device: torch.device, group=None) -> str | None:
@@ -161,9 +165,9 @@ def emulated_transport() -> bool:
 
 class _NvshmemTransport:
     """torch's NVSHMEM symmetric memory: buffers from symm_mem.empty, rendezvoused on the group.
-    Regions layout where every peer's buffers are mapped on every rank (the kernels store and
-    load peers' memory; barriers in symmetric memory), else the grouped one (all_to_all_vdev
-    reads the split sizes on the GPU and writes what it received there)."""
+    Regions layout where every peer's buffers are mapped on every rank (the kernels store into
+    peers' memory; barriers in symmetric memory), else the grouped one (all_to_all_vdev reads
+    the split sizes on the GPU and writes what it received there)."""
 
     def __init__(self, group, kind: str, region_rows: int) -> None:
         import torch.distributed as dist
@@ -248,7 +252,7 @@ class _NvshmemTransport:
         this rank's region; then a barrier: every rank's are here."""
         from fusedmoe.kernels.ep_rows import barrier_triton
 
-        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows)
+        push_regions(plan.rows_bytes, plan.push, bufs.incoming, self.region_rows)
         barrier_triton(bufs.peer["pads"], self.rank)
 
     def push_targets(self, bufs: _Buffers, view) -> list[torch.Tensor]:
@@ -330,7 +334,7 @@ class _EmulatedTransport:
     def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
         """The partial sums staged in recv (push_regions, as the peer transport stores them),
         then moved to the ranks they came from: into their send, at this rank's region."""
-        push_regions(plan.rows_c, plan.push, bufs.incoming, self.region_rows)
+        push_regions(plan.rows_bytes, plan.push, bufs.incoming, self.region_rows)
         self._move(bufs, plan.back, plan.staging)
 
 
@@ -380,7 +384,7 @@ class _Buffers:
     received: torch.Tensor  # int64 [2, 2, R]: (rows, offsets) received, dispatch and combine
     incoming: torch.Tensor | None = None  # int64 [R]: rows from each rank (regions)
     staged: torch.Tensor | None = None  # int64 [R]: counts before they move (emulated regions)
-    pads: torch.Tensor | None = None  # int32 [R]: the barrier's semaphores (peer transport)
+    pads: torch.Tensor | None = None  # int64 [R + 1]: the barrier's epochs (peer transport)
     regions: bool = False  # the layout (the module docstring)
     peer: dict | None = None  # name -> every rank's copy of that buffer, mapped here (peer)
     plans: dict = field(default_factory=dict)  # (what, row bytes, ...) -> _DispatchPlan etc.
@@ -412,7 +416,7 @@ class _Buffers:
 @dataclass
 class _DispatchPlan:
     recv: torch.Tensor  # [rows, row bytes] the rows that arrive here
-    staging: torch.Tensor | None  # send as rows (grouped, emulated regions), else None
+    staging: torch.Tensor  # send as rows: grouped, the rows out; emulated regions, the staging
     targets: object  # send [rows, row bytes] (grouped), or each rank's region (regions)
     words: object  # targets as int32 words (the metadata's)
     posts: list[torch.Tensor] | None  # regions: each rank's slot for this rank's count
@@ -422,6 +426,7 @@ class _DispatchPlan:
 class _CombinePlan:
     rows: torch.Tensor  # out as [rows, row bytes]: the partial sums leave from there
     rows_c: torch.Tensor  # its first C rows as the partial sums' dtype (the experts' output)
+    rows_bytes: torch.Tensor  # the same rows as bytes (what the combine's stores copy)
     back: torch.Tensor  # send as [rows, row bytes], where they come back
     staging: torch.Tensor  # recv as [rows, row bytes] (the emulated transport's staging)
     sources: object  # where this rank's partial sums are read: one tensor or one per rank
@@ -430,7 +435,8 @@ class _CombinePlan:
 
 @dataclass
 class _DispatchState:
-    pos: torch.Tensor  # int64 [M, R]: the send slot of token m for rank r (C: not sent)
+    pos: torch.Tensor  # int64 [M, R]: token m's row for rank r (grouped: in send; regions: in
+    #                     this rank's region at rank r), C where it does not go
     buffers: _Buffers  # the set the dispatch used: the combine moves its rows back through it
     combine_bytes: int  # bytes of a combine row (the partial sums', padded)
     refused: bool  # this rank was over the bound: it sent nothing, its output is refused
@@ -570,7 +576,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     received=alloc((2, 2, size), torch.int64),
                     incoming=alloc((size,), torch.int64),
                     staged=torch.zeros(size, dtype=torch.int64, device=device),
-                    pads=alloc((size,), torch.int32),
+                    pads=alloc((size + 1,), torch.int64),
                 )
                 bufs.regions = transport.regions(bufs)  # collective where it maps peers
                 _BUFFERS[key] = bufs
@@ -643,11 +649,13 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 size = self.comm.size
                 regions = [back[r * self.max_tokens :] for r in range(size)]
                 sources = [r[:, :width].view(dtype) for r in regions]
-                push = [r[:, :width].view(dtype) for r in self._transport.push_targets(bufs, view)]
+                # as bytes: the same copy kernel whatever the dtype
+                push = [r[:, :width] for r in self._transport.push_targets(bufs, view)]
             else:
                 sources = back[:, :width].view(dtype)
             rows_c = rows[: self.capacity, :width].view(dtype)
-            plan = _CombinePlan(rows, rows_c, back, view(bufs.recv), sources, push)
+            rows_bytes = rows[: self.capacity, :width]
+            plan = _CombinePlan(rows, rows_c, rows_bytes, back, view(bufs.recv), sources, push)
             bufs.plans[key] = plan
         return plan
 
