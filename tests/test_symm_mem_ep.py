@@ -1458,3 +1458,36 @@ def test_push_regions_refuses_rows_past_the_regions():
     src = torch.zeros(16, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="16 rows in regions of 5 for 3 ranks"):
         push_regions_triton(src, [src] * 3, torch.tensor([1, 1, 1]), 5)
+
+
+@needs_triton
+@pytest.mark.parametrize("programs", [1, 3])
+def test_row_movers_striding_over_their_items_match_the_twins(monkeypatch, programs):
+    """scatter_rows and push_regions with fewer programs than items (as on a GPU, where each
+    takes at most 8 programs a SM and strides over the rest): the same bytes as the twins."""
+    from fusedmoe.kernels import ep_rows
+    from fusedmoe.parallel.rows import push_regions_torch
+
+    monkeypatch.setattr(ep_rows, "_programs", lambda items, t: min(items, programs))
+    torch.manual_seed(programs)
+    num_ranks, region, width = 3, 5, 6000  # bytes: two column blocks, the second ragged
+    ids = torch.randint(0, 6, (7, 2))
+    ids[1, 0] = -1
+    owner = torch.tensor([0, 0, 1, 1, 2, 2])
+    pos, _ = dispatch_positions_torch(ids, owner, num_ranks, num_ranks * region, grouped=False)
+    src = torch.randint(0, 256, (7, width), dtype=torch.uint8)
+    got = torch.full((num_ranks * region, width), 0xEE, dtype=torch.uint8)
+    want = got.clone()
+    ep_rows.scatter_rows_triton(src, pos, [got[r * region :] for r in range(num_ranks)], 0,
+                                num_ranks * region)  # fmt: skip
+    scatter_rows_torch(src, pos, [want[r * region :] for r in range(num_ranks)], 0,
+                       num_ranks * region)  # fmt: skip
+    assert torch.equal(got, want)
+    received = torch.tensor([2, 0, region])
+    rows = torch.randint(0, 256, (num_ranks * region, width), dtype=torch.uint8)
+    got = torch.full((num_ranks * region, width), 0xEE, dtype=torch.uint8)
+    want = got.clone()
+    ep_rows.push_regions_triton(rows, [got[r * region :] for r in range(num_ranks)], received,
+                                region)  # fmt: skip
+    push_regions_torch(rows, [want[r * region :] for r in range(num_ranks)], received, region)
+    assert torch.equal(got, want)

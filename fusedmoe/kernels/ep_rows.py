@@ -109,18 +109,21 @@ def _scatter_rows_kernel(
     src_ptr, stride_src,
     dst_ptr, offsets_ptr, stride_dst, col,
     pos_ptr,
-    width, trash,
+    num_tokens, width, trash,
     NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    row = tl.load(src_ptr + token * stride_src + cols, mask=mask)
-    for r in tl.static_range(NUM_RANKS):
-        slot = tl.load(pos_ptr + token * NUM_RANKS + r)
-        if slot != trash:
-            base = dst_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
-            tl.store(base + slot * stride_dst + col + cols, row, mask=mask)
+    """Items (token, column block), strided over the programs (_programs)."""
+    blocks = tl.cdiv(width, BLOCK)
+    for item in range(tl.program_id(0), num_tokens * blocks, tl.num_programs(0)):
+        token = (item // blocks).to(tl.int64)
+        cols = (item % blocks) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        row = tl.load(src_ptr + token * stride_src + cols, mask=mask)
+        for r in tl.static_range(NUM_RANKS):
+            slot = tl.load(pos_ptr + token * NUM_RANKS + r)
+            if slot != trash:
+                base = dst_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
+                tl.store(base + slot * stride_dst + col + cols, row, mask=mask)
 
 
 @triton.jit
@@ -360,6 +363,24 @@ def unpack_meta_triton(
     return ids, weights, scale
 
 
+#: programs per SM of the row movers on a GPU: they stride over their items (on 4 H200s, 137 MB
+#: to the peers: 8 a SM moved 224 GB/s, one program per item 205; docs/performance.md)
+_PROGRAMS_PER_SM = 8
+_SMS: dict[int, int] = {}
+
+
+def _programs(items: int, t: torch.Tensor) -> int:
+    """The grid of a row mover over `items` (token or row, column block): on a GPU at most
+    _PROGRAMS_PER_SM a SM, each striding over the items; one program per item elsewhere."""
+    if not t.is_cuda:
+        return max(items, 1)
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(items, _PROGRAMS_PER_SM * sms))
+
+
 def _block(width: int, element_size: int) -> int:
     return min(next_power_of_2(max(width, 1)), max(_BLOCK_BYTES // element_size, 16))
 
@@ -372,8 +393,8 @@ def scatter_rows_triton(src: torch.Tensor, pos: torch.Tensor, dst, col: int, tra
         return
     base, offsets, aligned = rank_offsets(dst, pos.shape[1])
     block = _block(width, src.element_size())
-    grid = (num_tokens, cdiv(width, block))
-    args = (src, src.stride(0), base, offsets, base.stride(0), col, pos, width, trash)
+    grid = (_programs(num_tokens * cdiv(width, block), src),)
+    args = (src, src.stride(0), base, offsets, base.stride(0), col, pos, num_tokens, width, trash)
     constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned, num_warps=8)
     with device_guard(src):
         launch(_scatter_rows_kernel, grid, args, constexprs, src.is_cuda)
@@ -441,18 +462,21 @@ def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
 def _push_regions_kernel(
     src_ptr, stride_src,
     dst_ptr, offsets_ptr, stride_dst,
-    received_ptr, region_rows, width,
+    received_ptr, region_rows, num_rows, width,
     BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    source = row // region_rows
-    within = row - source * region_rows
-    if within < tl.load(received_ptr + source):  # a row that arrived (the others are stale)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        values = tl.load(src_ptr + row.to(tl.int64) * stride_src + cols, mask=mask)
-        base = dst_ptr + _rank_offset(offsets_ptr, source, ALIGNED)
-        tl.store(base + within.to(tl.int64) * stride_dst + cols, values, mask=mask)
+    """Items (row, column block), strided over the programs (_programs)."""
+    blocks = tl.cdiv(width, BLOCK)
+    for item in range(tl.program_id(0), num_rows * blocks, tl.num_programs(0)):
+        row = item // blocks
+        source = row // region_rows
+        within = row - source * region_rows
+        if within < tl.load(received_ptr + source):  # a row that arrived (else stale)
+            cols = (item % blocks) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < width
+            values = tl.load(src_ptr + row.to(tl.int64) * stride_src + cols, mask=mask)
+            base = dst_ptr + _rank_offset(offsets_ptr, source, ALIGNED)
+            tl.store(base + within.to(tl.int64) * stride_dst + cols, values, mask=mask)
 
 
 def push_regions_triton(src: torch.Tensor, dst, received: torch.Tensor, region_rows: int) -> None:
@@ -467,8 +491,10 @@ def push_regions_triton(src: torch.Tensor, dst, received: torch.Tensor, region_r
         raise ValueError(f"{capacity} rows in regions of {region_rows} for {num_ranks} ranks")
     base, offsets, aligned = rank_offsets(dst, num_ranks)
     block = _block(width, src.element_size())
-    grid = (capacity, cdiv(width, block))
-    args = (src, src.stride(0), base, offsets, base.stride(0), received, region_rows, width)
+    grid = (_programs(capacity * cdiv(width, block), src),)
+    args = (
+        src, src.stride(0), base, offsets, base.stride(0), received, region_rows, capacity, width,
+    )  # fmt: skip
     constexprs = dict(BLOCK=block, ALIGNED=aligned, num_warps=8)
     with device_guard(src):
         launch(_push_regions_kernel, grid, args, constexprs, src.is_cuda)
