@@ -1491,3 +1491,46 @@ def test_row_movers_striding_over_their_items_match_the_twins(monkeypatch, progr
                                 region)  # fmt: skip
     push_regions_torch(rows, [want[r * region :] for r in range(num_ranks)], received, region)
     assert torch.equal(got, want)
+
+
+@needs_triton
+def test_rank_tensors_find_their_offsets_once():
+    """RankTensors (a plan's per-rank views): rank_offsets checks them at its first call and
+    returns the same result after, per (R, base_index); a plain tuple is checked every time."""
+    from fusedmoe.kernels import ep_rows
+
+    buf = torch.zeros(4, 64, dtype=torch.float32)
+    views = ep_rows.RankTensors(buf[r:] for r in range(3))
+    first = ep_rows.rank_offsets(views, 3)
+    assert first[1].tolist() == [0, 64, 128] and first[2]
+    assert ep_rows.rank_offsets(views, 3) is first
+    other = ep_rows.rank_offsets(views, 3, base_index=2)
+    assert other is not first and other[1].tolist() == [-128, -64, 0]
+    calls = []
+    real = ep_rows._rank_offsets
+
+    def counting(*args):
+        calls.append(args)
+        return real(*args)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(ep_rows, "_rank_offsets", counting):
+        ep_rows.rank_offsets(views, 3)
+        ep_rows.rank_offsets(tuple(views), 3)
+        ep_rows.rank_offsets(tuple(views), 3)
+    assert len(calls) == 2  # the plain tuples, not the RankTensors
+
+
+@needs_triton
+def test_barrier_takes_rank_tensors():
+    """The peer transport hands the barrier its pads as RankTensors (offsets found once, from
+    this rank's own pad): the same epochs as with a list, call after call."""
+    from fusedmoe.kernels.ep_rows import RankTensors, barrier_triton
+
+    pads, _ = epoch_pads(2, 1, 0, [2, 0])
+    held = RankTensors(pads)
+    for epoch in (1, 2):
+        thread, errors = run_in_thread(lambda: barrier_triton(held, 1), timeout=30)
+        assert not thread.is_alive() and not errors, errors
+        assert pads[1].tolist() == [2, epoch, epoch] and int(pads[0][1]) == epoch

@@ -36,6 +36,7 @@ import triton.language as tl
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 
 __all__ = [
+    "RankTensors",
     "barrier_triton",
     "dispatch_positions_triton",
     "gather_sum_rows_triton",
@@ -56,6 +57,18 @@ _OFFSETS: dict[tuple, torch.Tensor] = {}
 _OFFSETS_LOCK = threading.Lock()
 
 
+class RankTensors(tuple):
+    """One tensor per rank (a tuple) that keeps what rank_offsets found for it: a caller that
+    passes the same set at every call (symm_mem's plans) pays for the checks once. Its tensors
+    must keep their addresses (views of buffers that live as long as it)."""
+
+    def __new__(cls, tensors):
+        return super().__new__(cls, tensors)
+
+    def __init__(self, tensors) -> None:
+        self.resolved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, bool]] = {}
+
+
 def rank_offsets(
     targets: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
     num_ranks: int,
@@ -66,7 +79,18 @@ def rank_offsets(
     one dtype and strides (unit along a row). aligned: every offset a multiple of _ALIGN_ELEMENTS
     (the kernels then keep their vector accesses). The offsets tensor is made once per set of
     addresses (a host copy: a first call must not be inside a CUDA graph capture, which the
-    symm_mem dispatch ensures)."""
+    symm_mem dispatch ensures). RankTensors: found once per (R, base_index)."""
+    if isinstance(targets, RankTensors):
+        found = targets.resolved.get((num_ranks, base_index))
+        if found is None:
+            found = targets.resolved[num_ranks, base_index] = _rank_offsets(
+                targets, num_ranks, base_index
+            )
+        return found
+    return _rank_offsets(targets, num_ranks, base_index)
+
+
+def _rank_offsets(targets, num_ranks: int, base_index: int):
     if isinstance(targets, torch.Tensor):
         targets = (targets,) * num_ranks
     if len(targets) != num_ranks:

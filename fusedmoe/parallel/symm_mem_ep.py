@@ -145,6 +145,16 @@ def nvshmem_unavailable_reason(device: torch.device, group=None) -> str | None:
     return None
 
 
+def _rank_tensors(tensors):
+    """A plan's per-rank views as kernels.ep_rows.RankTensors (their offsets found once); a
+    plain tuple where Triton is not installed (the torch twins take any sequence)."""
+    try:
+        from fusedmoe.kernels.ep_rows import RankTensors
+    except ImportError:
+        return tuple(tensors)
+    return RankTensors(tensors)
+
+
 # ---- transports ----------------------------------------------------------------------------
 TRANSPORTS = ("auto", "peer", "vdev", "emulated", "emulated_vdev")
 
@@ -224,6 +234,8 @@ class _NvshmemTransport:
                 f"{TRANSPORT_ENV}=peer needs every rank's buffers mapped on every rank (one "
                 "host, peer access over NVLink or PCIe); some are not: use 'auto' or 'vdev'"
             )
+        if peers is not None:
+            peers = {name: _rank_tensors(tensors) for name, tensors in peers.items()}
         bufs.peer = peers
         return want
 
@@ -622,7 +634,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
 
             if bufs.regions:  # a region of each rank's recv (or of the staging buffer)
                 targets, posts = self._transport.dispatch_targets(bufs, view)
-                words = [t.view(torch.int32) for t in targets]
+                words = _rank_tensors(t.view(torch.int32) for t in targets)
+                targets, posts = _rank_tensors(targets), _rank_tensors(posts)
             else:  # send, grouped by destination
                 targets, posts = view(bufs.send), None
                 words = targets.view(torch.int32)
@@ -648,9 +661,9 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             if bufs.regions:  # rank r's rows come back into region r of send
                 size = self.comm.size
                 regions = [back[r * self.max_tokens :] for r in range(size)]
-                sources = [r[:, :width].view(dtype) for r in regions]
+                sources = _rank_tensors(r[:, :width].view(dtype) for r in regions)
                 # as bytes: the same copy kernel whatever the dtype
-                push = [r[:, :width] for r in self._transport.push_targets(bufs, view)]
+                push = _rank_tensors(r[:, :width] for r in self._transport.push_targets(bufs, view))
             else:
                 sources = back[:, :width].view(dtype)
             rows_c = rows[: self.capacity, :width].view(dtype)
