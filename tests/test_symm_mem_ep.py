@@ -851,8 +851,9 @@ def test_unpack_meta_empties_the_stale_rows(received, num_scales):
 
 def test_buffers_refuse_a_second_caller_while_a_forward_is_in_flight():
     """Between a dispatch and its combine the shared buffers belong to that forward's thread
-    and stream: another thread is refused (not silently mixed in); after the combine, anyone;
-    the same caller again (an earlier call that raised midway) is let through."""
+    and stream: another thread is refused (not silently mixed in), and so is the same caller
+    (its last forward stopped midway: its exchanges are one behind its peers'); after the
+    combine, anyone."""
     import threading
 
     from fusedmoe.parallel.symm_mem_ep import _Buffers
@@ -868,7 +869,8 @@ def test_buffers_refuse_a_second_caller_while_a_forward_is_in_flight():
             errors.append(str(e))
 
     bufs.take(CPU)
-    bufs.take(CPU)  # the same thread again
+    with pytest.raises(RuntimeError, match="out of step with its peers"):
+        bufs.take(CPU)  # the same thread again, before its combine
     thread = threading.Thread(target=other)
     thread.start()
     thread.join()

@@ -21,8 +21,9 @@ or R tensors of one dtype and strides, each at its own address (peers' buffers m
 this process by symmetric memory, written with plain stores). A kernel takes
 the first as its pointer and the others as element offsets from it, kept on the GPU (one small
 tensor per set of addresses, made once): the launch is the same whatever the routing, and can
-be captured in a CUDA graph. Each program takes one token and one column block, so a token's
-row is read once however many ranks it goes to.
+be captured in a CUDA graph. A program's item is one token (or row) and one column block, so a
+token's row is read once however many ranks it goes to; on a GPU the row movers launch at
+most 8 programs a SM, each striding over the items.
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ def rank_offsets(
     is at base + offsets[r] elements. One tensor: offsets 0. Several: each at its own address,
     one dtype and strides (unit along a row). aligned: every offset a multiple of _ALIGN_ELEMENTS
     (the kernels then keep their vector accesses). The offsets tensor is made once per set of
-    addresses (a host copy: a first call must not be inside a CUDA graph capture, which the
-    symm_mem dispatch ensures). RankTensors: found once per (R, base_index)."""
+    addresses (a host copy: the first use of a set of addresses must not be inside a CUDA graph
+    capture; the symm_mem layer's first call is eager, and resolves the sets of its dtype and
+    row sizes: capture another dtype only after an eager call with it). RankTensors: found
+    once per (R, base_index)."""
     if isinstance(targets, RankTensors):
         found = targets.resolved.get((num_ranks, base_index))
         if found is None:
@@ -388,7 +391,8 @@ def unpack_meta_triton(
 
 
 #: programs per SM of the row movers on a GPU: they stride over their items (on 4 H200s, 137 MB
-#: to the peers: 8 a SM moved 224 GB/s, one program per item 205; docs/performance.md)
+#: to the peers in 4 KiB blocks: 8 a SM moved 220 GB/s, one program per item 200;
+#: docs/performance.md)
 _PROGRAMS_PER_SM = 8
 _SMS: dict[int, int] = {}
 
@@ -449,8 +453,10 @@ def _barrier_kernel(
     written by rank s alone; pad[R] this rank's own count of its barriers, written by this
     kernel alone. The epoch e = pad[R] + 1 goes into every rank's pad[rank] (release: what this
     rank wrote before is seen by whoever reads e), then this rank waits until each pad[s] >= e
-    (acquire). No word has two writers: no atomic read-modify-write crosses the link (PCIe
-    peers may lack them); every rank counts the same barriers of a pad, so epochs match."""
+    (acquire). No word has two writers, so no count can be lost to two ranks racing on one
+    word; the store to a peer is an atomic exchange at system scope, for its release order
+    (measured over NVLink; a PCIe host without native peer atomics has not been tried). Every
+    rank makes the same barriers on a pad, so the epochs match."""
     ranks = tl.arange(0, RANKS_PAD)
     ok = ranks < NUM_RANKS
     epoch = tl.load(pad_ptr + NUM_RANKS) + 1
@@ -506,7 +512,7 @@ def _push_regions_kernel(
 def push_regions_triton(src: torch.Tensor, dst, received: torch.Tensor, region_rows: int) -> None:
     """fusedmoe.parallel.rows.push_regions_torch in one launch: rows [s * B, s * B +
     received[s]) of src [C, W] -> rows [0, received[s]) of dst_s (one per rank), B =
-    region_rows; the stale rows' programs return at once."""
+    region_rows; the stale rows are skipped."""
     capacity, width = src.shape
     if capacity == 0 or width == 0:
         return

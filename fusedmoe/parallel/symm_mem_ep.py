@@ -6,9 +6,9 @@ Legend: R ranks, M tokens of this rank in the call (M <= B), B = max_tokens_per_
 C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
 
 Two layouts, one per transport. Where every peer's buffers are mapped into this process (one
-host: NVLink or PCIe peer access, what nvshmem_ptr gives), the kernels store into peers'
-memory directly (the peer transport, the default there); elsewhere (across nodes) torch's
-all_to_all_vdev moves the rows (the vdev transport).
+host: peer access over NVLink, or PCIe (not tried), what nvshmem_ptr gives), the kernels store
+into peers' memory directly (the peer transport, the default there); elsewhere (across nodes)
+torch's all_to_all_vdev moves the rows (the vdev transport).
 
 Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's recv):
 
@@ -411,9 +411,19 @@ class _Buffers:
         return buf[: num_rows * row_bytes].view(num_rows, row_bytes)
 
     def take(self, device: torch.device) -> None:
+        """Hold the buffers from a dispatch to its combine. Refused while held: by another
+        thread or stream (one EP forward of a group at a time), or by this one (its last
+        forward stopped between its dispatch and its combine: this rank's exchanges are now
+        one behind its peers', and going on would pair the wrong ones)."""
         me = (threading.get_ident(), stream_handle(device))
         with _BUFFERS_LOCK:
-            if self.holder is not None and self.holder != me:
+            if self.holder == me:
+                raise RuntimeError(
+                    "an EP forward of this thread stopped between its symm_mem dispatch and its "
+                    "combine (it raised midway): this rank's exchanges are out of step with its "
+                    "peers', which wait for the combine; restart the ranks"
+                )
+            if self.holder is not None:
                 raise RuntimeError(
                     "the symm_mem dispatch's buffers are in use by an EP forward of another "
                     "thread or CUDA stream: one EP forward of a group at a time (the ranks must "
@@ -598,7 +608,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
     def device_barrier(self) -> bool:
         """A barrier of the ranks' GPUs on the current stream (the peer transport's, on the
         buffers of this layer's last call): a benchmark starts a timed stage on every rank
-        together, without the host's launch skew. False (nothing done) elsewhere."""
+        together, without the host's launch skew. False (nothing done) elsewhere. Collective:
+        every rank calls it, as many times (its epochs count the barriers)."""
         bufs = self._last_buffers
         if bufs is None or bufs.peer is None:
             return False
