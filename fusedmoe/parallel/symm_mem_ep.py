@@ -22,7 +22,7 @@ Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's
               read in place; a backend that reduces writes its [C, H] output into `out`
     combine:  rank s's rows (region s of out, its first incoming[s]) stored into rank s's send
                   at rows me * B + j (a peer store);  barrier (every rank's are there)
-              out[m] = sum_r send row r * B + pos[m, r]               (local, summed in fp32)
+              y[m] = sum_r send row r * B + pos[m, r]   (the layer's output; local, in fp32)
 
 Two barriers a call, and no copy but the stores themselves. Why each buffer is free when it
 is written (on rank p, for any peer q): q's next dispatch stores into p's recv and incoming
@@ -39,7 +39,7 @@ vdev transport, grouped (the rows a rank sends grouped by destination, as an all
               its rows from its peers' send buffers; received [2, R] is filled on the GPU
               rows [n, C) of recv, n = sum(received[0]), are stale
     combine:  all_to_all_vdev(out -> send, received[0]): every rank gets its rows back where it
-              sent them;  out[m] = sum_r send[pos[m, r]]
+              sent them;  y[m] = sum_r send[pos[m, r]]
 
 all_to_all_vdev starts with a barrier of the group and has none at its end (peers may still be
 reading this rank's send buffer when it returns here), so each buffer is written only where a
@@ -61,9 +61,10 @@ Buffers are symmetric (allocated collectively at a layer's first call, the same 
 rank) and shared by every layer of the process per (group, device, size): a model's layers run
 one after another. One EP forward is in flight per group at a time, as for any collective: the
 ranks must issue their dispatches in the same order. Between its dispatch and its combine a
-forward holds the buffers: another thread or CUDA stream that dispatches meanwhile gets a
-RuntimeError. A CUDA graph captured on a side stream (after a warm-up call, which allocates
-the buffers) uses the buffers of the eager calls.
+forward holds the buffers: a dispatch meanwhile gets a RuntimeError, from another thread or
+CUDA stream, or from this one after a forward that stopped between the two (its exchanges are
+then one behind its peers'). A CUDA graph captured on a side stream (after a warm-up call,
+which allocates the buffers) uses the buffers of the eager calls.
 
 Transports (FUSEDMOE_SYMM_MEM_TRANSPORT): "auto" (the default: peer where every peer is
 mapped on every rank, else vdev), "peer", "vdev", and for machines without NVSHMEM (CPU,
