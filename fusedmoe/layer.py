@@ -70,6 +70,7 @@ from fusedmoe.parallel.config import ParallelConfig
 from fusedmoe.parallel.eplb import map_to_physical, record_expert_load
 from fusedmoe.parallel.placement import ExpertPlacement
 from fusedmoe.parallel.wiring import (
+    agree_shared_tokens,
     check_parallel,
     describe_placement,
     dp_dispatch,
@@ -359,6 +360,8 @@ class FusedMoE(nn.Module):
         if grad and self.quant_scheme is not None:  # before any backend is chosen
             check_inference_only(call_quant_config(self), expert_params(self), x_routed)
         choice, runner = self._kernel(x_routed.device, x_routed.dtype, grad)
+        if ep_partial(self.parallel_config):  # no dispatch to carry the ranks' fingerprints
+            agree_shared_tokens(self, runner, x_routed.device)
         replayed = None  # decode calls from CUDA graphs (fusedmoe.layer_graphs)
         graphed = input_ids is None and graph_safe(self, choice)
         if graphed and may_replay(x_routed, self.cuda_graph_max_tokens):

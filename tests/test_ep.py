@@ -522,6 +522,9 @@ MISMATCHES = [
     ("symm_tokens", "symm_mem", dict(max_tokens=SYMM_MAX_TOKENS + 1), "max_tokens_per_rank"),
     ("quantized_later", "naive", dict(quantize_after_first="fp8_block"), "quant_scheme"),
     ("a2a_sp_placement", "all_to_all", dict(placement="round_robin", sp=True), "placement"),
+    # EP over shared tokens: no dispatch, the caller all-reduces (compared at the first call)
+    ("shared_tokens_hidden", "naive", dict(hidden_size=H + 64, shared_tokens=True), "hidden_size"),
+    ("shared_tokens_experts", "naive", dict(num_experts=E + 4, shared_tokens=True), "num_experts"),
 ]
 
 
@@ -533,11 +536,13 @@ def _mismatch_worker(rank: int, world: int, port: int, path: str) -> None:
         results = {}
         for name, kind, change, _ in MISMATCHES:
             sp = change.get("sp", False)  # both ranks: sequence parallel
+            shared = sp or change.get("shared_tokens", False)  # both ranks: one set of tokens
             change = change if rank == 1 else {}
             hidden = change.get("hidden_size", H)
             experts = change.get("num_experts", E)
             pc = ParallelConfig(
-                ep_size=world, ep_rank=rank, dp_size=1 if sp else world, dp_rank=0 if sp else rank,
+                ep_size=world, ep_rank=rank, dp_size=1 if shared else world,
+                dp_rank=0 if shared else rank,
                 sequence_parallel=sp, all2all_backend=kind,
                 placement=change.get("placement", "linear"),
                 max_tokens_per_rank=change.get("max_tokens", SYMM_MAX_TOKENS),

@@ -9,6 +9,7 @@ buffers that go with it, and the objects that move its tokens.
     resolve_dispatch   the dispatch kind of a call ("auto": symm_mem where NVSHMEM runs), and why
     prepare_finalize   the modular kernel's PrepareFinalize: NoEP unless tokens travel
     layer_fingerprint  what every rank's layer must share, compared before tokens travel
+    agree_shared_tokens  the same, once, for EP over shared tokens (no dispatch)
     make_runner        what a call runs: a modular kernel around the backend, or the backend
     dp_dispatch        the DP all-gather a backend that routes inside is handed (or None)
 
@@ -227,6 +228,33 @@ def layer_fingerprint(layer, dispatch: str | None, experts: Experts) -> LayerFin
             ("chunk_size", layer.chunk_size if chunked else 0),
         )
     )
+
+
+def agree_shared_tokens(layer, runner, device: torch.device) -> None:
+    """EP over shared tokens makes no collective of its own (the caller all-reduces the partial
+    sums), so a rank built with another layer would hang or corrupt that all-reduce: the ranks
+    compare their fingerprints once per runner, at its first call where torch.distributed is
+    initialized (one all-gather and a host read; not while torch.compile traces). Every rank
+    raises the same ValueError where they differ."""
+    if getattr(runner, "_fingerprint_agreed", False) or torch.compiler.is_compiling():
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # shards run in one process (tests, a caller summing them): nothing to compare
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the first call of an EP layer over shared tokens compares the ranks' layers (a "
+            "collective): make one eager call on every rank before capturing a CUDA graph"
+        )
+    from fusedmoe.parallel.comm import EPGroup
+
+    pc = layer.parallel_config
+    group = EPGroup(pc.ep_size, pc.ep_rank, pc.group)
+    group.check()
+    group.fingerprint = layer_fingerprint(layer, None, getattr(runner, "experts", runner))
+    group.agree(device)
+    runner._fingerprint_agreed = True
 
 
 def attach_fingerprint(runner, dispatch: TokenDispatch | None, fingerprint) -> None:
