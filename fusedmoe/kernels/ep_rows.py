@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
+from fusedmoe.parallel.rows import per_rank
 
 __all__ = [
     "RankTensors",
@@ -94,10 +95,7 @@ def rank_offsets(
 
 
 def _rank_offsets(targets, num_ranks: int, base_index: int):
-    if isinstance(targets, torch.Tensor):
-        targets = (targets,) * num_ranks
-    if len(targets) != num_ranks:
-        raise ValueError(f"{len(targets)} per-rank targets for {num_ranks} ranks")
+    targets = per_rank(targets, num_ranks)
     base = targets[base_index]
     if base.dim() > 1 and base.stride(-1) != 1:
         raise ValueError(f"per-rank targets need unit stride along a row, got {base.stride()}")

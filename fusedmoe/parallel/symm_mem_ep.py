@@ -439,6 +439,7 @@ class _Buffers:
 @dataclass
 class _DispatchPlan:
     recv: torch.Tensor  # [rows, row bytes] the rows that arrive here
+    recv_words: torch.Tensor  # the same as int32 words (the metadata's unpack reads them)
     staging: torch.Tensor  # send as rows: grouped, the rows out; emulated regions, the staging
     targets: object  # send [rows, row bytes] (grouped), or each rank's region (regions)
     words: object  # targets as int32 words (the metadata's)
@@ -652,7 +653,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 targets, posts = view(bufs.send), None
                 words = targets.view(torch.int32)
             staging = view(bufs.send)
-            plan = _DispatchPlan(view(bufs.recv), staging, targets, words, posts)
+            recv = view(bufs.recv)
+            plan = _DispatchPlan(recv, recv.view(torch.int32), staging, targets, words, posts)
             bufs.plans[key] = plan
         return plan
 
@@ -720,7 +722,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
 
         # the rows that did not arrive hold what an earlier call left: empty slots
         ids, weights, scale = unpack_meta(
-            recv.view(torch.int32), x_bytes // 4, received, capacity, top_k, num_scales,
+            plan.recv_words, x_bytes // 4, received, capacity, top_k, num_scales,
             region_rows,
         )  # fmt: skip
         if scale is not None:
