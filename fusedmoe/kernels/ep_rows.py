@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
-from fusedmoe.parallel.rows import per_rank
 
 __all__ = [
     "RankTensors",
@@ -95,7 +94,11 @@ def rank_offsets(
 
 
 def _rank_offsets(targets, num_ranks: int, base_index: int):
-    targets = per_rank(targets, num_ranks)
+    # the same rule as fusedmoe.parallel.rows.per_rank (a higher layer: not imported here)
+    if isinstance(targets, torch.Tensor):
+        targets = (targets,) * num_ranks
+    if len(targets) != num_ranks:
+        raise ValueError(f"{len(targets)} per-rank targets for {num_ranks} ranks")
     base = targets[base_index]
     if base.dim() > 1 and base.stride(-1) != 1:
         raise ValueError(f"per-rank targets need unit stride along a row, got {base.stride()}")
