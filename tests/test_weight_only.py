@@ -338,3 +338,67 @@ def test_reference_refuses_graph_capture():
         torch.cuda.graph(graph),
     ):
         fused_experts(x, q13, q2, weights, ids, quant_config=qc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h", "i", "m", "activation", "skew"),
+    [
+        (2880, 2880, 2, "swigluoai", False),  # gpt-oss: K = 2880, not a multiple of 128
+        (2880, 2880, 37, "swigluoai", True),
+        (192, 320, 300, "silu", False),  # K = 192: one and a half K steps
+        (64, 64, 1000, "swigluoai", True),  # K < one K step
+        (256, 320, 64, "gelu", False),
+        (256, 320, 64, "relu2_no_mul", True),  # not gated
+        (160, 256, 33, "silu", False),  # K not a multiple of 64: the Triton kernels run
+    ],
+)
+def test_mx_hopper_kernel(h, i, m, activation, skew, monkeypatch):
+    """MXFP4 x bf16 on Hopper: wo_hopper's Gluon kernel against the Triton kernels and the
+    float64 torch twin on the same call, with biases, empty slots, an expert_map, K and N not
+    multiples of the 128-wide step, one token and many, uniform and skewed routing (most slots
+    on one expert); a hidden size it cannot take goes to the Triton kernels."""
+    from fusedmoe.kernels import wo_hopper
+
+    dev = torch.zeros(1, device="cuda")
+    if wo_hopper.gluon is None or wo_hopper._device_reason(dev.device.index or 0) is not None:
+        pytest.skip("the Gluon kernel needs Hopper and Triton 3.6")
+    e, k = 8, 4
+    q13, q2, qc, b13, b2 = _experts("mxfp4_w4a16", {}, e, h, i, activation, True)
+    x = torch.randn(m, h, device="cuda").to(torch.bfloat16)
+    weights, ids = random_routing(m, 10, k, empty=0.1, device="cuda")
+    if skew:
+        hot = ids[: m * 3 // 4]
+        hot[:, 1:] = torch.where(hot[:, 1:] == 3, 9, hot[:, 1:])
+        hot[:, 0] = 3
+    expert_map = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5, 6, 7], dtype=torch.int32, device="cuda")
+    kw = dict(activation=activation, w13_bias=b13, w2_bias=b2, expert_map=expert_map)
+    monkeypatch.setattr(wo_moe, "HOPPER_MAX_SLOTS_PER_EXPERT", 10**6)  # every size here
+    ran = []
+    launch = wo_hopper.launch_mx_hopper
+    monkeypatch.setattr(
+        wo_hopper, "launch_mx_hopper", lambda *a, **k: ran.append(1) or launch(*a, **k)
+    )
+    out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
+    assert bool(ran) == (h % 64 == 0), "the Gluon kernel ran where it should not, or did not"
+    monkeypatch.setattr(wo_hopper, "_ENABLED", False)
+    triton_out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
+    ref = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="torch", **kw)
+    assert ref.abs().max() > 0
+    assert_close(out, ref, torch.bfloat16, tol=1e-2)
+    assert_close(out, triton_out, torch.bfloat16, tol=1e-2)
+
+
+def test_permute_k_round_trip():
+    """wo_hopper.permute_k: a permutation of each 64-column block, k(t) = 16c + 4s + 2b + h, and
+    the form that writes into a given tensor agrees."""
+    from fusedmoe.kernels import wo_hopper
+
+    x = torch.arange(3 * 128, dtype=torch.float32).view(3, 128)
+    p = wo_hopper.permute_k(x)
+    for t in range(64):
+        s, h, c, b = t // 16, (t // 8) % 2, (t // 2) % 4, t % 2
+        assert p[1, 64 + t] == x[1, 64 + 16 * c + 4 * s + 2 * b + h]
+    assert sorted(p[2].tolist()) == x[2].tolist()
+    out = torch.empty_like(x)
+    assert torch.equal(wo_hopper.permute_k(x, out), p) and torch.equal(out, p)

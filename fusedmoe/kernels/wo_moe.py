@@ -40,7 +40,16 @@ from fusedmoe._pdl import pdl_args
 from fusedmoe._triton import cdiv, device_guard, launch, op_or_impl
 from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import wo_gemm as wg
-from fusedmoe.kernels.fused_moe import ACT_CODES, TL_DTYPE, device_name, gemm_rows, moe_sum
+from fusedmoe.kernels import wo_hopper
+from fusedmoe.kernels.fused_moe import (
+    ACT_CODES,
+    TL_DTYPE,
+    GemmRows,
+    device_name,
+    gemm_rows,
+    moe_sum,
+)
+from fusedmoe.kernels.moe_align import moe_align_block_size
 from fusedmoe.kernels.moe_config import (
     SHIPPED_DIR,
     TUNED_CONFIGS_ENV,
@@ -63,6 +72,10 @@ _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: calls of at most this many slots per expert (uniform routing: each expert about one slot)
 #: run the decode kernel
 GEMV_MAX_SLOTS_PER_EXPERT = 0.25
+#: MXFP4 x bf16 on Hopper: calls of 2 tokens up to this many slots per expert run wo_hopper's
+#: Gluon kernel; one token stays on the decode kernel, prefill on the Triton tensor-core kernel
+#: (both faster there on an H200: docs/performance.md, "4-bit weight-only experts")
+HOPPER_MAX_SLOTS_PER_EXPERT = 32
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: FUSEDMOE_WO_MMA_ORDER=1: 64 x 128 tiles on 4 warps take the register-direct path (wo_gemm,
 #: MMA_ORDER). Off by default: 3x slower on an H100 as it stands (docs/performance.md)
@@ -339,6 +352,17 @@ def _launch_gemv(
     launch(wg._wo_gemv_kernel, grid, args, constexprs, on_cuda)
 
 
+def _mx_hopper(x, w13, w13_scale, w2, w2_scale, width) -> bool:
+    """Both GEMMs run wo_hopper's Gluon kernel (MXFP4 x bf16 on Hopper)."""
+    return wo_hopper.mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width) is None
+
+
+def _hopper_constexprs(common: dict) -> dict:
+    """_epilogue_constexprs as wo_hopper's kernel takes them (always MXFP4, rounded on the GPU)."""
+    keep = ("A_ROW_DIV", "HAS_BIAS", "ACTIVATION", "GATED", "HAS_LIMIT", "MUL_ROUTED_WEIGHT")
+    return {**{k: common[k] for k in keep}, "H_DTYPE": common["H_DTYPE"]}
+
+
 def _fused_experts_weight_only_impl(
     output: torch.Tensor,
     x: torch.Tensor,
@@ -383,6 +407,37 @@ def _fused_experts_weight_only_impl(
     with device_guard(x):
         a2 = workspace2.view(-1)[: num_slots * width].view(num_slots, width)
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
+        if (
+            fmt == wg.WF_MXFP4
+            and num_tokens > 1
+            and num_slots <= HOPPER_MAX_SLOTS_PER_EXPERT * num_local
+            and _mx_hopper(x, w13, w13_scale, w2, w2_scale, width)
+        ):
+            block_m = config.block_m
+            routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
+            rows = GemmRows(
+                block_m, routing.expert_ids.shape[0], routing, topk_ids.reshape(-1),
+                expert_map, num_local,
+            )  # fmt: skip
+            group_m = config.gemm1.group_m
+            common = _epilogue_constexprs(
+                x, top_k, fmt, group, None, w13_bias, act, params, False, h_dtype
+            )
+            # both GEMMs read their activations in the kernel's k order (wo_hopper): x as a
+            # permuted copy, a2 as GEMM1 stores it
+            wo_hopper.launch_mx_hopper(
+                wo_hopper.permute_k(x), w13, w13_scale, w13_bias, a2, topk_weights, rows,
+                num_slots, params[:3], block_m, group_m, _hopper_constexprs(common), True,
+            )  # fmt: skip
+            common = _epilogue_constexprs(
+                a2, 1, fmt, group, None, w2_bias, None, params, mul_routed_weight, h_dtype
+            )
+            wo_hopper.launch_mx_hopper(
+                a2, w2, w2_scale, w2_bias, y, topk_weights.reshape(-1), rows, num_slots,
+                params[:3], block_m, group_m, _hopper_constexprs(common), False,
+            )  # fmt: skip
+            moe_sum(y, output, topk_ids, expert_map, num_local)
+            return
         if config.gemv is not None:
             ids = topk_ids.reshape(-1)
             common = dict(w_format=fmt, group=group, params=params, h_dtype=h_dtype)

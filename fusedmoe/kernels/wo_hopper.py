@@ -1,0 +1,437 @@
+"""MXFP4 x bf16 expert GEMMs for Hopper, written in Gluon: the weights decoded from their 4-bit
+bytes straight into wgmma's left operand, the loads pipelined in shared memory.
+
+The weight-only GEMM of fusedmoe.kernels.wo_gemm, same operands and epilogues, on one
+warpgroup: a program computes a 64 x BM tile of the transposed output (64 weight rows by BM
+routed slots of one expert) over K in steps of 128,
+
+    acc[n, m] = sum over k of  deq(w[e, row(n), k]) * A[slot(m) // A_ROW_DIV, k]
+
+Why Gluon (docs/performance.md, "4-bit weight-only experts"): in Triton the decoded tile reaches
+wgmma through shared memory and the loads whose values are decoded in registers are not
+pipelined; here each thread loads exactly the weight bytes its part of wgmma's left operand
+needs, and a ring of STAGES stages of cp.async copies keeps the weights in flight.
+
+The k order. wgmma's left operand gives thread (lane = 4 c' + c) of warp w the rows 16 w + c'
+and 16 w + c' + 8 and, of each 16-wide k step s, the columns 2c + b and 8 + 2c + b, one
+register per (s, h) holding b = 0, 1. The product sums over k in any order common to both
+operands, so each block of 64 columns is relabelled: tensor column t = 16 s + 8 h + 2 c + b
+(s, c < 4; h, b < 2) holds logical column
+
+    k(t) = 16 c + 4 s + 2 b + h,
+
+that is nibble h of stored byte 8 c + 2 s + b (E2M1 pairs along K, the even column in the
+low nibble). Thread c then reads 8 consecutive bytes of each row per block, all under one
+E8M0 scale (group 32), and decoding a run of 4 bytes gives wgmma's registers as they are:
+(low nibbles of bytes 0, 1), (of 2, 3), (high nibbles of 0, 1), (of 2, 3). The activations
+must come in the same order: `permute_k` writes a copy of x (GEMM1's input) so, GEMM1 stores
+its output so (PERMUTE_OUT), and GEMM2 reads it as it is. K and GEMM1's N must be multiples of
+64 (the launcher checks).
+
+Per K step (two blocks): wait for the stage, refill the stage freed by the previous step
+(cp.async, STAGES - 1 steps ahead: 8-byte weight runs, 16-byte activation runs), read this
+thread's weight bytes from the stage, decode them in PTX (_fp4_scaled: sign and magnitude bits
+placed into a bf16, which holds e2m1 * 2^-126, times the scale as 2^(s - 65): exact, the
+product e2m1 * 2^(s - 191)), wgmma with the activation tile. The accumulator leaves times 2^64.
+The scales load from global memory two steps ahead into registers (a byte per row and block:
+too small for cp.async). Scale codes must lie in [58, 192] (2^-69 .. 2^65: real weights'
+scales are near 2^-8): below, products lose bits to bf16's subnormals; above, they overflow.
+
+Columns past K read as code 0 (weights) and 0.0 (activations). The epilogues are wo_gemm's:
+GEMM1 bias, rounding to the activation dtype and the activation (gate and up tiles of the
+same 64 output columns: halves, or gpt-oss's interleaved rows); GEMM2 bias, rounding, times
+the routing weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedmoe.kernels.moe_gemm import epilogue_activation, gate_up_rows, round_to
+
+try:  # Gluon's Hopper API (see wgmma_gemm: the same versions are supported)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    IMPORT_ERROR = ""
+except Exception as exc:
+    gluon = None
+    IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = [
+    "BLOCK_N",
+    "STAGES",
+    "launch_mx_hopper",
+    "mx_hopper_unusable_reason",
+    "permute_k",
+]
+
+BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma height
+STAGES = 4  # K steps in shared memory: three in flight while one is computed
+#: FUSEDMOE_WO_HOPPER=0: the Triton kernels run MXFP4 x bf16 on Hopper too (for comparisons)
+_ENABLED = os.environ.get("FUSEDMOE_WO_HOPPER", "1") != "0"
+_ACT_NONE = tl.constexpr(-1)
+#: 2^64: the accumulator's factor (the scales are applied as 2^(s - 65), the module docstring)
+_ACC_SCALE = tl.constexpr(18446744073709551616.0)
+
+# E2M1 codes of 4 bytes (the even column in each low nibble) -> 4 registers of bf16 pairs:
+# (low nibbles of bytes 0, 1), (of 2, 3), (high nibbles of 0, 1), (of 2, 3). prmt spreads
+# bytes 0, 1 (and 2, 3) into the low byte of each 16-bit half; then bf16 bits = (x << 12 &
+# sign) | (x << 6 & magnitude) (low nibble; the high one with shifts 8 and 2), which is e2m1 *
+# 2^-126, times the scale ($5 for bytes 0, 1, $6 for 2, 3) in one fma.
+_FP4_SCALED_ASM = tl.constexpr("""
+{
+.reg .b32 x, y, t, u, sign, mag, nzero;
+mov.b32 sign, 0x80008000;
+mov.b32 mag, 0x01C001C0;
+mov.b32 nzero, 0x80008000;
+prmt.b32 x, $4, 0, 0x5140;
+prmt.b32 y, $4, 0, 0x7362;
+shl.b32 t, x, 6;
+and.b32 t, t, mag;
+shl.b32 u, x, 12;
+lop3.b32 $0, u, sign, t, 0xEA;
+shl.b32 t, y, 6;
+and.b32 t, t, mag;
+shl.b32 u, y, 12;
+lop3.b32 $1, u, sign, t, 0xEA;
+shl.b32 t, x, 2;
+and.b32 t, t, mag;
+shl.b32 u, x, 8;
+lop3.b32 $2, u, sign, t, 0xEA;
+shl.b32 t, y, 2;
+and.b32 t, t, mag;
+shl.b32 u, y, 8;
+lop3.b32 $3, u, sign, t, 0xEA;
+fma.rn.bf16x2 $0, $0, $5, nzero;
+fma.rn.bf16x2 $1, $1, $6, nzero;
+fma.rn.bf16x2 $2, $2, $5, nzero;
+fma.rn.bf16x2 $3, $3, $6, nzero;
+}
+""")
+
+
+@triton.jit
+def _fp4_scaled(packed, scale):
+    """uint8 E2M1 pairs and a bf16 scale per byte -> (low-nibble values, high-nibble values)."""
+    return tl.inline_asm_elementwise(
+        _FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _issue(
+        step, num_k, w_smem, x_smem, wg_ptrs, wu_ptrs, w_mask, w_cols, x_ptrs, x_mask, x_cols,
+        K, STAGES: gl.constexpr, GATED: gl.constexpr,
+    ):  # fmt: skip
+        """The cp.async copies of K step `step` into its stage (empty ones past the last step);
+        masked by whole 64-column blocks (K is a multiple of 64)."""
+        stage = step % STAGES
+        k0 = step * 128
+        live = step < num_k
+        wm = w_mask & (k0 + w_cols < K) & live
+        W_PER_STAGE: gl.constexpr = 2 if GATED else 1
+        async_copy.async_copy_global_to_shared(
+            w_smem.index(W_PER_STAGE * stage), wg_ptrs + k0 // 2, mask=wm
+        )
+        if GATED:
+            async_copy.async_copy_global_to_shared(
+                w_smem.index(2 * stage + 1), wu_ptrs + k0 // 2, mask=wm
+            )
+        async_copy.async_copy_global_to_shared(
+            x_smem.index(stage), x_ptrs + k0, mask=x_mask & (k0 + x_cols < K) & live
+        )
+
+    @gluon.jit
+    def _load_scales(s_ptrs, s_mask, s_groups, step, num_groups):
+        """This thread's E8M0 scales of K step `step` [64, 2 blocks, 2], as the bits of a bf16
+        2^(s - 65) (the module docstring); code 127 past the last group."""
+        g = step * 4 + s_groups
+        s = gl.load(s_ptrs + step * 4, mask=s_mask & (g < num_groups), other=127)
+        return (gl.minimum(s.to(gl.int32) + 62, 255) << 7).to(gl.uint16)
+
+    @gluon.jit
+    def _operand(w_smem, index, scale_bits, w_layout: gl.constexpr, a_layout: gl.constexpr):
+        """The stage's [64, 64] weight bytes -> wgmma's left operand [64, 128] bf16 in the
+        tensor order of the module docstring; scale_bits [64, 2, 2] (_load_scales)."""
+        w = w_smem.index(index).load(w_layout)
+        s = gl.expand_dims(scale_bits, 3)
+        s = gl.broadcast(s, gl.full([64, 2, 2, 16], 0, gl.uint16, s.type.layout))[0]
+        s = gl.convert_layout(gl.reshape(s, [64, 64]), w_layout, assert_trivial=True)
+        low, high = _fp4_scaled(w, s.to(gl.bfloat16, bitcast=True))
+        # (row, byte 32 blk + 8 c + 2 s + b, h) -> (row, blk, s, h, c, b)
+        v = gl.reshape(gl.join(low, high), [64, 2, 4, 4, 2, 2])
+        v = gl.reshape(gl.permute(v, (0, 1, 3, 5, 2, 4)), [64, 128])
+        return gl.convert_layout(v, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _wo_mx_hopper_kernel(
+        a_ptr, stride_am,  # [rows of A, K] bf16, k-permuted (permute_k), unit stride along K
+        w_ptr, stride_we, stride_wn,  # [E_l, N_w, K / 2] uint8, unit stride along K
+        s_ptr, stride_se, stride_sn,  # [E_l, N_w, K / 32] uint8 (E8M0), unit stride along K
+        bias_ptr, stride_be, stride_bn,  # [E_l, N_w]
+        out_ptr, stride_om,  # [S, N], unit stride along N
+        topk_weights_ptr,  # float32 [S]
+        sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting
+        N, K, num_slots, max_blocks,
+        alpha, beta, limit,
+        A_ROW_DIV: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        ACTIVATION: gl.constexpr,
+        GATED: gl.constexpr,
+        HAS_LIMIT: gl.constexpr,
+        MUL_ROUTED_WEIGHT: gl.constexpr,
+        H_DTYPE: gl.constexpr,
+        PERMUTE_OUT: gl.constexpr,  # store the output k-permuted (GEMM1: GEMM2's input)
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr,
+    ):  # fmt: skip
+        BN: gl.constexpr = 64
+        BK: gl.constexpr = 128
+        pid = gl.program_id(0)
+        num_pid_n = gl.cdiv(N, BN)
+        per_group = GROUP_M * num_pid_n
+        first_m = (pid // per_group) * GROUP_M
+        group_size = gl.minimum(max_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_size
+        pid_n = (pid % per_group) // group_size
+        num_post = gl.load(num_post_ptr)
+        if pid_m * BLOCK_M < num_post:
+            e = gl.load(expert_ids_ptr + pid_m).to(gl.int64)
+
+            # layouts: the accumulator, wgmma's left operand, the weight bytes as loaded
+            # (thread c of row c': bytes 8c .. 8c + 7 of each 32-byte block of rows 16w + c'
+            # and 16w + c' + 8), and the same as [row, block, c // 2, byte of the pair of runs]
+            mma: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+            )
+            a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+            w_layout: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [8, 0]],
+                lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                warp_bases=[[16, 0], [32, 0]],
+                block_bases=[],
+                shape=[64, 64],
+            )
+            w4: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [8, 0, 0, 0]],
+                lane_bases=[[0, 0, 0, 8], [0, 0, 1, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+                warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
+                block_bases=[],
+                shape=[64, 2, 2, 16],
+            )
+            s3: gl.constexpr = gl.SliceLayout(3, w4)  # [row, block, c // 2]
+            x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+            w_shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            x_shared: gl.constexpr = gl.NVMMASharedLayout(
+                swizzle_byte_width=128, element_bitwidth=16, rank=2
+            )
+            W_PER_STAGE: gl.constexpr = 2 if GATED else 1
+            w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * W_PER_STAGE, 64, 64], w_shared)
+            x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_shared)
+
+            # the weight rows (gate and up) of this tile's 64 output columns
+            n_w = pid_n * BN + gl.arange(0, 64, gl.SliceLayout(1, w_layout))
+            gate_w, up_w = gate_up_rows(n_w, N, GATED, ACTIVATION)
+            byte = gl.arange(0, 64, gl.SliceLayout(0, w_layout))
+            w_base = w_ptr + e * stride_we
+            wg_ptrs = w_base + gate_w.to(gl.int64)[:, None] * stride_wn + byte[None, :]
+            wu_ptrs = w_base + up_w.to(gl.int64)[:, None] * stride_wn + byte[None, :]
+            zero_w = gl.zeros([64, 64], gl.int32, w_layout)
+            w_mask = (zero_w + n_w[:, None]) < N
+            w_cols = zero_w + 64 * (byte // 32)[None, :]  # each 32-byte block's first column
+
+            # this thread's scale of each row and 64-column block: group 2 blk + c // 2
+            r3 = gl.arange(0, 64, gl.SliceLayout(1, gl.SliceLayout(2, s3)))
+            n_s = gl.expand_dims(gl.expand_dims(pid_n * BN + r3, 1), 2)
+            blk = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(2, s3)))
+            chi = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, s3)))
+            s_groups = (
+                gl.zeros([64, 2, 2], gl.int32, s3)
+                + 2 * gl.expand_dims(gl.expand_dims(blk, 0), 2)
+                + gl.expand_dims(gl.expand_dims(chi, 0), 1)
+            )  # fmt: skip
+            gate_s, up_s = gate_up_rows(n_s, N, GATED, ACTIVATION)
+            s_base = s_ptr + e * stride_se
+            sg_ptrs = s_base + gate_s.to(gl.int64) * stride_sn + s_groups
+            su_ptrs = s_base + up_s.to(gl.int64) * stride_sn + s_groups
+            s_mask = (s_groups * 0 + n_s) < N
+            num_groups = K // 32
+
+            # the slots of this tile and their rows of A
+            slot_x = gl.load(
+                sorted_ids_ptr + pid_m * BLOCK_M
+                + gl.arange(0, BLOCK_M, gl.SliceLayout(1, x_layout))
+            )  # fmt: skip
+            t = gl.arange(0, BK, gl.SliceLayout(0, x_layout))
+            zero_x = gl.zeros([BLOCK_M, BK], gl.int32, x_layout)
+            x_cols = zero_x + 64 * (t // 64)[None, :]
+            x_ptrs = a_ptr + (slot_x // A_ROW_DIV).to(gl.int64)[:, None] * stride_am + t[None, :]
+            x_mask = (zero_x + slot_x[:, None]) < num_slots
+
+            num_k = gl.cdiv(K, BK)
+            for i in gl.static_range(STAGES - 1):
+                _issue(i, num_k, w_smem, x_smem, wg_ptrs, wu_ptrs, w_mask, w_cols, x_ptrs,
+                       x_mask, x_cols, K, STAGES, GATED)  # fmt: skip
+                async_copy.commit_group()
+            sg0 = _load_scales(sg_ptrs, s_mask, s_groups, 0, num_groups)
+            sg1 = _load_scales(sg_ptrs, s_mask, s_groups, 1, num_groups)
+            su0 = sg0
+            su1 = sg1
+            if GATED:
+                su0 = _load_scales(su_ptrs, s_mask, s_groups, 0, num_groups)
+                su1 = _load_scales(su_ptrs, s_mask, s_groups, 1, num_groups)
+
+            acc_g = gl.zeros([64, BLOCK_M], gl.float32, mma)
+            acc_u = gl.zeros([64, BLOCK_M], gl.float32, mma)
+            for kb in range(num_k):
+                stage = kb % STAGES
+                sg2 = _load_scales(sg_ptrs, s_mask, s_groups, kb + 2, num_groups)
+                su2 = sg2
+                if GATED:
+                    su2 = _load_scales(su_ptrs, s_mask, s_groups, kb + 2, num_groups)
+                async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()  # every copy of step kb landed; every warp is past kb - 1
+                _issue(kb + STAGES - 1, num_k, w_smem, x_smem, wg_ptrs, wu_ptrs, w_mask, w_cols,
+                       x_ptrs, x_mask, x_cols, K, STAGES, GATED)  # fmt: skip
+                async_copy.commit_group()
+                fence_async_shared()
+                x_tile = x_smem.index(stage).permute((1, 0))
+                a_g = _operand(w_smem, W_PER_STAGE * stage, sg0, w_layout, a_layout)
+                acc_g = warpgroup_mma(a_g, x_tile, acc_g, is_async=True)
+                if GATED:
+                    a_u = _operand(w_smem, 2 * stage + 1, su0, w_layout, a_layout)
+                    acc_u = warpgroup_mma(a_u, x_tile, acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                sg0 = sg1
+                sg1 = sg2
+                su0 = su1
+                su1 = su2
+            async_copy.wait_group(0)
+
+            # the epilogue, in the accumulator's layout
+            acc_g = acc_g * _ACC_SCALE
+            acc_u = acc_u * _ACC_SCALE
+            offs_n = pid_n * BN + gl.arange(0, 64, gl.SliceLayout(1, mma))
+            n_mask = offs_n < N
+            gate_rows, up_rows = gate_up_rows(offs_n, N, GATED, ACTIVATION)
+            slots = gl.load(
+                sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma))
+            )
+            row_mask = slots < num_slots
+            if HAS_BIAS:
+                bias_base = bias_ptr + e * stride_be
+                acc_g += gl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(
+                    gl.float32
+                )[:, None]
+                if GATED:
+                    acc_u += gl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(
+                        gl.float32
+                    )[:, None]
+            if PERMUTE_OUT:  # column n of block n // 64 -> its tensor column (module docstring)
+                j = offs_n % 64
+                cols = (offs_n - j) + 16 * ((j // 4) % 4) + 8 * (j % 2) + 2 * (j // 16)
+                cols += (j // 2) % 2
+            else:
+                cols = offs_n
+            slot_rows = slots.to(gl.int64)
+            out_ptrs = out_ptr + slot_rows[None, :] * stride_om + cols[:, None]
+            out_mask = n_mask[:, None] & row_mask[None, :]
+            if ACTIVATION == _ACT_NONE:
+                y = acc_g
+                if MUL_ROUTED_WEIGHT:
+                    y = round_to(y, H_DTYPE, False)
+                    tw = gl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
+                    y = y * tw[None, :]
+                gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                h_g = round_to(acc_g, H_DTYPE, False)
+                h_u = round_to(acc_u, H_DTYPE, False)
+                act = epilogue_activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+                gl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def permute_k(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (K a multiple of 64) with each 64-column block in the kernel's tensor order:
+    out[:, 64 i + t] = x[:, 64 i + k(t)], t = 16 s + 8 h + 2 c + b, k(t) = 16 c + 4 s + 2 b + h
+    (the module docstring)."""
+    m, k = x.shape
+    src = x.view(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 5, 2, 4)
+    if out is None:
+        return src.reshape(m, k)
+    out.view(m, k // 64, 4, 2, 4, 2).copy_(src)
+    return out
+
+
+@functools.cache
+def _device_reason(index: int) -> str | None:
+    from fusedmoe.kernels.wgmma_gemm import gluon_unusable_reason
+
+    return gluon_unusable_reason(torch.device("cuda", index))
+
+
+def mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width) -> str | None:
+    """None where both GEMMs of the weight-only op run _wo_mx_hopper_kernel (x [M, H] bf16,
+    MXFP4 w13 [E_l, N_w, H / 2] and w2 [E_l, H, width / 2] with E8M0 scales [E_l, rows, K /
+    32], `width` GEMM1's output width), else why not."""
+    if not _ENABLED:
+        return "FUSEDMOE_WO_HOPPER=0"
+    if gluon is None:
+        return f"Triton's Gluon API is not importable ({IMPORT_ERROR})"
+    if not x.is_cuda:
+        return "not on a CUDA GPU"
+    reason = _device_reason(x.device.index if x.device.index is not None else 0)
+    if reason is not None:
+        return reason
+    if x.dtype != torch.bfloat16:
+        return f"activations are {x.dtype}, the kernel decodes to bf16"
+    if x.shape[1] % 64 or width % 64:
+        return f"the hidden size ({x.shape[1]}) and width ({width}) must be multiples of 64"
+    for w, scale in ((w13, w13_scale), (w2, w2_scale)):
+        if w.stride(2) != 1 or w.stride(1) % 16 or w.stride(0) % 16 or w.data_ptr() % 16:
+            return "the weights' rows are not 16-byte aligned with unit stride"
+        if scale.dim() != 3 or scale.stride(2) != 1:
+            return "the scales are not [E_l, rows, K / 32] with unit stride along K"
+    return None
+
+
+def launch_mx_hopper(
+    a, w, scale, bias, out, topk_weights, rows, num_slots, params, block_m, group_m,
+    constexprs, permute_out,
+):  # fmt: skip
+    """One GEMM of the weight-only op through _wo_mx_hopper_kernel: a k-permuted (permute_k),
+    rows the aligned routing (fused_moe.GemmRows), params (alpha, beta, limit), constexprs
+    the epilogue's (wo_moe._hopper_constexprs)."""
+    n_out = out.shape[1]
+    dummy = rows.ids
+    args = (
+        a, a.stride(0),
+        w, w.stride(0), w.stride(1),
+        scale, scale.stride(0), scale.stride(1),
+        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
+        out, out.stride(0),
+        topk_weights,
+        *rows.kernel_args()[:3],
+        n_out, a.shape[1], num_slots, rows.num_blocks,
+        *params,
+    )  # fmt: skip
+    grid = (rows.num_blocks * triton.cdiv(n_out, BLOCK_N),)
+    _wo_mx_hopper_kernel[grid](
+        *args, **constexprs, PERMUTE_OUT=permute_out, BLOCK_M=block_m, STAGES=STAGES,
+        GROUP_M=group_m, num_warps=4,
+    )  # fmt: skip
