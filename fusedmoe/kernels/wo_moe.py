@@ -18,6 +18,9 @@ weight rows x BK per GEMM. wo_kernel_config takes, in order: the scoped override
 dtype "wo_<format>"; an H100 table ships for gpt-oss MXFP4), the heuristic by slots per expert
 (heuristic_wo_config: 16-slot tiles while experts see a few tokens, then 64 and 128).
 
+MXFP4 x bf16 on Hopper, from 2 tokens up to HOPPER_MAX_SLOTS_PER_EXPERT slots per expert,
+runs both GEMMs through wo_hopper's Gluon kernel instead (x copied into its k order first).
+
 Where each variant stands on an H100: docs/performance.md, "4-bit weight-only experts".
 """
 
