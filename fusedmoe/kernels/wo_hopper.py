@@ -78,7 +78,11 @@ __all__ = [
 ]
 
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma height
-STAGES = 4  # K steps in shared memory: three in flight while one is computed
+#: K steps of 256 columns in shared memory (a power of two, at least 2): 2 measured fastest on
+#: an H200 (more CTAs per SM beat deeper rings), and with 128-slot tiles 2 is what fits
+STAGES = int(os.environ.get("FUSEDMOE_WO_HOPPER_STAGES", "2"))
+#: the widest slot tile: its activations take BM x 512 bytes of shared memory per stage
+MAX_BLOCK_M = int(os.environ.get("FUSEDMOE_WO_HOPPER_MAX_BLOCK_M", "128"))
 #: FUSEDMOE_WO_HOPPER=0: the Triton kernels run MXFP4 x bf16 on Hopper too (for comparisons)
 _ENABLED = os.environ.get("FUSEDMOE_WO_HOPPER", "1") != "0"
 _ACT_NONE = tl.constexpr(-1)
@@ -138,37 +142,36 @@ if gluon is not None:
         step, num_k, w_smem, x_smem, wg_ptrs, wu_ptrs, w_mask, w_cols, x_ptrs, x_mask, x_cols,
         K, STAGES: gl.constexpr, GATED: gl.constexpr,
     ):  # fmt: skip
-        """The cp.async copies of K step `step` into its stage (empty ones past the last step);
-        masked by whole 64-column blocks (K is a multiple of 64)."""
+        """The cp.async copies of K step `step` (256 columns) into its stage (empty ones past
+        the last step); masked by whole 64-column blocks (K is a multiple of 64)."""
         stage = step % STAGES
-        k0 = step * 128
+        k0 = step * 256
         live = step < num_k
         wm = w_mask & (k0 + w_cols < K) & live
         W_PER_STAGE: gl.constexpr = 2 if GATED else 1
-        async_copy.async_copy_global_to_shared(
-            w_smem.index(W_PER_STAGE * stage), wg_ptrs + k0 // 2, mask=wm
-        )
+        first = W_PER_STAGE * stage
+        async_copy.async_copy_global_to_shared(w_smem.index(first), wg_ptrs + k0 // 2, mask=wm)
         if GATED:
             async_copy.async_copy_global_to_shared(
-                w_smem.index(2 * stage + 1), wu_ptrs + k0 // 2, mask=wm
+                w_smem.index(first + 1), wu_ptrs + k0 // 2, mask=wm
             )
         async_copy.async_copy_global_to_shared(
             x_smem.index(stage), x_ptrs + k0, mask=x_mask & (k0 + x_cols < K) & live
         )
 
     @gluon.jit
-    def _load_scales(s_ptrs, s_mask, s_groups, step, num_groups):
-        """This thread's E8M0 scales of K step `step` [64, 2 blocks, 2], as the bits of a bf16
-        2^(s - 65) (the module docstring); code 127 past the last group."""
-        g = step * 4 + s_groups
-        s = gl.load(s_ptrs + step * 4, mask=s_mask & (g < num_groups), other=127)
+    def _load_scales(s_ptrs, s_mask, s_groups, sub, num_groups):
+        """This thread's E8M0 scales of 128-column sub-step `sub` [64, 2 blocks, 2], as the bits
+        of a bf16 2^(s - 65) (the module docstring); code 127 past the last group."""
+        g = sub * 4 + s_groups
+        s = gl.load(s_ptrs + sub * 4, mask=s_mask & (g < num_groups), other=127)
         return (gl.minimum(s.to(gl.int32) + 62, 255) << 7).to(gl.uint16)
 
     @gluon.jit
-    def _operand(w_smem, index, scale_bits, w_layout: gl.constexpr, a_layout: gl.constexpr):
-        """The stage's [64, 64] weight bytes -> wgmma's left operand [64, 128] bf16 in the
-        tensor order of the module docstring; scale_bits [64, 2, 2] (_load_scales)."""
-        w = w_smem.index(index).load(w_layout)
+    def _operand(w_tile, scale_bits, w_layout: gl.constexpr, a_layout: gl.constexpr):
+        """A sub-step's [64, 64] weight bytes in shared memory -> wgmma's left operand [64, 128]
+        bf16 in the tensor order of the module docstring; scale_bits [64, 2, 2] (_load_scales)."""
+        w = w_tile.load(w_layout)
         s = gl.expand_dims(scale_bits, 3)
         s = gl.broadcast(s, gl.full([64, 2, 2, 16], 0, gl.uint16, s.type.layout))[0]
         s = gl.convert_layout(gl.reshape(s, [64, 64]), w_layout, assert_trivial=True)
@@ -202,7 +205,7 @@ if gluon is not None:
         GROUP_M: gl.constexpr,
     ):  # fmt: skip
         BN: gl.constexpr = 64
-        BK: gl.constexpr = 128
+        BK: gl.constexpr = 256  # a K step: two 128-column sub-steps
         pid = gl.program_id(0)
         num_pid_n = gl.cdiv(N, BN)
         per_group = GROUP_M * num_pid_n
@@ -236,23 +239,27 @@ if gluon is not None:
                 shape=[64, 2, 2, 16],
             )
             s3: gl.constexpr = gl.SliceLayout(3, w4)  # [row, block, c // 2]
-            x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-            w_shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+            x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+            # the weights' copies: 16-byte runs, 8 threads a row (128 bytes: a step)
+            wc_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+            # 16-byte chunks swizzled by row: a warp's reads (8 rows x 4 threads x 8 bytes)
+            # take the two wavefronts 256 bytes need
+            w_shared: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0])
             x_shared: gl.constexpr = gl.NVMMASharedLayout(
                 swizzle_byte_width=128, element_bitwidth=16, rank=2
             )
             W_PER_STAGE: gl.constexpr = 2 if GATED else 1
-            w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * W_PER_STAGE, 64, 64], w_shared)
+            w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * W_PER_STAGE, 64, 128], w_shared)
             x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_shared)
 
             # the weight rows (gate and up) of this tile's 64 output columns
-            n_w = pid_n * BN + gl.arange(0, 64, gl.SliceLayout(1, w_layout))
+            n_w = pid_n * BN + gl.arange(0, 64, gl.SliceLayout(1, wc_layout))
             gate_w, up_w = gate_up_rows(n_w, N, GATED, ACTIVATION)
-            byte = gl.arange(0, 64, gl.SliceLayout(0, w_layout))
+            byte = gl.arange(0, 128, gl.SliceLayout(0, wc_layout))
             w_base = w_ptr + e * stride_we
             wg_ptrs = w_base + gate_w.to(gl.int64)[:, None] * stride_wn + byte[None, :]
             wu_ptrs = w_base + up_w.to(gl.int64)[:, None] * stride_wn + byte[None, :]
-            zero_w = gl.zeros([64, 64], gl.int32, w_layout)
+            zero_w = gl.zeros([64, 128], gl.int32, wc_layout)
             w_mask = (zero_w + n_w[:, None]) < N
             w_cols = zero_w + 64 * (byte // 32)[None, :]  # each 32-byte block's first column
 
@@ -289,39 +296,51 @@ if gluon is not None:
                 _issue(i, num_k, w_smem, x_smem, wg_ptrs, wu_ptrs, w_mask, w_cols, x_ptrs,
                        x_mask, x_cols, K, STAGES, GATED)  # fmt: skip
                 async_copy.commit_group()
-            sg0 = _load_scales(sg_ptrs, s_mask, s_groups, 0, num_groups)
-            sg1 = _load_scales(sg_ptrs, s_mask, s_groups, 1, num_groups)
-            su0 = sg0
-            su1 = sg1
+            # the scales of the two sub-steps of this step (a, b), loaded a step ahead
+            sga = _load_scales(sg_ptrs, s_mask, s_groups, 0, num_groups)
+            sgb = _load_scales(sg_ptrs, s_mask, s_groups, 1, num_groups)
+            sua = sga
+            sub = sgb
             if GATED:
-                su0 = _load_scales(su_ptrs, s_mask, s_groups, 0, num_groups)
-                su1 = _load_scales(su_ptrs, s_mask, s_groups, 1, num_groups)
+                sua = _load_scales(su_ptrs, s_mask, s_groups, 0, num_groups)
+                sub = _load_scales(su_ptrs, s_mask, s_groups, 1, num_groups)
 
             acc_g = gl.zeros([64, BLOCK_M], gl.float32, mma)
             acc_u = gl.zeros([64, BLOCK_M], gl.float32, mma)
             for kb in range(num_k):
                 stage = kb % STAGES
-                sg2 = _load_scales(sg_ptrs, s_mask, s_groups, kb + 2, num_groups)
-                su2 = sg2
+                sga_next = _load_scales(sg_ptrs, s_mask, s_groups, 2 * kb + 2, num_groups)
+                sgb_next = _load_scales(sg_ptrs, s_mask, s_groups, 2 * kb + 3, num_groups)
+                sua_next = sga_next
+                sub_next = sgb_next
                 if GATED:
-                    su2 = _load_scales(su_ptrs, s_mask, s_groups, kb + 2, num_groups)
+                    sua_next = _load_scales(su_ptrs, s_mask, s_groups, 2 * kb + 2, num_groups)
+                    sub_next = _load_scales(su_ptrs, s_mask, s_groups, 2 * kb + 3, num_groups)
                 async_copy.wait_group(STAGES - 2)
                 gl.thread_barrier()  # every copy of step kb landed; every warp is past kb - 1
                 _issue(kb + STAGES - 1, num_k, w_smem, x_smem, wg_ptrs, wu_ptrs, w_mask, w_cols,
                        x_ptrs, x_mask, x_cols, K, STAGES, GATED)  # fmt: skip
                 async_copy.commit_group()
                 fence_async_shared()
-                x_tile = x_smem.index(stage).permute((1, 0))
-                a_g = _operand(w_smem, W_PER_STAGE * stage, sg0, w_layout, a_layout)
-                acc_g = warpgroup_mma(a_g, x_tile, acc_g, is_async=True)
-                if GATED:
-                    a_u = _operand(w_smem, 2 * stage + 1, su0, w_layout, a_layout)
-                    acc_u = warpgroup_mma(a_u, x_tile, acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-                sg0 = sg1
-                sg1 = sg2
-                su0 = su1
-                su1 = su2
+                x_step = x_smem.index(stage)
+                w_g = w_smem.index(W_PER_STAGE * stage)
+                w_u = w_smem.index(W_PER_STAGE * stage + W_PER_STAGE - 1)
+                for j in gl.static_range(2):
+                    x_tile = x_step.slice(128 * j, 128, 1).permute((1, 0))
+                    a_g = _operand(
+                        w_g.slice(64 * j, 64, 1), sga if j == 0 else sgb, w_layout, a_layout
+                    )
+                    acc_g = warpgroup_mma(a_g, x_tile, acc_g, is_async=True)
+                    if GATED:
+                        a_u = _operand(
+                            w_u.slice(64 * j, 64, 1), sua if j == 0 else sub, w_layout, a_layout
+                        )
+                        acc_u = warpgroup_mma(a_u, x_tile, acc_u, is_async=True)
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                sga = sga_next
+                sgb = sgb_next
+                sua = sua_next
+                sub = sub_next
             async_copy.wait_group(0)
 
             # the epilogue, in the accumulator's layout
@@ -417,6 +436,10 @@ def launch_mx_hopper(
     """One GEMM of the weight-only op through _wo_mx_hopper_kernel: a k-permuted (permute_k),
     rows the aligned routing (fused_moe.GemmRows), params (alpha, beta, limit), constexprs
     the epilogue's (wo_moe._hopper_constexprs)."""
+    if block_m > MAX_BLOCK_M:
+        raise ValueError(
+            f"block_m {block_m} > {MAX_BLOCK_M}: the tile would not fit in shared memory"
+        )
     n_out = out.shape[1]
     dummy = rows.ids
     args = (

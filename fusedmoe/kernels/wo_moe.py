@@ -78,7 +78,7 @@ GEMV_MAX_SLOTS_PER_EXPERT = 0.25
 #: MXFP4 x bf16 on Hopper: calls of 2 tokens up to this many slots per expert run wo_hopper's
 #: Gluon kernel; one token stays on the decode kernel, prefill on the Triton tensor-core kernel
 #: (both faster there on an H200: docs/performance.md, "4-bit weight-only experts")
-HOPPER_MAX_SLOTS_PER_EXPERT = 32
+HOPPER_MAX_SLOTS_PER_EXPERT = 64
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: FUSEDMOE_WO_MMA_ORDER=1: 64 x 128 tiles on 4 warps take the register-direct path (wo_gemm,
 #: MMA_ORDER). Off by default: 3x slower on an H100 as it stands (docs/performance.md)
@@ -416,7 +416,7 @@ def _fused_experts_weight_only_impl(
             and num_slots <= HOPPER_MAX_SLOTS_PER_EXPERT * num_local
             and _mx_hopper(x, w13, w13_scale, w2, w2_scale, width)
         ):
-            block_m = config.block_m
+            block_m = min(config.block_m, wo_hopper.MAX_BLOCK_M)
             routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
             rows = GemmRows(
                 block_m, routing.expert_ids.shape[0], routing, topk_ids.reshape(-1),
