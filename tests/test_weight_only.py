@@ -373,7 +373,6 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, monkeypatch):
         hot[:, 0] = 3
     expert_map = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5, 6, 7], dtype=torch.int32, device="cuda")
     kw = dict(activation=activation, w13_bias=b13, w2_bias=b2, expert_map=expert_map)
-    monkeypatch.setattr(wo_moe, "HOPPER_MAX_SLOTS_PER_EXPERT", 10**6)  # every size here
     ran = []
     launch = wo_hopper.launch_mx_hopper
     monkeypatch.setattr(

@@ -18,8 +18,8 @@ weight rows x BK per GEMM. wo_kernel_config takes, in order: the scoped override
 dtype "wo_<format>"; an H100 table ships for gpt-oss MXFP4), the heuristic by slots per expert
 (heuristic_wo_config: 16-slot tiles while experts see a few tokens, then 64 and 128).
 
-MXFP4 x bf16 on Hopper, from 2 tokens up to HOPPER_MAX_SLOTS_PER_EXPERT slots per expert,
-runs both GEMMs through wo_hopper's Gluon kernel instead (x copied into its k order first).
+MXFP4 x bf16 on Hopper, from 2 tokens on, runs both GEMMs through wo_hopper's Gluon kernel
+instead (x copied into its k order first, tiles of at most 64 slots).
 
 Where each variant stands on an H100: docs/performance.md, "4-bit weight-only experts".
 """
@@ -75,10 +75,6 @@ _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: calls of at most this many slots per expert (uniform routing: each expert about one slot)
 #: run the decode kernel
 GEMV_MAX_SLOTS_PER_EXPERT = 0.25
-#: MXFP4 x bf16 on Hopper: calls of 2 tokens up to this many slots per expert run wo_hopper's
-#: Gluon kernel; one token stays on the decode kernel, prefill on the Triton tensor-core kernel
-#: (both faster there on an H200: docs/performance.md, "4-bit weight-only experts")
-HOPPER_MAX_SLOTS_PER_EXPERT = 64
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: FUSEDMOE_WO_MMA_ORDER=1: 64 x 128 tiles on 4 warps take the register-direct path (wo_gemm,
 #: MMA_ORDER). Off by default: 3x slower on an H100 as it stands (docs/performance.md)
@@ -412,8 +408,7 @@ def _fused_experts_weight_only_impl(
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
         if (
             fmt == wg.WF_MXFP4
-            and num_tokens > 1
-            and num_slots <= HOPPER_MAX_SLOTS_PER_EXPERT * num_local
+            and num_tokens > 1  # one token: the decode kernel is faster
             and _mx_hopper(x, w13, w13_scale, w2, w2_scale, width)
         ):
             block_m = min(config.block_m, wo_hopper.MAX_BLOCK_M)
