@@ -60,12 +60,9 @@ try:  # Gluon's Hopper API (see wgmma_gemm: the same versions are supported)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
-        mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     IMPORT_ERROR = ""
 except Exception as exc:
@@ -189,58 +186,6 @@ if gluon is not None:
         v = gl.reshape(gl.join(low, high), [64, 2, 4, 4, 2, 2])
         v = gl.reshape(gl.permute(v, (0, 1, 3, 5, 2, 4)), [64, 128])
         return gl.convert_layout(v, a_layout, assert_trivial=True)
-
-    @gluon.jit
-    def _epilogue(
-        acc_g, acc_u, e, pid_m, pid_n, live, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
-        topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit,
-        HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr,
-        HAS_LIMIT: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, H_DTYPE: gl.constexpr,
-        PERMUTE_OUT: gl.constexpr, BLOCK_M: gl.constexpr, mma: gl.constexpr,
-    ):  # fmt: skip
-        """Both kernels' epilogue, in the accumulator's layout: times 2^64, bias, GEMM1's
-        rounding and activation or GEMM2's rounding and routing weight, the store (GEMM1's
-        columns in the next GEMM's k order when PERMUTE_OUT)."""
-        acc_g = acc_g * _ACC_SCALE
-        acc_u = acc_u * _ACC_SCALE
-        offs_n = pid_n * 64 + gl.arange(0, 64, gl.SliceLayout(1, mma))
-        n_mask = offs_n < N
-        gate_rows, up_rows = gate_up_rows(offs_n, N, GATED, ACTIVATION)
-        slots = gl.load(
-            sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma)),
-            mask=live, other=num_slots,
-        )  # fmt: skip
-        row_mask = slots < num_slots
-        if HAS_BIAS:
-            bias_base = bias_ptr + e * stride_be
-            acc_g += gl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(
-                gl.float32
-            )[:, None]
-            if GATED:
-                acc_u += gl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(
-                    gl.float32
-                )[:, None]
-        if PERMUTE_OUT:  # column n of block n // 64 -> its tensor column (module docstring)
-            j = offs_n % 64
-            cols = (offs_n - j) + 16 * ((j // 4) % 4) + 8 * (j % 2) + 2 * (j // 16)
-            cols += (j // 2) % 2
-        else:
-            cols = offs_n
-        slot_rows = slots.to(gl.int64)
-        out_ptrs = out_ptr + slot_rows[None, :] * stride_om + cols[:, None]
-        out_mask = n_mask[:, None] & row_mask[None, :]
-        if ACTIVATION == _ACT_NONE:
-            y = acc_g
-            if MUL_ROUTED_WEIGHT:
-                y = round_to(y, H_DTYPE, False)
-                tw = gl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
-                y = y * tw[None, :]
-            gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            h_g = round_to(acc_g, H_DTYPE, False)
-            h_u = round_to(acc_u, H_DTYPE, False)
-            act = epilogue_activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
-            gl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @gluon.jit
     def _wo_mx_hopper_kernel(
@@ -404,212 +349,46 @@ if gluon is not None:
                 sub = sub_next
             async_copy.wait_group(0)
 
-            _epilogue(acc_g, acc_u, e, pid_m, pid_n, True, bias_ptr, stride_be, stride_bn,
-                      out_ptr, stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha,
-                      beta, limit, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT,
-                      H_DTYPE, PERMUTE_OUT, BLOCK_M, mma)  # fmt: skip
-
-    @gluon.jit
-    def _ws_producer(g_desc, u_desc, w_smem, full, empty, e, n0, num_k):
-        """One warp: the TMA copies of the weight tiles (gate, then up) of every K step into
-        the ring, a stage once the consumer released it."""
-        STAGES: gl.constexpr = full.shape[0]
-        W_PER_STAGE: gl.constexpr = w_smem.shape[0] // STAGES
-        BOX: gl.constexpr = g_desc.block_type.shape
-        for kb in range(num_k):
-            stage = kb % STAGES
-            mbarrier.wait(empty.index(stage), ((kb // STAGES) & 1) ^ 1)
-            bar = full.index(stage)
-            mbarrier.expect(bar, W_PER_STAGE * g_desc.block_type.nbytes)
-            dst = w_smem.index(W_PER_STAGE * stage)._reinterpret(gl.uint8, BOX, g_desc.layout)
-            tma.async_copy_global_to_shared(g_desc, [e, n0, kb * 128], bar, dst)
-            if W_PER_STAGE == 2:
-                dst = w_smem.index(2 * stage + 1)._reinterpret(gl.uint8, BOX, u_desc.layout)
-                tma.async_copy_global_to_shared(u_desc, [e, n0, kb * 128], bar, dst)
-
-    @gluon.jit
-    def _ws_consumer(w_smem, x_smem, full, empty, sg_ptrs, su_ptrs, s_mask, s_groups, x_ptrs,
-                     x_mask, x_cols, K, num_k):  # fmt: skip
-        """One warpgroup: the activations' copies (cp.async, STAGES - 1 steps ahead), the
-        scales (a step ahead), the decode and the wgmmas; returns the accumulators."""
-        STAGES: gl.constexpr = x_smem.shape[0]
-        BLOCK_M: gl.constexpr = x_smem.shape[1]
-        W_PER_STAGE: gl.constexpr = w_smem.shape[0] // STAGES
-        GATED: gl.constexpr = W_PER_STAGE == 2
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        w_layout: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [8, 0]],
-            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]],
-            block_bases=[],
-            shape=[64, 64],
-        )
-        num_groups = K // 32
-        for i in gl.static_range(STAGES - 1):
-            _issue_x(i, num_k, x_smem, x_ptrs, x_mask, x_cols, K, STAGES)
-            async_copy.commit_group()
-        sga = _load_scales(sg_ptrs, s_mask, s_groups, 0, num_groups)
-        sgb = _load_scales(sg_ptrs, s_mask, s_groups, 1, num_groups)
-        sua = sga
-        sub = sgb
-        if GATED:
-            sua = _load_scales(su_ptrs, s_mask, s_groups, 0, num_groups)
-            sub = _load_scales(su_ptrs, s_mask, s_groups, 1, num_groups)
-        acc_g = gl.zeros([64, BLOCK_M], gl.float32, mma)
-        acc_u = gl.zeros([64, BLOCK_M], gl.float32, mma)
-        for kb in range(num_k):
-            stage = kb % STAGES
-            sga_next = _load_scales(sg_ptrs, s_mask, s_groups, 2 * kb + 2, num_groups)
-            sgb_next = _load_scales(sg_ptrs, s_mask, s_groups, 2 * kb + 3, num_groups)
-            sua_next = sga_next
-            sub_next = sgb_next
-            if GATED:
-                sua_next = _load_scales(su_ptrs, s_mask, s_groups, 2 * kb + 2, num_groups)
-                sub_next = _load_scales(su_ptrs, s_mask, s_groups, 2 * kb + 3, num_groups)
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()  # step kb's activations landed; every warp is past kb - 1
-            _issue_x(kb + STAGES - 1, num_k, x_smem, x_ptrs, x_mask, x_cols, K, STAGES)
-            async_copy.commit_group()
-            fence_async_shared()
-            mbarrier.wait(full.index(stage), (kb // STAGES) & 1)
-            x_step = x_smem.index(stage)
-            w_g = w_smem.index(W_PER_STAGE * stage)
-            w_u = w_smem.index(W_PER_STAGE * stage + W_PER_STAGE - 1)
-            for j in gl.static_range(2):
-                x_tile = x_step.slice(128 * j, 128, 1).permute((1, 0))
-                a_g = _operand(w_g.slice(64 * j, 64, 1), sga if j == 0 else sgb, w_layout, a_layout)
-                acc_g = warpgroup_mma(a_g, x_tile, acc_g, is_async=True)
+            # the epilogue, in the accumulator's layout
+            acc_g = acc_g * _ACC_SCALE
+            acc_u = acc_u * _ACC_SCALE
+            offs_n = pid_n * BN + gl.arange(0, 64, gl.SliceLayout(1, mma))
+            n_mask = offs_n < N
+            gate_rows, up_rows = gate_up_rows(offs_n, N, GATED, ACTIVATION)
+            slots = gl.load(
+                sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma))
+            )
+            row_mask = slots < num_slots
+            if HAS_BIAS:
+                bias_base = bias_ptr + e * stride_be
+                acc_g += gl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(
+                    gl.float32
+                )[:, None]
                 if GATED:
-                    a_u = _operand(
-                        w_u.slice(64 * j, 64, 1), sua if j == 0 else sub, w_layout, a_layout
-                    )
-                    acc_u = warpgroup_mma(a_u, x_tile, acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty.index(stage), count=1)
-            sga = sga_next
-            sgb = sgb_next
-            sua = sua_next
-            sub = sub_next
-        async_copy.wait_group(0)
-        return acc_g, acc_u
-
-    @gluon.jit
-    def _issue_x(step, num_k, x_smem, x_ptrs, x_mask, x_cols, K, STAGES: gl.constexpr):
-        """The activations' cp.async copies of K step `step` (none past the last step)."""
-        k0 = step * 256
-        async_copy.async_copy_global_to_shared(
-            x_smem.index(step % STAGES), x_ptrs + k0,
-            mask=x_mask & (k0 + x_cols < K) & (step < num_k),
-        )  # fmt: skip
-
-    @gluon.jit
-    def _wo_mx_hopper_ws_kernel(
-        a_ptr, stride_am,  # [rows of A, K] bf16, k-permuted (permute_k), unit stride along K
-        g_desc, u_desc,  # TMA descriptors of the gate and up rows [E_l, N, K / 2] (box 1x64x128)
-        s_ptr, stride_se, stride_sn,  # [E_l, N_w, K / 32] uint8 (E8M0), unit stride along K
-        bias_ptr, stride_be, stride_bn,  # [E_l, N_w]
-        out_ptr, stride_om,  # [S, N], unit stride along N
-        topk_weights_ptr,  # float32 [S]
-        sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting
-        N, K, num_slots, max_blocks,
-        alpha, beta, limit,
-        A_ROW_DIV: gl.constexpr,
-        HAS_BIAS: gl.constexpr,
-        ACTIVATION: gl.constexpr,
-        GATED: gl.constexpr,
-        HAS_LIMIT: gl.constexpr,
-        MUL_ROUTED_WEIGHT: gl.constexpr,
-        H_DTYPE: gl.constexpr,
-        PERMUTE_OUT: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        GROUP_M: gl.constexpr,
-    ):  # fmt: skip
-        """_wo_mx_hopper_kernel with the weights brought by a producer warp through TMA (no
-        weight copies or their addresses in the consumer's registers)."""
-        BN: gl.constexpr = 64
-        BK: gl.constexpr = 256
-        pid = gl.program_id(0)
-        num_pid_n = gl.cdiv(N, BN)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = gl.minimum(max_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
-        num_post = gl.load(num_post_ptr)
-        live = pid_m * BLOCK_M < num_post
-        e32 = gl.load(expert_ids_ptr + pid_m, mask=live, other=0)
-        e = e32.to(gl.int64)
-        num_k = gl.where(live, gl.cdiv(K, BK), 0)
-
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        w4: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [8, 0, 0, 0]],
-            lane_bases=[[0, 0, 0, 8], [0, 0, 1, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
-            block_bases=[],
-            shape=[64, 2, 2, 16],
-        )
-        s3: gl.constexpr = gl.SliceLayout(3, w4)
-        x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        w_shared: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=8, rank=2
-        )
-        x_shared: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=16, rank=2
-        )
-        W_PER_STAGE: gl.constexpr = 2 if GATED else 1
-        w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * W_PER_STAGE, 64, 128], w_shared)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_shared)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-
-        # this thread's scale of each row and 64-column block: group 2 blk + c // 2
-        r3 = gl.arange(0, 64, gl.SliceLayout(1, gl.SliceLayout(2, s3)))
-        n_s = gl.expand_dims(gl.expand_dims(pid_n * BN + r3, 1), 2)
-        blk = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(2, s3)))
-        chi = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, s3)))
-        s_groups = (
-            gl.zeros([64, 2, 2], gl.int32, s3)
-            + 2 * gl.expand_dims(gl.expand_dims(blk, 0), 2)
-            + gl.expand_dims(gl.expand_dims(chi, 0), 1)
-        )  # fmt: skip
-        gate_s, up_s = gate_up_rows(n_s, N, GATED, ACTIVATION)
-        s_base = s_ptr + e * stride_se
-        sg_ptrs = s_base + gate_s.to(gl.int64) * stride_sn + s_groups
-        su_ptrs = s_base + up_s.to(gl.int64) * stride_sn + s_groups
-        s_mask = (s_groups * 0 + n_s) < N
-
-        slot_x = gl.load(
-            sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(1, x_layout)),
-            mask=live, other=num_slots,
-        )  # fmt: skip
-        t = gl.arange(0, BK, gl.SliceLayout(0, x_layout))
-        zero_x = gl.zeros([BLOCK_M, BK], gl.int32, x_layout)
-        x_cols = zero_x + 64 * (t // 64)[None, :]
-        x_ptrs = a_ptr + (slot_x // A_ROW_DIV).to(gl.int64)[:, None] * stride_am + t[None, :]
-        x_mask = (zero_x + slot_x[:, None]) < num_slots
-
-        consumer = (
-            w_smem, x_smem, full, empty, sg_ptrs, su_ptrs, s_mask, s_groups, x_ptrs, x_mask,
-            x_cols, K, num_k,
-        )  # fmt: skip
-        producer = (g_desc, u_desc, w_smem, full, empty, e32, pid_n * BN, num_k)
-        acc_g, acc_u = gl.warp_specialize(
-            [(_ws_consumer, consumer), (_ws_producer, producer)], [1], [40]
-        )
-        _epilogue(acc_g, acc_u, e, pid_m, pid_n, live, bias_ptr, stride_be, stride_bn,
-                  out_ptr, stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha,
-                  beta, limit, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT,
-                  H_DTYPE, PERMUTE_OUT, BLOCK_M, mma)  # fmt: skip
+                    acc_u += gl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(
+                        gl.float32
+                    )[:, None]
+            if PERMUTE_OUT:  # column n of block n // 64 -> its tensor column (module docstring)
+                j = offs_n % 64
+                cols = (offs_n - j) + 16 * ((j // 4) % 4) + 8 * (j % 2) + 2 * (j // 16)
+                cols += (j // 2) % 2
+            else:
+                cols = offs_n
+            slot_rows = slots.to(gl.int64)
+            out_ptrs = out_ptr + slot_rows[None, :] * stride_om + cols[:, None]
+            out_mask = n_mask[:, None] & row_mask[None, :]
+            if ACTIVATION == _ACT_NONE:
+                y = acc_g
+                if MUL_ROUTED_WEIGHT:
+                    y = round_to(y, H_DTYPE, False)
+                    tw = gl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
+                    y = y * tw[None, :]
+                gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                h_g = round_to(acc_g, H_DTYPE, False)
+                h_u = round_to(acc_u, H_DTYPE, False)
+                act = epilogue_activation(h_g, h_u, alpha, beta, limit, ACTIVATION, HAS_LIMIT)
+                gl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def permute_k(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -656,25 +435,6 @@ def mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width) -> str | N
     return None
 
 
-#: FUSEDMOE_WO_HOPPER_WS=1: the warp-specialized kernel (a TMA producer warp for the weights)
-_WS = os.environ.get("FUSEDMOE_WO_HOPPER_WS", "0") == "1"
-_SWIGLUOAI = 2  # fusedmoe.kernels.moe_gemm's code of gpt-oss's interleaved gate / up rows
-
-
-def _weight_descriptors(w, gated: bool, interleaved: bool, n_out: int):
-    """TMA descriptors of w's gate rows and up rows as [E_l, N, K / 2] views, 64 x 128 boxes."""
-    if not gated:
-        views = (w, w)
-    elif interleaved:
-        views = (w[:, 0::2], w[:, 1::2])
-    else:
-        views = (w[:, :n_out], w[:, n_out : 2 * n_out])
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
-    return tuple(
-        TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 64, 128], layout) for v in views
-    )
-
-
 def launch_mx_hopper(
     a, w, scale, bias, out, topk_weights, rows, num_slots, params, block_m, group_m,
     constexprs, permute_out,
@@ -683,20 +443,14 @@ def launch_mx_hopper(
     rows the aligned routing (fused_moe.GemmRows), params (alpha, beta, limit), constexprs
     the epilogue's (wo_moe._hopper_constexprs)."""
     if block_m > MAX_BLOCK_M:
-        raise ValueError(f"block_m {block_m} > {MAX_BLOCK_M}: the tile would not fit")
+        raise ValueError(
+            f"block_m {block_m} > {MAX_BLOCK_M}: the tile would not fit in shared memory"
+        )
     n_out = out.shape[1]
     dummy = rows.ids
-    if _WS:
-        weights = _weight_descriptors(
-            w, constexprs["GATED"], constexprs["ACTIVATION"] == _SWIGLUOAI, n_out
-        )
-        kernel = _wo_mx_hopper_ws_kernel
-    else:
-        weights = (w, w.stride(0), w.stride(1))
-        kernel = _wo_mx_hopper_kernel
     args = (
         a, a.stride(0),
-        *weights,
+        w, w.stride(0), w.stride(1),
         scale, scale.stride(0), scale.stride(1),
         *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
         out, out.stride(0),
@@ -706,8 +460,7 @@ def launch_mx_hopper(
         *params,
     )  # fmt: skip
     grid = (rows.num_blocks * triton.cdiv(n_out, BLOCK_N),)
-    stages = STAGES if not _WS else int(os.environ.get("FUSEDMOE_WO_HOPPER_WS_STAGES", "4"))
-    kernel[grid](
-        *args, **constexprs, PERMUTE_OUT=permute_out, BLOCK_M=block_m, STAGES=stages,
+    _wo_mx_hopper_kernel[grid](
+        *args, **constexprs, PERMUTE_OUT=permute_out, BLOCK_M=block_m, STAGES=STAGES,
         GROUP_M=group_m, num_warps=4, **_REG_LIMIT,
     )  # fmt: skip
