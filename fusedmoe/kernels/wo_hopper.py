@@ -80,15 +80,10 @@ __all__ = [
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma height
 #: K steps of 256 columns in shared memory (a power of two, at least 2): 2 measured fastest on
 #: an H200 (more CTAs per SM beat deeper rings), and with 128-slot tiles 2 is what fits
-STAGES = int(os.environ.get("FUSEDMOE_WO_HOPPER_STAGES", "2"))
-_REG_LIMIT = (
-    {"maxnreg": int(os.environ["FUSEDMOE_WO_HOPPER_MAXNREG"])}
-    if os.environ.get("FUSEDMOE_WO_HOPPER_MAXNREG")
-    else {}
-)
+STAGES = 2
 #: the widest slot tile (wider calls take more tiles of an expert, whose weights they share in
 #: L2): at 128 slots the kernel spills (255 registers) and ran 1.8x slower on an H200
-MAX_BLOCK_M = int(os.environ.get("FUSEDMOE_WO_HOPPER_MAX_BLOCK_M", "64"))
+MAX_BLOCK_M = 64
 #: FUSEDMOE_WO_HOPPER=0: the Triton kernels run MXFP4 x bf16 on Hopper too (for comparisons)
 _ENABLED = os.environ.get("FUSEDMOE_WO_HOPPER", "1") != "0"
 _ACT_NONE = tl.constexpr(-1)
@@ -462,5 +457,5 @@ def launch_mx_hopper(
     grid = (rows.num_blocks * triton.cdiv(n_out, BLOCK_N),)
     _wo_mx_hopper_kernel[grid](
         *args, **constexprs, PERMUTE_OUT=permute_out, BLOCK_M=block_m, STAGES=STAGES,
-        GROUP_M=group_m, num_warps=4, **_REG_LIMIT,
+        GROUP_M=group_m, num_warps=4,
     )  # fmt: skip
