@@ -404,3 +404,32 @@ def test_gpu_mx_schemes(scheme):
     out = fused_experts(*args, quant_config=qc, backend=_backend(scheme))
     ref = fused_experts(*args, quant_config=qc, backend="torch")
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("use_ue8m0", "activation", "num_tokens"), [
+    (False, "swigluoai", 1), (True, "silu", 37), (False, "swigluoai", 300),
+])  # fmt: skip
+def test_gpu_mxfp4_w4a8_on_the_hopper_kernel(use_ue8m0, activation, num_tokens, monkeypatch):
+    """On Hopper, deep_gemm_fp4 runs MXFP4 x FP8 through wo_hopper's MXFP4 x bf16 kernel (a1
+    dequantized, a2 through FP8 1 x 128 between the GEMMs): it ran, and it equals the torch
+    twin, with biases, one token and many, float32 and UE8M0 activation scales."""
+    from fusedmoe.kernels import wo_hopper
+
+    if wo_hopper.gluon is None or wo_hopper._device_reason(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernel needs Hopper and Triton 3.6")
+    w13, w2, qc = _quantized("mxfp4_w4a8", activation=activation, use_ue8m0=use_ue8m0)
+    b13, b2 = _biases()
+    weights, ids = _routing(num_tokens, E, K_TOP, empty=0.05)
+    x = _x(num_tokens)
+    ran = []
+    launch = wo_hopper.launch_mx_hopper
+    monkeypatch.setattr(
+        wo_hopper, "launch_mx_hopper", lambda *a, **k: ran.append(1) or launch(*a, **k)
+    )
+    kwargs = dict(quant_config=qc, activation=activation, w13_bias=b13, w2_bias=b2)
+    out = fused_experts(x, w13, w2, weights, ids, backend="deep_gemm_fp4", **kwargs)
+    assert len(ran) == 2, "wo_hopper's kernel did not run both GEMMs"
+    ref = fused_experts(x, w13, w2, weights, ids, backend="torch", **kwargs)
+    assert ref.abs().max() > 0
+    assert_close(out, ref, torch.bfloat16, **QUANT_TOL)

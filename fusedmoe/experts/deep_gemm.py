@@ -646,7 +646,66 @@ class DeepGemmFP4Experts(DeepGemmExperts):
 
     @classmethod
     def _engines(cls) -> str:
-        return "fusedmoe Triton GEMMs (the DeepGEMM library has no Hopper GEMM for MXFP4 weights)"
+        return (
+            "on Hopper with Triton 3.6's Gluon, the FP8 activations dequantized to bf16 into "
+            "the MXFP4 x bf16 Gluon kernel (fusedmoe.kernels.wo_hopper: Hopper has no FP4 tensor "
+            "cores), the intermediate through FP8 as the scheme says; elsewhere fusedmoe Triton "
+            "GEMMs (the DeepGEMM library has no Hopper GEMM for MXFP4 weights)"
+        )
+
+    def apply(self, call):
+        if self.engine == "auto" and self._apply_on_wo_hopper(call):
+            return
+        super().apply(call)
+
+    def _apply_on_wo_hopper(self, call) -> bool:
+        """The call on wo_hopper's kernel where it runs (see _engines): a1 dequantized from its
+        FP8 1 x 128 groups to bf16 (rounded once), both GEMMs with MXFP4 weights x bf16, a2
+        quantized to FP8 1 x 128 (UE8M0 scales where the config says) and read back between
+        them. False where the kernel does not run the call (the Triton GEMMs do)."""
+        from fusedmoe.kernels import wo_hopper
+        from fusedmoe.kernels.wo_moe import fused_experts_weight_only
+        from fusedmoe.quant.kernels import resolve_params
+
+        qc, weights, activation = call.quant_config, call.weights, call.activation
+        a1q, a1_scale = call.hidden_states, call.a1q_scale
+        if a1_scale is None or call.output.dtype != torch.bfloat16 or a1q.dim() != 2:
+            return False
+        m, hidden = a1q.shape
+        width = activation.kind.output_size(weights.w13.shape[1])
+        if hidden % 128 or a1_scale.shape != (m, hidden // 128):
+            return False
+        reason = wo_hopper.weights_unusable_reason(
+            a1q.device, call.output.dtype, hidden, width, weights.w13, qc.w1.scale,
+            weights.w2, qc.w2.scale,
+        )  # fmt: skip
+        if reason is not None:
+            self._log_once(f"{self.name}: the Triton GEMMs run MXFP4 x FP8: {reason}")
+            return False
+        x = (a1q.float().view(m, -1, 128) * a1_scale.float().view(m, -1, 1)).view(m, hidden)
+        fused_experts_weight_only(
+            call.output,
+            x.to(torch.bfloat16),
+            weights.w13,
+            weights.w2,
+            call.topk_weights.float().contiguous(),
+            call.topk_ids,
+            w_format="mxfp4",
+            group=32,
+            w13_scale=qc.w1.scale,
+            w2_scale=qc.w2.scale,
+            activation=activation.kind,
+            params=resolve_params(activation.kind, activation.params),
+            workspace13=call.workspace13,
+            workspace2=call.workspace2,
+            w13_bias=weights.w13_bias,
+            w2_bias=weights.w2_bias,
+            expert_map=call.expert_map,
+            mul_routed_weight=not call.apply_router_weight_on_input,
+            a2_fp8_group=128,
+            a2_ue8m0=qc.a2.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
+        )
+        return True
 
 
 __all__ = ["DeepGemmExperts", "DeepGemmFP4Experts"]

@@ -75,6 +75,7 @@ __all__ = [
     "launch_mx_hopper",
     "mx_hopper_unusable_reason",
     "permute_k",
+    "weights_unusable_reason",
 ]
 
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma height
@@ -409,23 +410,34 @@ def mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width) -> str | N
     """None where both GEMMs of the weight-only op run _wo_mx_hopper_kernel (x [M, H] bf16,
     MXFP4 w13 [E_l, N_w, H / 2] and w2 [E_l, H, width / 2] with E8M0 scales [E_l, rows, K /
     32], `width` GEMM1's output width), else why not."""
+    return weights_unusable_reason(
+        x.device, x.dtype, x.shape[1], width, w13, w13_scale, w2, w2_scale
+    )
+
+
+def weights_unusable_reason(
+    device, dtype, hidden, width, w13, w13_scale, w2, w2_scale
+) -> str | None:
+    """mx_hopper_unusable_reason from the activations' device, dtype and width only."""
     if not _ENABLED:
         return "FUSEDMOE_WO_HOPPER=0"
     if gluon is None:
         return f"Triton's Gluon API is not importable ({IMPORT_ERROR})"
-    if not x.is_cuda:
+    if device.type != "cuda":
         return "not on a CUDA GPU"
-    reason = _device_reason(x.device.index if x.device.index is not None else 0)
+    reason = _device_reason(device.index if device.index is not None else 0)
     if reason is not None:
         return reason
-    if x.dtype != torch.bfloat16:
-        return f"activations are {x.dtype}, the kernel decodes to bf16"
-    if x.shape[1] % 64 or width % 64:
-        return f"the hidden size ({x.shape[1]}) and width ({width}) must be multiples of 64"
+    if dtype != torch.bfloat16:
+        return f"activations are {dtype}, the kernel decodes to bf16"
+    if hidden % 64 or width % 64:
+        return f"the hidden size ({hidden}) and width ({width}) must be multiples of 64"
     for w, scale in ((w13, w13_scale), (w2, w2_scale)):
+        if w.dtype != torch.uint8 or w.dim() != 3:
+            return "the weights are not MXFP4 [E_l, rows, K / 2] uint8"
         if w.stride(2) != 1 or w.stride(1) % 16 or w.stride(0) % 16 or w.data_ptr() % 16:
             return "the weights' rows are not 16-byte aligned with unit stride"
-        if scale.dim() != 3 or scale.stride(2) != 1:
+        if scale is None or scale.dim() != 3 or scale.stride(2) != 1:
             return "the scales are not [E_l, rows, K / 32] with unit stride along K"
     return None
 

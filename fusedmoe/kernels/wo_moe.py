@@ -362,6 +362,16 @@ def _hopper_constexprs(common: dict) -> dict:
     return {**{k: common[k] for k in keep}, "H_DTYPE": common["H_DTYPE"]}
 
 
+def _fp8_round_trip(a: torch.Tensor, group: int, use_ue8m0: bool) -> None:
+    """a [S, W] bf16 <- its FP8 1 x group quantization, dequantized (in place; the last group
+    may be partial). wo_hopper's k order permutes columns within 64-column blocks only, so a
+    group holds the same columns in either order."""
+    from fusedmoe.quant.activation import per_token_group_quant_fp8
+
+    q, scale = per_token_group_quant_fp8(a, group, False, use_ue8m0)
+    a.copy_(q.float() * scale.repeat_interleave(group, dim=1)[:, : a.shape[1]])
+
+
 def _fused_experts_weight_only_impl(
     output: torch.Tensor,
     x: torch.Tensor,
@@ -388,6 +398,8 @@ def _fused_experts_weight_only_impl(
     w_format: str,
     group: int,
     mul_routed_weight: bool,
+    a2_fp8_group: int = 0,
+    a2_ue8m0: bool = False,
 ) -> None:
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
@@ -408,7 +420,7 @@ def _fused_experts_weight_only_impl(
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
         if (
             fmt == wg.WF_MXFP4
-            and num_tokens > 1  # one token: the decode kernel is faster
+            and (num_tokens > 1 or a2_fp8_group)  # one token: the decode kernel is faster
             and _mx_hopper(x, w13, w13_scale, w2, w2_scale, width)
         ):
             block_m = min(config.block_m, wo_hopper.MAX_BLOCK_M)
@@ -427,6 +439,8 @@ def _fused_experts_weight_only_impl(
                 wo_hopper.permute_k(x), w13, w13_scale, w13_bias, a2, topk_weights, rows,
                 num_slots, params[:3], block_m, group_m, _hopper_constexprs(common), True,
             )  # fmt: skip
+            if a2_fp8_group:  # an FP8 scheme's intermediate: quantized and read back
+                _fp8_round_trip(a2, a2_fp8_group, a2_ue8m0)
             common = _epilogue_constexprs(
                 a2, 1, fmt, group, None, w2_bias, None, params, mul_routed_weight, h_dtype
             )
@@ -436,6 +450,8 @@ def _fused_experts_weight_only_impl(
             )  # fmt: skip
             moe_sum(y, output, topk_ids, expert_map, num_local)
             return
+        if a2_fp8_group:
+            raise ValueError("a2_fp8_group runs on wo_hopper's kernel only (mx_hopper_runs)")
         if config.gemv is not None:
             ids = topk_ids.reshape(-1)
             common = dict(w_format=fmt, group=group, params=params, h_dtype=h_dtype)
@@ -475,7 +491,7 @@ _fused_experts_weight_only_op = torch.library.custom_op(
 def _(output, x, w13, w2, w13_scale, w2_scale, w13_zero, w2_zero, w13_global_scale,
       w2_global_scale, w13_bias, w2_bias, topk_weights, topk_ids, expert_map, workspace13,
       workspace2, activation, alpha, beta, limit, has_limit, w_format, group,
-      mul_routed_weight):  # fmt: skip
+      mul_routed_weight, a2_fp8_group=0, a2_ue8m0=False):  # fmt: skip
     return None
 
 
@@ -503,14 +519,32 @@ def fused_experts_weight_only(
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     mul_routed_weight: bool = True,
+    a2_fp8_group: int = 0,
+    a2_ue8m0: bool = False,
 ) -> None:
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts): w_format one of W_FORMATS, group the scales' group along K (0:
-    int8 per channel), topk_weights float32 [M, k]; params (alpha, beta, limit, has_limit)."""
+    int8 per channel), topk_weights float32 [M, k]; params (alpha, beta, limit, has_limit).
+    a2_fp8_group (MXFP4 on Hopper only, mx_hopper_runs): the intermediate activation goes
+    through FP8 1 x a2_fp8_group quantization (UE8M0 scales with a2_ue8m0) between the GEMMs,
+    as mxfp4_w4a8 defines it."""
+    if a2_fp8_group and not mx_hopper_runs(
+        x, w13, w2, w_format, group, activation, w13_scale, w2_scale
+    ):
+        raise ValueError("a2_fp8_group runs on wo_hopper's kernel only (mx_hopper_runs)")
     alpha, beta, limit, has_limit = params
     op_or_impl(_fused_experts_weight_only_op, _fused_experts_weight_only_impl)(
         output, x, w13, w2, w13_scale, w2_scale, w13_zero, w2_zero, w13_global_scale,
         w2_global_scale, w13_bias, w2_bias, topk_weights, topk_ids, expert_map, workspace13,
         workspace2, activation.value, alpha, beta, limit, has_limit, w_format, group,
-        mul_routed_weight,
+        mul_routed_weight, a2_fp8_group, a2_ue8m0,
     )  # fmt: skip
+
+
+def mx_hopper_runs(x, w13, w2, w_format, group, activation, w13_scale, w2_scale) -> bool:
+    """Whether the op can run both GEMMs on wo_hopper's Gluon kernel (it does from 2 tokens,
+    and at one token where a2_fp8_group asks for it)."""
+    width = activation.output_size(w13.shape[1])
+    return (
+        w_format == "mxfp4" and group == 32 and _mx_hopper(x, w13, w13_scale, w2, w2_scale, width)
+    )
