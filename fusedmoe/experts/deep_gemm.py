@@ -673,7 +673,7 @@ class DeepGemmFP4Experts(DeepGemmExperts):
             return False
         m, hidden = a1q.shape
         width = activation.kind.output_size(weights.w13.shape[1])
-        if hidden % 128 or a1_scale.shape != (m, hidden // 128):
+        if a1_scale.shape != (m, -(-hidden // 128)):
             return False
         reason = wo_hopper.weights_unusable_reason(
             a1q.device, call.output.dtype, hidden, width, weights.w13, qc.w1.scale,
@@ -682,7 +682,7 @@ class DeepGemmFP4Experts(DeepGemmExperts):
         if reason is not None:
             self._log_once(f"{self.name}: the Triton GEMMs run MXFP4 x FP8: {reason}")
             return False
-        x = (a1q.float().view(m, -1, 128) * a1_scale.float().view(m, -1, 1)).view(m, hidden)
+        x = a1q.float() * a1_scale.float().repeat_interleave(128, dim=1)[:, :hidden]
         fused_experts_weight_only(
             call.output,
             x.to(torch.bfloat16),
