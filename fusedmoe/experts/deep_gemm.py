@@ -61,7 +61,12 @@ FUSEDMOE_DEEP_GEMM=0 hides the library from the process.
 
 MX formats: Blackwell (compute capability 10.x) has MX tensor-core instructions; Hopper has
 none, so the Triton kernels dequantize MX operands to bf16 in their load path (exact, see
-fusedmoe.kernels.moe_gemm) -- on Blackwell too, for now.
+fusedmoe.kernels.moe_gemm) -- on Blackwell too, for now. deep_gemm_fp4 on Hopper with Triton
+3.6's Gluon (engine "auto") does not take the contiguous path at all: it dequantizes the FP8
+activations to bf16 (rounded once) and runs fusedmoe.kernels.wo_hopper's MXFP4 x bf16 kernel
+through the weight-only op, the intermediate quantized to FP8 1 x 128 and read back between
+the GEMMs (DeepGemmFP4Experts._apply_on_wo_hopper); any token count, K and the intermediate
+size multiples of 64.
 
 On the triton engine the DeepGEMM contract runs only some calls (valid_call_reason: at least
 `alignment` tokens, N and K multiples of it, N > 512, FP8 / FP4 weights, contiguous tensors).
