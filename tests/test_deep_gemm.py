@@ -407,29 +407,52 @@ def test_gpu_mx_schemes(scheme):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("use_ue8m0", "activation", "num_tokens"), [
-    (False, "swigluoai", 1), (True, "silu", 37), (False, "swigluoai", 300),
-])  # fmt: skip
-def test_gpu_mxfp4_w4a8_on_the_hopper_kernel(use_ue8m0, activation, num_tokens, monkeypatch):
+@pytest.mark.parametrize(
+    ("hidden", "use_ue8m0", "activation", "num_tokens", "extra"),
+    [
+        (2880, False, "swigluoai", 1, None),  # gpt-oss's K: a partial last 1 x 128 group
+        (256, True, "silu", 37, "expert_map"),
+        (2880, False, "swigluoai", 300, None),
+        (256, False, "silu", 64, "router_weight_on_input"),  # k = 1, GEMM2 unweighted
+    ],
+)
+def test_gpu_mxfp4_w4a8_on_the_hopper_kernel(
+    hidden, use_ue8m0, activation, num_tokens, extra, monkeypatch
+):
     """On Hopper, deep_gemm_fp4 runs MXFP4 x FP8 through wo_hopper's MXFP4 x bf16 kernel (a1
-    dequantized, a2 through FP8 1 x 128 between the GEMMs): it ran, and it equals the torch
-    twin, with biases, one token and many, float32 and UE8M0 activation scales."""
-    from fusedmoe.kernels import wo_hopper
+    dequantized, a2 through FP8 1 x 128 between the GEMMs): both GEMMs ran there, a2 took the
+    round trip with the config's scale format, and the output equals the torch twin, with
+    biases, one token and many, an expert_map, the router weight on the input."""
+    from fusedmoe.kernels import wo_hopper, wo_moe
 
     if wo_hopper.gluon is None or wo_hopper._device_reason(torch.cuda.current_device()):
         pytest.skip("the Gluon kernel needs Hopper and Triton 3.6")
-    w13, w2, qc = _quantized("mxfp4_w4a8", activation=activation, use_ue8m0=use_ue8m0)
-    b13, b2 = _biases()
-    weights, ids = _routing(num_tokens, E, K_TOP, empty=0.05)
-    x = _x(num_tokens)
-    ran = []
-    launch = wo_hopper.launch_mx_hopper
-    monkeypatch.setattr(
-        wo_hopper, "launch_mx_hopper", lambda *a, **k: ran.append(1) or launch(*a, **k)
-    )
+    experts = random_experts(E, hidden, I, activation, dtype=torch.bfloat16)
+    w13, w2, qc = quantize_experts(experts["w13"], experts["w2"], "mxfp4_w4a8", use_ue8m0=use_ue8m0)
+    w13, w2, qc = w13.to(DEVICE), w2.to(DEVICE), quant_config_to(qc, DEVICE)
+    b13 = (torch.randn(E, 2 * I, device=DEVICE) * 3).to(torch.bfloat16)
+    b2 = torch.randn(E, hidden, device=DEVICE).to(torch.bfloat16)
+    top_k = 1 if extra == "router_weight_on_input" else K_TOP
+    weights, ids = _routing(num_tokens, 2 * E if extra == "expert_map" else E, top_k, empty=0.05)
+    x = torch.randn(num_tokens, hidden, dtype=torch.bfloat16, device=DEVICE)
     kwargs = dict(quant_config=qc, activation=activation, w13_bias=b13, w2_bias=b2)
+    if extra == "expert_map":  # rank 1 of 2: global experts [E, 2E) are local
+        expert_map = torch.full((2 * E,), -1, dtype=torch.int32, device=DEVICE)
+        expert_map[E:] = torch.arange(E, dtype=torch.int32, device=DEVICE)
+        kwargs["expert_map"] = expert_map
+    if extra == "router_weight_on_input":
+        kwargs["apply_router_weight_on_input"] = True
+    launches, trips = [], []
+    launch, trip = wo_hopper.launch_mx_hopper, wo_moe._fp8_round_trip
+    monkeypatch.setattr(
+        wo_hopper, "launch_mx_hopper", lambda *a, **k: launches.append(1) or launch(*a, **k)
+    )
+    monkeypatch.setattr(
+        wo_moe, "_fp8_round_trip", lambda a, g, u: trips.append((g, u)) or trip(a, g, u)
+    )
     out = fused_experts(x, w13, w2, weights, ids, backend="deep_gemm_fp4", **kwargs)
-    assert len(ran) == 2, "wo_hopper's kernel did not run both GEMMs"
+    assert len(launches) == 2, "wo_hopper's kernel did not run both GEMMs"
+    assert trips == [(128, use_ue8m0)], trips
     ref = fused_experts(x, w13, w2, weights, ids, backend="torch", **kwargs)
     assert ref.abs().max() > 0
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)

@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from fusedmoe import FusedMoE, fused_experts, select_backend
+from fusedmoe.activation import MoEActivation
 from fusedmoe.kernels import wo_moe
 from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config, wo_kernel_config
 from fusedmoe.quant import quantize_experts
@@ -356,7 +357,7 @@ def test_reference_refuses_graph_capture():
 def test_mx_hopper_kernel(h, i, m, activation, skew, monkeypatch):
     """MXFP4 x bf16 on Hopper: wo_hopper's Gluon kernel against the Triton kernels and the
     float64 torch twin on the same call, with biases, empty slots, an expert_map, K and N not
-    multiples of the 128-wide step, one token and many, uniform and skewed routing (most slots
+    multiples of the 256-wide step, 2 tokens and many, uniform and skewed routing (most slots
     on one expert); a hidden size it cannot take goes to the Triton kernels."""
     from fusedmoe.kernels import wo_hopper
 
@@ -401,3 +402,47 @@ def test_permute_k_round_trip():
     assert sorted(p[2].tolist()) == x[2].tolist()
     out = torch.empty_like(x)
     assert torch.equal(wo_hopper.permute_k(x, out), p) and torch.equal(out, p)
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+@pytest.mark.parametrize("width", [256, 320, 96])  # whole groups, a partial last one, < 128
+def test_fp8_round_trip_of_a2(width, use_ue8m0):
+    """wo_moe._fp8_round_trip (mxfp4_w4a8's intermediate on wo_hopper): each 1 x 128 group
+    quantized to FP8 and read back, the partial last group included, float32 or UE8M0 scales;
+    and it is the identity on values already on that grid."""
+    from fusedmoe.quant.activation import per_token_group_quant_fp8_torch
+
+    a = (torch.randn(5, width) * torch.logspace(-3, 2, width)).to(torch.bfloat16)
+    q, scale = per_token_group_quant_fp8_torch(a, 128, use_ue8m0=use_ue8m0)
+    want = torch.empty(5, width)
+    for g in range(scale.shape[1]):
+        cols = slice(128 * g, min(128 * (g + 1), width))
+        want[:, cols] = q[:, cols].float() * scale[:, g : g + 1]
+    got = a.clone()
+    wo_moe._fp8_round_trip(got, 128, use_ue8m0)
+    assert torch.equal(got, want.to(torch.bfloat16))
+    assert not torch.equal(got, a)  # the round trip changed something
+    again = got.clone()
+    wo_moe._fp8_round_trip(again, 128, use_ue8m0)
+    if use_ue8m0:  # power-of-two scales: the grid is closed under the round trip
+        assert torch.equal(again, got)
+    colmajor = scale.t().contiguous().t()
+    assert torch.equal(wo_moe.dequantize_groups(q, colmajor, 128), want)
+
+
+def test_a2_fp8_group_is_checked():
+    """a2_fp8_group must be a multiple of 64 and needs wo_hopper's kernel: on the CPU it raises."""
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    q13, q2, qc, _, _ = _experts("mxfp4_w4a16", {}, 2, 64, 64, "silu", False, device="cpu")
+    weights, ids = random_routing(4, 2, 1)
+    common = dict(
+        w_format="mxfp4", group=32, w13_scale=qc.w1.scale, w2_scale=qc.w2.scale,
+        activation=MoEActivation("silu"), params=(1.0, 0.0, 0.0, False),
+        workspace13=torch.empty(4, 64, dtype=torch.bfloat16),
+        workspace2=torch.empty(4, 64, dtype=torch.bfloat16),
+    )  # fmt: skip
+    out = torch.empty(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        wo_moe.fused_experts_weight_only(out, x, q13, q2, weights, ids, a2_fp8_group=32, **common)
+    with pytest.raises(ValueError, match="wo_hopper's kernel only"):
+        wo_moe.fused_experts_weight_only(out, x, q13, q2, weights, ids, a2_fp8_group=128, **common)

@@ -66,7 +66,8 @@ fusedmoe.kernels.moe_gemm) -- on Blackwell too, for now. deep_gemm_fp4 on Hopper
 activations to bf16 (rounded once) and runs fusedmoe.kernels.wo_hopper's MXFP4 x bf16 kernel
 through the weight-only op, the intermediate quantized to FP8 1 x 128 and read back between
 the GEMMs (DeepGemmFP4Experts._apply_on_wo_hopper); any token count, K and the intermediate
-size multiples of 64.
+size multiples of 64. That path has no alignment contract, so there a call requested by name
+outside valid_call_reason runs instead of raising.
 
 On the triton engine the DeepGEMM contract runs only some calls (valid_call_reason: at least
 `alignment` tokens, N and K multiples of it, N > 512, FP8 / FP4 weights, contiguous tensors).
@@ -659,7 +660,11 @@ class DeepGemmFP4Experts(DeepGemmExperts):
         )
 
     def apply(self, call):
-        if self.engine == "auto" and self._apply_on_wo_hopper(call):
+        if (
+            self.engine == "auto"
+            and self.supports_quant_config(call.quant_config)
+            and self._apply_on_wo_hopper(call)
+        ):
             return
         super().apply(call)
 
@@ -669,7 +674,7 @@ class DeepGemmFP4Experts(DeepGemmExperts):
         quantized to FP8 1 x 128 (UE8M0 scales where the config says) and read back between
         them. False where the kernel does not run the call (the Triton GEMMs do)."""
         from fusedmoe.kernels import wo_hopper
-        from fusedmoe.kernels.wo_moe import fused_experts_weight_only
+        from fusedmoe.kernels.wo_moe import dequantize_groups, fused_experts_weight_only
         from fusedmoe.quant.kernels import resolve_params
 
         qc, weights, activation = call.quant_config, call.weights, call.activation
@@ -687,10 +692,10 @@ class DeepGemmFP4Experts(DeepGemmExperts):
         if reason is not None:
             self._log_once(f"{self.name}: the Triton GEMMs run MXFP4 x FP8: {reason}")
             return False
-        x = a1q.float() * a1_scale.float().repeat_interleave(128, dim=1)[:, :hidden]
+        x = dequantize_groups(a1q, a1_scale.float(), 128).to(torch.bfloat16)
         fused_experts_weight_only(
             call.output,
-            x.to(torch.bfloat16),
+            x,
             weights.w13,
             weights.w2,
             call.topk_weights.float().contiguous(),

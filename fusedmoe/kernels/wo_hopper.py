@@ -3,7 +3,8 @@ bytes straight into wgmma's left operand, the loads pipelined in shared memory.
 
 The weight-only GEMM of fusedmoe.kernels.wo_gemm, same operands and epilogues, on one
 warpgroup: a program computes a 64 x BM tile of the transposed output (64 weight rows by BM
-routed slots of one expert) over K in steps of 128,
+routed slots of one expert, BM <= MAX_BLOCK_M) over K in steps of 256 (two sub-steps of 128,
+one wgmma each),
 
     acc[n, m] = sum over k of  deq(w[e, row(n), k]) * A[slot(m) // A_ROW_DIV, k]
 
@@ -26,16 +27,18 @@ E8M0 scale (group 32), and decoding a run of 4 bytes gives wgmma's registers as 
 (low nibbles of bytes 0, 1), (of 2, 3), (high nibbles of 0, 1), (of 2, 3). The activations
 must come in the same order: `permute_k` writes a copy of x (GEMM1's input) so, GEMM1 stores
 its output so (PERMUTE_OUT), and GEMM2 reads it as it is. K and GEMM1's N must be multiples of
-64 (the launcher checks).
+64 (weights_unusable_reason checks; the caller asks it before launching).
 
-Per K step (two blocks): wait for the stage, refill the stage freed by the previous step
-(cp.async, STAGES - 1 steps ahead: 8-byte weight runs, 16-byte activation runs), read this
-thread's weight bytes from the stage, decode them in PTX (_fp4_scaled: sign and magnitude bits
-placed into a bf16, which holds e2m1 * 2^-126, times the scale as 2^(s - 65): exact, the
-product e2m1 * 2^(s - 191)), wgmma with the activation tile. The accumulator leaves times 2^64.
-The scales load from global memory two steps ahead into registers (a byte per row and block:
-too small for cp.async). Scale codes must lie in [58, 192] (2^-69 .. 2^65: real weights'
-scales are near 2^-8): below, products lose bits to bf16's subnormals; above, they overflow.
+Per K step (four 64-column blocks): wait for the stage, refill the stage freed by the
+previous step (cp.async, STAGES - 1 steps ahead, 16-byte copies: 128 bytes of each weight row
+a step, into a shared layout whose 16-byte chunks are swizzled by row), then per sub-step read
+this thread's weight bytes (8-byte runs) from the stage, decode them in PTX (_fp4_scaled: sign
+and magnitude bits placed into a bf16, which holds e2m1 * 2^-126, times the scale as 2^(s -
+65): exact, the product e2m1 * 2^(s - 191)), and wgmma with the activation tile. The
+accumulator leaves times 2^64. The scales load from global memory one step ahead into
+registers (a byte per row and block: too small for cp.async). Scale codes must lie in [59,
+192] (2^-68 .. 2^65; real weights' scales are near 2^-8): below, products lose bits to bf16's
+subnormals; above, 2^(s - 65) overflows. The kernel is exact inside that range.
 
 Columns past K read as code 0 (weights) and 0.0 (activations). The epilogues are wo_gemm's:
 GEMM1 bias, rounding to the activation dtype and the activation (gate and up tiles of the
@@ -80,7 +83,7 @@ __all__ = [
 
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma height
 #: K steps of 256 columns in shared memory (a power of two, at least 2): 2 measured fastest on
-#: an H200 (more CTAs per SM beat deeper rings), and with 128-slot tiles 2 is what fits
+#: an H200 (3 CTAs per SM at 16 slots beat deeper rings on 2)
 STAGES = 2
 #: the widest slot tile (wider calls take more tiles of an expert, whose weights they share in
 #: L2): at 128 slots the kernel spills (255 registers) and ran 1.8x slower on an H200
@@ -435,11 +438,23 @@ def weights_unusable_reason(
     for w, scale in ((w13, w13_scale), (w2, w2_scale)):
         if w.dtype != torch.uint8 or w.dim() != 3:
             return "the weights are not MXFP4 [E_l, rows, K / 2] uint8"
-        if w.stride(2) != 1 or w.stride(1) % 16 or w.stride(0) % 16 or w.data_ptr() % 16:
+        if w.stride(2) != 1 or w.stride(1) % 16 or w.stride(0) % 16 or _misaligned(w):
             return "the weights' rows are not 16-byte aligned with unit stride"
         if scale is None or scale.dim() != 3 or scale.stride(2) != 1:
             return "the scales are not [E_l, rows, K / 32] with unit stride along K"
+        if scale.dtype != torch.uint8 or scale.shape[:2] != w.shape[:2]:
+            return "the scales are not E8M0 (uint8) with one row per weight row"
+        if scale.shape[2] * 16 != w.shape[2]:
+            return "the scales are not one per 32 columns of the weights"
+    if w13.shape[2] * 2 != hidden or w2.shape[2] * 2 != width:
+        return "the weights' widths do not match the hidden size and GEMM1's output width"
     return None
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+    """t's first element is not 16-byte aligned from its storage's start (the allocator aligns
+    storages): metadata only, so a traced call (torch.compile) can ask it."""
+    return (t.storage_offset() * t.element_size()) % 16 != 0
 
 
 def launch_mx_hopper(

@@ -18,10 +18,18 @@ weight rows x BK per GEMM. wo_kernel_config takes, in order: the scoped override
 dtype "wo_<format>"; an H100 table ships for gpt-oss MXFP4), the heuristic by slots per expert
 (heuristic_wo_config: 16-slot tiles while experts see a few tokens, then 64 and 128).
 
-MXFP4 x bf16 on Hopper, from 2 tokens on, runs both GEMMs through wo_hopper's Gluon kernel
-instead (x copied into its k order first, tiles of at most 64 slots).
+MXFP4 x bf16 on Hopper (wo_hopper.weights_unusable_reason says where) runs both GEMMs through
+wo_hopper's Gluon kernel instead, from 2 tokens on (one token stays on the decode kernel,
+faster there), and at any token count when a2_fp8_group is set:
 
-Where each variant stands on an H100: docs/performance.md, "4-bit weight-only experts".
+    x'      = permute_k(x)                                # the kernel's k order
+    a2      = GEMM1 on x', stored in the same k order     # tiles of min(BM, 64) slots
+    a2      = dequantize(fp8_quantize(a2, 1 x a2_fp8_group))   # a2_fp8_group only (w4a8)
+    y, output as above
+
+Only BM (capped at wo_hopper.MAX_BLOCK_M) and GROUP_M of the config apply there; the tables
+were tuned for the Triton kernels. Where each variant stands: docs/performance.md, "4-bit
+weight-only experts" (H100) and "MXFP4 x bf16 on Hopper in Gluon" (H200).
 """
 
 from __future__ import annotations
@@ -369,7 +377,20 @@ def _fp8_round_trip(a: torch.Tensor, group: int, use_ue8m0: bool) -> None:
     from fusedmoe.quant.activation import per_token_group_quant_fp8
 
     q, scale = per_token_group_quant_fp8(a, group, False, use_ue8m0)
-    a.copy_(q.float() * scale.repeat_interleave(group, dim=1)[:, : a.shape[1]])
+    a.copy_(dequantize_groups(q, scale, group))
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """q [M, W] (FP8) times its 1 x group scales [M, ceil(W / group)] (any strides; the last
+    group may be partial), as float32."""
+    m, w = q.shape
+    out = q.float()
+    full = w // group * group
+    if full:
+        out[:, :full].view(m, -1, group).mul_(scale[:, : full // group].unsqueeze(2))
+    if full < w:
+        out[:, full:].mul_(scale[:, full // group :])
+    return out
 
 
 def _fused_experts_weight_only_impl(
@@ -450,8 +471,8 @@ def _fused_experts_weight_only_impl(
             )  # fmt: skip
             moe_sum(y, output, topk_ids, expert_map, num_local)
             return
-        if a2_fp8_group:
-            raise ValueError("a2_fp8_group runs on wo_hopper's kernel only (mx_hopper_runs)")
+        if a2_fp8_group:  # fused_experts_weight_only checked: the kernel runs it
+            raise ValueError("a2_fp8_group runs on wo_hopper's kernel only (mx_hopper_reason)")
         if config.gemv is not None:
             ids = topk_ids.reshape(-1)
             common = dict(w_format=fmt, group=group, params=params, h_dtype=h_dtype)
@@ -525,13 +546,18 @@ def fused_experts_weight_only(
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts): w_format one of W_FORMATS, group the scales' group along K (0:
     int8 per channel), topk_weights float32 [M, k]; params (alpha, beta, limit, has_limit).
-    a2_fp8_group (MXFP4 on Hopper only, mx_hopper_runs): the intermediate activation goes
+    a2_fp8_group (MXFP4 on Hopper only, mx_hopper_reason): the intermediate activation goes
     through FP8 1 x a2_fp8_group quantization (UE8M0 scales with a2_ue8m0) between the GEMMs,
     as mxfp4_w4a8 defines it."""
-    if a2_fp8_group and not mx_hopper_runs(
-        x, w13, w2, w_format, group, activation, w13_scale, w2_scale
-    ):
-        raise ValueError("a2_fp8_group runs on wo_hopper's kernel only (mx_hopper_runs)")
+    if a2_fp8_group:
+        if a2_fp8_group < 0 or a2_fp8_group % 64:
+            raise ValueError(
+                f"a2_fp8_group must be a positive multiple of 64 (wo_hopper permutes columns "
+                f"within 64-column blocks), got {a2_fp8_group}"
+            )
+        reason = mx_hopper_reason(x, w13, w2, w_format, group, activation, w13_scale, w2_scale)
+        if reason is not None:
+            raise ValueError(f"a2_fp8_group runs on wo_hopper's kernel only, not here: {reason}")
     alpha, beta, limit, has_limit = params
     op_or_impl(_fused_experts_weight_only_op, _fused_experts_weight_only_impl)(
         output, x, w13, w2, w13_scale, w2_scale, w13_zero, w2_zero, w13_global_scale,
@@ -541,10 +567,10 @@ def fused_experts_weight_only(
     )  # fmt: skip
 
 
-def mx_hopper_runs(x, w13, w2, w_format, group, activation, w13_scale, w2_scale) -> bool:
-    """Whether the op can run both GEMMs on wo_hopper's Gluon kernel (it does from 2 tokens,
-    and at one token where a2_fp8_group asks for it)."""
+def mx_hopper_reason(x, w13, w2, w_format, group, activation, w13_scale, w2_scale):
+    """None where the op can run both GEMMs on wo_hopper's Gluon kernel (it does from 2 tokens,
+    and at one token where a2_fp8_group asks for it), else why not."""
+    if w_format != "mxfp4" or group != 32:
+        return f"the weights are {w_format} in groups of {group}, the kernel takes MXFP4"
     width = activation.output_size(w13.shape[1])
-    return (
-        w_format == "mxfp4" and group == 32 and _mx_hopper(x, w13, w13_scale, w2, w2_scale, width)
-    )
+    return wo_hopper.mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width)
