@@ -402,6 +402,8 @@ def test_permute_k_round_trip():
     assert sorted(p[2].tolist()) == x[2].tolist()
     out = torch.empty_like(x)
     assert torch.equal(wo_hopper.permute_k(x, out), p) and torch.equal(out, p)
+    strided = torch.arange(3 * 256, dtype=torch.float32).view(128, 6).t()[:, :128]
+    assert torch.equal(wo_hopper.permute_k(strided), wo_hopper.permute_k(strided.contiguous()))
 
 
 @pytest.mark.parametrize("use_ue8m0", [False, True])

@@ -395,7 +395,7 @@ def permute_k(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     out[:, 64 i + t] = x[:, 64 i + k(t)], t = 16 s + 8 h + 2 c + b, k(t) = 16 c + 4 s + 2 b + h
     (the module docstring)."""
     m, k = x.shape
-    src = x.view(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 5, 2, 4)
+    src = x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 5, 2, 4)  # any strides
     if out is None:
         return src.reshape(m, k)
     out.view(m, k // 64, 4, 2, 4, 2).copy_(src)
