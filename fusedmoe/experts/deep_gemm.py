@@ -674,8 +674,7 @@ class DeepGemmFP4Experts(DeepGemmExperts):
         quantized to FP8 1 x 128 (UE8M0 scales where the config says) and read back between
         them. False where the kernel does not run the call (the Triton GEMMs do)."""
         from fusedmoe.kernels import wo_hopper
-        from fusedmoe.kernels.wo_moe import dequantize_groups, fused_experts_weight_only
-        from fusedmoe.quant.kernels import resolve_params
+        from fusedmoe.kernels.wo_moe import dequantize_groups
 
         qc, weights, activation = call.quant_config, call.weights, call.activation
         a1q, a1_scale = call.hidden_states, call.a1q_scale
@@ -693,28 +692,10 @@ class DeepGemmFP4Experts(DeepGemmExperts):
             self._log_once(f"{self.name}: the Triton GEMMs run MXFP4 x FP8: {reason}")
             return False
         x = dequantize_groups(a1q, a1_scale.float(), 128).to(torch.bfloat16)
-        fused_experts_weight_only(
-            call.output,
-            x,
-            weights.w13,
-            weights.w2,
-            call.topk_weights.float().contiguous(),
-            call.topk_ids,
-            w_format="mxfp4",
-            group=32,
-            w13_scale=qc.w1.scale,
-            w2_scale=qc.w2.scale,
-            activation=activation.kind,
-            params=resolve_params(activation.kind, activation.params),
-            workspace13=call.workspace13,
-            workspace2=call.workspace2,
-            w13_bias=weights.w13_bias,
-            w2_bias=weights.w2_bias,
-            expert_map=call.expert_map,
-            mul_routed_weight=not call.apply_router_weight_on_input,
-            a2_fp8_group=128,
+        TritonExperts()._apply_weight_only(
+            call, "mxfp4", 32, x=x, a2_fp8_group=128,
             a2_ue8m0=qc.a2.key == keys.FP8_DYNAMIC_GROUP128_UE8M0,
-        )
+        )  # fmt: skip
         return True
 
 

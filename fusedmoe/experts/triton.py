@@ -179,15 +179,19 @@ class TritonExperts(Experts):
             gate=gate,
         )
 
-    def _apply_weight_only(self, call, w_format: str, group: int) -> None:
-        """4- and 8-bit weights x activations in the layer's dtype (fusedmoe.kernels.wo_moe)."""
+    def _apply_weight_only(
+        self, call, w_format: str, group: int, x=None, a2_fp8_group: int = 0, a2_ue8m0=False
+    ) -> None:
+        """4- and 8-bit weights x activations in the layer's dtype (fusedmoe.kernels.wo_moe); x
+        in place of call.hidden_states, and a2_fp8_group / a2_ue8m0 (the op's), where a caller
+        (deep_gemm_fp4) gives them."""
         from fusedmoe.kernels.wo_moe import fused_experts_weight_only
         from fusedmoe.quant.kernels import resolve_params
 
         qc, weights, activation = call.quant_config, call.weights, call.activation
         fused_experts_weight_only(
             call.output,
-            call.hidden_states,
+            call.hidden_states if x is None else x,
             weights.w13,
             weights.w2,
             call.topk_weights.float().contiguous(),
@@ -208,6 +212,8 @@ class TritonExperts(Experts):
             w2_bias=weights.w2_bias,
             expert_map=call.expert_map,
             mul_routed_weight=not call.apply_router_weight_on_input,
+            a2_fp8_group=a2_fp8_group,
+            a2_ue8m0=a2_ue8m0,
         )
 
     def _apply_recorded(self, call) -> None:

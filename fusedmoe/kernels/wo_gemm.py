@@ -88,41 +88,39 @@ _ACT_NONE = tl.constexpr(-1)
 #   INT4: bf16 bits = 0x4300 | q, which is 128 + q exactly; plus the offset -(128 + zero) (exact),
 #   times the scale.
 # Products use fma.rn.bf16x2 with -0.0 added (sm_80 on; mul.bf16x2 needs sm_90).
-_FP4_ASM = tl.constexpr("""
-{
-.reg .b32 x, y, t, u, sign, mag, bias, nzero;
-mov.b32 sign, 0x80008000;
-mov.b32 mag, 0x01C001C0;
-mov.b32 bias, 0x7E807E80;
-mov.b32 nzero, 0x80008000;
-prmt.b32 x, $4, 0, 0x5140;
-prmt.b32 y, $4, 0, 0x7362;
-shl.b32 t, x, 6;
-and.b32 t, t, mag;
-shl.b32 u, x, 12;
-lop3.b32 $0, u, sign, t, 0xEA;
-shl.b32 t, y, 6;
-and.b32 t, t, mag;
-shl.b32 u, y, 12;
-lop3.b32 $1, u, sign, t, 0xEA;
-shl.b32 t, x, 2;
-and.b32 t, t, mag;
-shl.b32 u, x, 8;
-lop3.b32 $2, u, sign, t, 0xEA;
-shl.b32 t, y, 2;
-and.b32 t, t, mag;
-shl.b32 u, y, 8;
-lop3.b32 $3, u, sign, t, 0xEA;
-fma.rn.bf16x2 $0, $0, bias, nzero;
-fma.rn.bf16x2 $1, $1, bias, nzero;
-fma.rn.bf16x2 $2, $2, bias, nzero;
-fma.rn.bf16x2 $3, $3, bias, nzero;
-fma.rn.bf16x2 $0, $0, $5, nzero;
-fma.rn.bf16x2 $1, $1, $6, nzero;
-fma.rn.bf16x2 $2, $2, $5, nzero;
-fma.rn.bf16x2 $3, $3, $6, nzero;
-}
-""")
+
+
+def fp4_asm(times_2_126: bool) -> str:
+    """The E2M1 decode above on a word of 4 bytes -> 4 registers of bf16 pairs (low nibbles of
+    bytes 0, 1), (of 2, 3), (high nibbles of 0, 1), (of 2, 3), each times the scale ($5 for
+    bytes 0, 1, $6 for 2, 3); times_2_126: first times 2 ** 126 (the values are then e2m1 *
+    scale; without it, e2m1 * 2 ** -126 * scale, for a scale that carries the 2 ** 126)."""
+    bias = ", bias" if times_2_126 else ""
+    decode = "\n".join(
+        f"shl.b32 t, {r}, {mag_shift};\nand.b32 t, t, mag;\nshl.b32 u, {r}, {sign_shift};\n"
+        f"lop3.b32 ${out}, u, sign, t, 0xEA;"
+        for out, (r, mag_shift, sign_shift) in enumerate(
+            [("x", 6, 12), ("y", 6, 12), ("x", 2, 8), ("y", 2, 8)]
+        )
+    )
+    products = [f"fma.rn.bf16x2 ${i}, ${i}, bias, nzero;" for i in range(4)] if times_2_126 else []
+    products += [f"fma.rn.bf16x2 ${i}, ${i}, ${5 + i % 2}, nzero;" for i in range(4)]
+    return "\n".join([
+        "", "{",
+        f".reg .b32 x, y, t, u, sign, mag{bias}, nzero;",
+        "mov.b32 sign, 0x80008000;",
+        "mov.b32 mag, 0x01C001C0;",
+        *(["mov.b32 bias, 0x7E807E80;"] if times_2_126 else []),
+        "mov.b32 nzero, 0x80008000;",
+        "prmt.b32 x, $4, 0, 0x5140;",
+        "prmt.b32 y, $4, 0, 0x7362;",
+        decode,
+        *products,
+        "}", "",
+    ])  # fmt: skip
+
+
+_FP4_ASM = tl.constexpr(fp4_asm(True))
 _INT4_ASM = tl.constexpr("""
 {
 .reg .b32 x, y, t, low, magic, one, nzero;

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from fusedmoe.kernels.moe_gemm import epilogue_activation, gate_up_rows, round_to
+from fusedmoe.kernels.wo_gemm import fp4_asm
 
 try:  # Gluon's Hopper API (see wgmma_gemm: the same versions are supported)
     from triton.experimental import gluon
@@ -76,7 +77,6 @@ __all__ = [
     "BLOCK_N",
     "STAGES",
     "launch_mx_hopper",
-    "mx_hopper_unusable_reason",
     "permute_k",
     "weights_unusable_reason",
 ]
@@ -94,41 +94,9 @@ _ACT_NONE = tl.constexpr(-1)
 #: 2^64: the accumulator's factor (the scales are applied as 2^(s - 65), the module docstring)
 _ACC_SCALE = tl.constexpr(18446744073709551616.0)
 
-# E2M1 codes of 4 bytes (the even column in each low nibble) -> 4 registers of bf16 pairs:
-# (low nibbles of bytes 0, 1), (of 2, 3), (high nibbles of 0, 1), (of 2, 3). prmt spreads
-# bytes 0, 1 (and 2, 3) into the low byte of each 16-bit half; then bf16 bits = (x << 12 &
-# sign) | (x << 6 & magnitude) (low nibble; the high one with shifts 8 and 2), which is e2m1 *
-# 2^-126, times the scale ($5 for bytes 0, 1, $6 for 2, 3) in one fma.
-_FP4_SCALED_ASM = tl.constexpr("""
-{
-.reg .b32 x, y, t, u, sign, mag, nzero;
-mov.b32 sign, 0x80008000;
-mov.b32 mag, 0x01C001C0;
-mov.b32 nzero, 0x80008000;
-prmt.b32 x, $4, 0, 0x5140;
-prmt.b32 y, $4, 0, 0x7362;
-shl.b32 t, x, 6;
-and.b32 t, t, mag;
-shl.b32 u, x, 12;
-lop3.b32 $0, u, sign, t, 0xEA;
-shl.b32 t, y, 6;
-and.b32 t, t, mag;
-shl.b32 u, y, 12;
-lop3.b32 $1, u, sign, t, 0xEA;
-shl.b32 t, x, 2;
-and.b32 t, t, mag;
-shl.b32 u, x, 8;
-lop3.b32 $2, u, sign, t, 0xEA;
-shl.b32 t, y, 2;
-and.b32 t, t, mag;
-shl.b32 u, y, 8;
-lop3.b32 $3, u, sign, t, 0xEA;
-fma.rn.bf16x2 $0, $0, $5, nzero;
-fma.rn.bf16x2 $1, $1, $6, nzero;
-fma.rn.bf16x2 $2, $2, $5, nzero;
-fma.rn.bf16x2 $3, $3, $6, nzero;
-}
-""")
+# E2M1 codes of 4 bytes -> wgmma's registers as they are (wo_gemm.fp4_asm), times a scale that
+# carries the 2^126: one fma a register
+_FP4_SCALED_ASM = tl.constexpr(fp4_asm(times_2_126=False))
 
 
 @triton.jit
@@ -409,19 +377,12 @@ def _device_reason(index: int) -> str | None:
     return gluon_unusable_reason(torch.device("cuda", index))
 
 
-def mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width) -> str | None:
-    """None where both GEMMs of the weight-only op run _wo_mx_hopper_kernel (x [M, H] bf16,
-    MXFP4 w13 [E_l, N_w, H / 2] and w2 [E_l, H, width / 2] with E8M0 scales [E_l, rows, K /
-    32], `width` GEMM1's output width), else why not."""
-    return weights_unusable_reason(
-        x.device, x.dtype, x.shape[1], width, w13, w13_scale, w2, w2_scale
-    )
-
-
 def weights_unusable_reason(
     device, dtype, hidden, width, w13, w13_scale, w2, w2_scale
 ) -> str | None:
-    """mx_hopper_unusable_reason from the activations' device, dtype and width only."""
+    """None where both GEMMs of the weight-only op run _wo_mx_hopper_kernel: activations of this
+    device and dtype, `hidden` wide, MXFP4 w13 [E_l, N_w, hidden / 2] and w2 [E_l, hidden, width
+    / 2] with E8M0 scales [E_l, rows, K / 32] (`width` GEMM1's output width); else why not."""
     if not _ENABLED:
         return "FUSEDMOE_WO_HOPPER=0"
     if gluon is None:

@@ -359,9 +359,14 @@ def _launch_gemv(
     launch(wg._wo_gemv_kernel, grid, args, constexprs, on_cuda)
 
 
-def _mx_hopper(x, w13, w13_scale, w2, w2_scale, width) -> bool:
-    """Both GEMMs run wo_hopper's Gluon kernel (MXFP4 x bf16 on Hopper)."""
-    return wo_hopper.mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width) is None
+def _mx_hopper_reason(x, w13, w13_scale, w2, w2_scale, width, w_format, group) -> str | None:
+    """None where both GEMMs can run wo_hopper's Gluon kernel (MXFP4 x bf16 on Hopper), else
+    why not."""
+    if w_format != "mxfp4" or group != 32:
+        return f"the weights are {w_format} in groups of {group}, the kernel takes MXFP4"
+    return wo_hopper.weights_unusable_reason(
+        x.device, x.dtype, x.shape[1], width, w13, w13_scale, w2, w2_scale
+    )
 
 
 def _hopper_constexprs(common: dict) -> dict:
@@ -439,11 +444,13 @@ def _fused_experts_weight_only_impl(
     with device_guard(x):
         a2 = workspace2.view(-1)[: num_slots * width].view(num_slots, width)
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
-        if (
-            fmt == wg.WF_MXFP4
-            and (num_tokens > 1 or a2_fp8_group)  # one token: the decode kernel is faster
-            and _mx_hopper(x, w13, w13_scale, w2, w2_scale, width)
-        ):
+        # one token: the decode kernel is faster, unless a2_fp8_group needs the Gluon kernel
+        hopper_reason = (
+            _mx_hopper_reason(x, w13, w13_scale, w2, w2_scale, width, w_format, group)
+            if num_tokens > 1 or a2_fp8_group
+            else "one token runs the decode kernel"
+        )
+        if hopper_reason is None:
             block_m = min(config.block_m, wo_hopper.MAX_BLOCK_M)
             routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
             rows = GemmRows(
@@ -471,8 +478,10 @@ def _fused_experts_weight_only_impl(
             )  # fmt: skip
             moe_sum(y, output, topk_ids, expert_map, num_local)
             return
-        if a2_fp8_group:  # fused_experts_weight_only checked: the kernel runs it
-            raise ValueError("a2_fp8_group runs on wo_hopper's kernel only (mx_hopper_reason)")
+        if a2_fp8_group:  # before any kernel runs
+            raise ValueError(
+                f"a2_fp8_group runs on wo_hopper's kernel only, not here: {hopper_reason}"
+            )
         if config.gemv is not None:
             ids = topk_ids.reshape(-1)
             common = dict(w_format=fmt, group=group, params=params, h_dtype=h_dtype)
@@ -546,18 +555,14 @@ def fused_experts_weight_only(
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts): w_format one of W_FORMATS, group the scales' group along K (0:
     int8 per channel), topk_weights float32 [M, k]; params (alpha, beta, limit, has_limit).
-    a2_fp8_group (MXFP4 on Hopper only, mx_hopper_reason): the intermediate activation goes
-    through FP8 1 x a2_fp8_group quantization (UE8M0 scales with a2_ue8m0) between the GEMMs,
-    as mxfp4_w4a8 defines it."""
-    if a2_fp8_group:
-        if a2_fp8_group < 0 or a2_fp8_group % 64:
-            raise ValueError(
-                f"a2_fp8_group must be a positive multiple of 64 (wo_hopper permutes columns "
-                f"within 64-column blocks), got {a2_fp8_group}"
-            )
-        reason = mx_hopper_reason(x, w13, w2, w_format, group, activation, w13_scale, w2_scale)
-        if reason is not None:
-            raise ValueError(f"a2_fp8_group runs on wo_hopper's kernel only, not here: {reason}")
+    a2_fp8_group (MXFP4 on Hopper only, wo_hopper.weights_unusable_reason; else ValueError):
+    the intermediate activation goes through FP8 1 x a2_fp8_group quantization (UE8M0 scales
+    with a2_ue8m0) between the GEMMs, as mxfp4_w4a8 defines it."""
+    if a2_fp8_group and (a2_fp8_group < 0 or a2_fp8_group % 64):
+        raise ValueError(
+            f"a2_fp8_group must be a positive multiple of 64 (wo_hopper permutes columns "
+            f"within 64-column blocks), got {a2_fp8_group}"
+        )
     alpha, beta, limit, has_limit = params
     op_or_impl(_fused_experts_weight_only_op, _fused_experts_weight_only_impl)(
         output, x, w13, w2, w13_scale, w2_scale, w13_zero, w2_zero, w13_global_scale,
@@ -565,12 +570,3 @@ def fused_experts_weight_only(
         workspace2, activation.value, alpha, beta, limit, has_limit, w_format, group,
         mul_routed_weight, a2_fp8_group, a2_ue8m0,
     )  # fmt: skip
-
-
-def mx_hopper_reason(x, w13, w2, w_format, group, activation, w13_scale, w2_scale):
-    """None where the op can run both GEMMs on wo_hopper's Gluon kernel (it does from 2 tokens,
-    and at one token where a2_fp8_group asks for it), else why not."""
-    if w_format != "mxfp4" or group != 32:
-        return f"the weights are {w_format} in groups of {group}, the kernel takes MXFP4"
-    width = activation.output_size(w13.shape[1])
-    return wo_hopper.mx_hopper_unusable_reason(x, w13, w13_scale, w2, w2_scale, width)
