@@ -448,3 +448,103 @@ def test_a2_fp8_group_is_checked():
         wo_moe.fused_experts_weight_only(out, x, q13, q2, weights, ids, a2_fp8_group=32, **common)
     with pytest.raises(ValueError, match="wo_hopper's kernel only"):
         wo_moe.fused_experts_weight_only(out, x, q13, q2, weights, ids, a2_fp8_group=128, **common)
+
+
+def _run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
+    """A bit-exact model of the few PTX instructions the decode strings use (mov, prmt with a
+    zero second word, shl, and, mul.lo.u32, lop3, fma.rn.bf16x2): 32-bit registers by name,
+    $n operands from `inputs`; returns the $n registers written."""
+    regs: dict[str, int] = {f"${n}": v for n, v in inputs.items()}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    def bf16(bits: int) -> torch.Tensor:
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+    def bf16x2_fma(a: int, b: int, c: int) -> int:
+        out = 0
+        for half in (0, 16):
+            x, y, z = (bf16((v >> half) & 0xFFFF).float() for v in (a, b, c))
+            r = (x * y + z).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF  # 1 rounding
+            out |= r << half
+        return out
+
+    for line in asm.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        m = 0xFFFFFFFF
+        if op == "mov.b32":
+            r = val(src[0])
+        elif op == "prmt.b32":
+            assert val(src[1]) == 0
+            word, sel = val(src[0]), val(src[2])
+            r = 0
+            for i in range(4):
+                s = (sel >> (4 * i)) & 0xF
+                assert s < 8 and not s & 8
+                r |= ((word >> (8 * s)) & 0xFF if s < 4 else 0) << (8 * i)
+        elif op == "shl.b32":
+            r = (val(src[0]) << val(src[1])) & m
+        elif op == "and.b32":
+            r = val(src[0]) & val(src[1])
+        elif op == "mul.lo.u32":
+            r = (val(src[0]) * val(src[1])) & m
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(t) for t in src)
+            r = 0
+            for bit in range(32):
+                idx = ((a >> bit & 1) << 2) | ((b >> bit & 1) << 1) | (c >> bit & 1)
+                r |= ((lut >> idx) & 1) << bit
+        elif op == "fma.rn.bf16x2":
+            r = bf16x2_fma(*(val(t) for t in src))
+        else:
+            raise AssertionError(f"instruction not modelled: {op}")
+        regs[d] = r
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+@pytest.mark.parametrize("times_2_126, word_scale", [(True, False), (False, False), (False, True)])
+def test_fp4_decode_ptx_is_exact(times_2_126, word_scale):
+    """The E2M1 decode strings shared by the Triton and Gluon kernels (wo_gemm.fp4_asm), run on a
+    bit-exact model of their instructions: every byte value in every position, fresh scales."""
+    from fusedmoe.kernels.wo_gemm import fp4_asm
+    from fusedmoe.quant.formats import E2M1_VALUES
+
+    asm = fp4_asm(times_2_126, word_scale)
+    table = [v for sign in (1.0, -1.0) for v in (sign * m for m in E2M1_VALUES)]
+    gen = torch.Generator().manual_seed(11)
+    words = list(range(256)) + torch.randint(0, 2**32, (200,), generator=gen).tolist()
+    # every byte value in byte positions 1..3 too
+    words += [b << 8 for b in range(256)] + [b << 16 | 0x5A for b in range(256)]
+    words += [b << 24 | 0xA5 << 8 for b in range(256)]
+    for word in words:
+        if times_2_126:  # the scale 2^(c - 127) of E8M0 code c
+            codes = torch.randint(100, 150, (4,), generator=gen)
+            scales = [2.0 ** (int(c) - 127) for c in codes]
+        else:  # wo_hopper's 2^(c - 65), the product e2m1 * 2^(c - 191), for codes 59 .. 192
+            codes = torch.randint(59, 193, (4,), generator=gen)
+            if word_scale:  # bytes 0, 1 share a scale, as do 2, 3
+                codes[1], codes[3] = codes[0], codes[2]
+            scales = [2.0 ** (int(c) - 65) for c in codes]
+        bits = [
+            torch.tensor([s]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF for s in scales
+        ]
+        if word_scale:
+            regs = {4: word, **{5 + i: bits[i] * 0x10001 for i in range(4)}}
+        else:
+            regs = {4: word, 5: bits[0] | bits[1] << 16, 6: bits[2] | bits[3] << 16}
+        out = _run_ptx(asm, regs)
+        nib = [(word >> (8 * byte + 4 * high)) & 0xF for high in (0, 1) for byte in range(4)]
+        shift = 127 if times_2_126 else 191
+        want = [table[n] * 2.0 ** (int(codes[i % 4]) - shift) for i, n in enumerate(nib)]
+        got = []
+        for reg in range(4):  # (low of 0, 1), (low of 2, 3), (high of 0, 1), (high of 2, 3)
+            for half in (0, 16):
+                v = torch.tensor([(out[reg] >> half) & 0xFFFF], dtype=torch.int32)
+                got.append(v.to(torch.int16).view(torch.bfloat16).double().item())
+        assert got == [float(w) for w in want], (hex(word), got, want)

@@ -81,40 +81,49 @@ _ACT_NONE = tl.constexpr(-1)
 
 # 4-bit decoding in PTX on 32-bit words, two bf16 values per instruction (USE_ASM: CUDA, bf16
 # activations). Each word holds 4 packed bytes; prmt spreads bytes 0, 1 (and 2, 3) into the low
-# byte of the two 16-bit halves of a register, where both halves take the same shifts and masks.
-#   E2M1 (low nibble; the high one with shifts 2 and 8): bf16 bits = (x << 12 & sign) |
-#   (x << 6 & magnitude), which is e2m1 * 2 ** -126 (the module docstring), times 2 ** 126, times
-#   the scale.
+# byte of the two 16-bit halves of a register x (its bytes 1 and 3 zero), where both halves take
+# the same shifts and masks.
+#   E2M1: bf16 bits = sign << 15 | magnitude << 6, which is e2m1 * 2 ** -126 (the module
+#   docstring), then times 2 ** 126 and the scale. Low nibbles: ((x << 6) | (x << 12)) & mask,
+#   exact because x << 6 is zero at the sign bits and x << 12 zero at the magnitude bits. High
+#   nibbles: (x & 0x00F000F0) * 260 & mask (x << 2 and x << 8 of the isolated nibbles do not
+#   overlap, so the product is their union). Per 8 values: 8 integer-pipe instructions (2 prmt,
+#   6 lop3) and 6 multiply-adds (shifts and the multiply), before the 4 products.
 #   INT4: bf16 bits = 0x4300 | q, which is 128 + q exactly; plus the offset -(128 + zero) (exact),
 #   times the scale.
 # Products use fma.rn.bf16x2 with -0.0 added (sm_80 on; mul.bf16x2 needs sm_90).
 
 
-def fp4_asm(times_2_126: bool) -> str:
+def fp4_asm(times_2_126: bool, word_scale: bool = False) -> str:
     """The E2M1 decode above on a word of 4 bytes -> 4 registers of bf16 pairs (low nibbles of
     bytes 0, 1), (of 2, 3), (high nibbles of 0, 1), (of 2, 3), each times the scale ($5 for
-    bytes 0, 1, $6 for 2, 3); times_2_126: first times 2 ** 126 (the values are then e2m1 *
-    scale; without it, e2m1 * 2 ** -126 * scale, for a scale that carries the 2 ** 126)."""
+    bytes 0, 1, $6 for 2, 3: bf16 scales, packed two a register); times_2_126: first times 2 **
+    126 (the values are then e2m1 * scale; without it, e2m1 * 2 ** -126 * scale, for a scale
+    that carries the 2 ** 126). word_scale: the scales are 32-bit, one register a byte ($5 ..
+    $8), each the scale twice as a bf16 pair, and bytes 0, 1 share one, as do 2, 3 ($5 and $7
+    are read): no packing of scales into pairs per call."""
     bias = ", bias" if times_2_126 else ""
-    decode = "\n".join(
-        f"shl.b32 t, {r}, {mag_shift};\nand.b32 t, t, mag;\nshl.b32 u, {r}, {sign_shift};\n"
-        f"lop3.b32 ${out}, u, sign, t, 0xEA;"
-        for out, (r, mag_shift, sign_shift) in enumerate(
-            [("x", 6, 12), ("y", 6, 12), ("x", 2, 8), ("y", 2, 8)]
-        )
+    scale_regs = (5, 7) if word_scale else (5, 6)
+    low = "\n".join(
+        f"shl.b32 t, {r}, 6;\nshl.b32 u, {r}, 12;\nlop3.b32 ${out}, t, u, keep, 0xA8;"
+        for out, r in ((0, "x"), (1, "y"))
+    )
+    high = "\n".join(
+        f"and.b32 t, {r}, 0x00F000F0;\nmul.lo.u32 t, t, 260;\nand.b32 ${out}, t, keep;"
+        for out, r in ((2, "x"), (3, "y"))
     )
     products = [f"fma.rn.bf16x2 ${i}, ${i}, bias, nzero;" for i in range(4)] if times_2_126 else []
-    products += [f"fma.rn.bf16x2 ${i}, ${i}, ${5 + i % 2}, nzero;" for i in range(4)]
+    products += [f"fma.rn.bf16x2 ${i}, ${i}, ${scale_regs[i % 2]}, nzero;" for i in range(4)]
     return "\n".join([
         "", "{",
-        f".reg .b32 x, y, t, u, sign, mag{bias}, nzero;",
-        "mov.b32 sign, 0x80008000;",
-        "mov.b32 mag, 0x01C001C0;",
+        f".reg .b32 x, y, t, u, keep{bias}, nzero;",
+        "mov.b32 keep, 0x81C081C0;",
         *(["mov.b32 bias, 0x7E807E80;"] if times_2_126 else []),
         "mov.b32 nzero, 0x80008000;",
         "prmt.b32 x, $4, 0, 0x5140;",
         "prmt.b32 y, $4, 0, 0x7362;",
-        decode,
+        low,
+        high,
         *products,
         "}", "",
     ])  # fmt: skip

@@ -34,11 +34,19 @@ previous step (cp.async, STAGES - 1 steps ahead, 16-byte copies: 128 bytes of ea
 a step, into a shared layout whose 16-byte chunks are swizzled by row), then per sub-step read
 this thread's weight bytes (8-byte runs) from the stage, decode them in PTX (_fp4_scaled: sign
 and magnitude bits placed into a bf16, which holds e2m1 * 2^-126, times the scale as 2^(s -
-65): exact, the product e2m1 * 2^(s - 191)), and wgmma with the activation tile. The
-accumulator leaves times 2^64. The scales load from global memory one step ahead into
-registers (a byte per row and block: too small for cp.async). Scale codes must lie in [59,
-192] (2^-68 .. 2^65; real weights' scales are near 2^-8): below, products lose bits to bf16's
-subnormals; above, 2^(s - 65) overflows. The kernel is exact inside that range.
+65): exact, the product e2m1 * 2^(s - 191)), and wgmma with the activation tile, each
+operand's decode overlapping the previous operand's wgmma (at most two in flight; the step's
+last is waited for before its stage is refilled). The accumulator leaves times 2^64. The
+scales load from global memory one step ahead into registers (a byte per row and block: too
+small for cp.async), each turned into its bf16 pair once (_scale_pair), not per byte. Scale
+codes must lie in [59, 192] (2^-68 .. 2^65; real weights' scales are near 2^-8): below,
+products lose bits to bf16's subnormals; above, 2^(s - 65) overflows. The kernel is exact
+inside that range.
+
+The decode is what bounds the kernel at decode sizes (the integer and multiply-add pipes, not
+the memory: docs/performance.md), hence its instruction counts are kept minimal
+(wo_gemm.fp4_asm: 8 integer and 6 multiply-add instructions per 8 values, before the
+scaling).
 
 Columns past K read as code 0 (weights) and 0.0 (activations). The epilogues are wo_gemm's:
 GEMM1 bias, rounding to the activation dtype and the activation (gate and up tiles of the
@@ -96,16 +104,36 @@ _ACC_SCALE = tl.constexpr(18446744073709551616.0)
 
 # E2M1 codes of 4 bytes -> wgmma's registers as they are (wo_gemm.fp4_asm), times a scale that
 # carries the 2^126: one fma a register
-_FP4_SCALED_ASM = tl.constexpr(fp4_asm(times_2_126=False))
+_FP4_SCALED_ASM = tl.constexpr(fp4_asm(times_2_126=False, word_scale=True))
 
 
 @triton.jit
 def _fp4_scaled(packed, scale):
-    """uint8 E2M1 pairs and a bf16 scale per byte -> (low-nibble values, high-nibble values)."""
+    """uint8 E2M1 pairs and, per byte, its bf16 scale twice as an int32 (bytes 2i, 2i + 1 share
+    one) -> (low-nibble values, high-nibble values)."""
     return tl.inline_asm_elementwise(
-        _FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale],
+        _FP4_SCALED_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
     )  # fmt: skip
+
+
+# E8M0 code s -> bf16 2^(s - 65), twice in an int32: (min(s, 193) + 62) << 7, times 0x10001.
+# In PTX so that LLVM does not pack the byte arithmetic into 16-bit pairs (which costs more).
+_SCALE_PAIR_ASM = tl.constexpr("""
+{
+.reg .b32 t;
+min.u32 t, $1, 193;
+mad.lo.u32 $0, t, 8388736, 520101632;
+}
+""")
+
+
+@triton.jit
+def _scale_pair(code):
+    """uint8 E8M0 codes -> int32: the bf16 bits of 2^(code - 65) in both halves."""
+    return tl.inline_asm_elementwise(
+        _SCALE_PAIR_ASM, "=r,r", [code.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1
+    )
 
 
 if gluon is not None:
@@ -121,6 +149,7 @@ if gluon is not None:
         k0 = step * 256
         live = step < num_k
         wm = w_mask & (k0 + w_cols < K) & live
+        xm = x_mask & (k0 + x_cols < K) & live
         W_PER_STAGE: gl.constexpr = 2 if GATED else 1
         first = W_PER_STAGE * stage
         async_copy.async_copy_global_to_shared(w_smem.index(first), wg_ptrs + k0 // 2, mask=wm)
@@ -128,17 +157,15 @@ if gluon is not None:
             async_copy.async_copy_global_to_shared(
                 w_smem.index(first + 1), wu_ptrs + k0 // 2, mask=wm
             )
-        async_copy.async_copy_global_to_shared(
-            x_smem.index(stage), x_ptrs + k0, mask=x_mask & (k0 + x_cols < K) & live
-        )
+        async_copy.async_copy_global_to_shared(x_smem.index(stage), x_ptrs + k0, mask=xm)
 
     @gluon.jit
     def _load_scales(s_ptrs, s_mask, s_groups, sub, num_groups):
-        """This thread's E8M0 scales of 128-column sub-step `sub` [64, 2 blocks, 2], as the bits
-        of a bf16 2^(s - 65) (the module docstring); code 127 past the last group."""
+        """This thread's E8M0 scales of 128-column sub-step `sub` [64, 2 blocks, 2], each as a
+        bf16 2^(s - 65) (the module docstring) twice in an int32; code 127 past the last group."""
         g = sub * 4 + s_groups
         s = gl.load(s_ptrs + sub * 4, mask=s_mask & (g < num_groups), other=127)
-        return (gl.minimum(s.to(gl.int32) + 62, 255) << 7).to(gl.uint16)
+        return _scale_pair(s)
 
     @gluon.jit
     def _operand(w_tile, scale_bits, w_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -146,9 +173,9 @@ if gluon is not None:
         bf16 in the tensor order of the module docstring; scale_bits [64, 2, 2] (_load_scales)."""
         w = w_tile.load(w_layout)
         s = gl.expand_dims(scale_bits, 3)
-        s = gl.broadcast(s, gl.full([64, 2, 2, 16], 0, gl.uint16, s.type.layout))[0]
+        s = gl.broadcast(s, gl.full([64, 2, 2, 16], 0, gl.int32, s.type.layout))[0]
         s = gl.convert_layout(gl.reshape(s, [64, 64]), w_layout, assert_trivial=True)
-        low, high = _fp4_scaled(w, s.to(gl.bfloat16, bitcast=True))
+        low, high = _fp4_scaled(w, s)
         # (row, byte 32 blk + 8 c + 2 s + b, h) -> (row, blk, s, h, c, b)
         v = gl.reshape(gl.join(low, high), [64, 2, 4, 4, 2, 2])
         v = gl.reshape(gl.permute(v, (0, 1, 3, 5, 2, 4)), [64, 128])
@@ -298,18 +325,24 @@ if gluon is not None:
                 x_step = x_smem.index(stage)
                 w_g = w_smem.index(W_PER_STAGE * stage)
                 w_u = w_smem.index(W_PER_STAGE * stage + W_PER_STAGE - 1)
+                # each operand's decode overlaps the previous wgmma: at most 2 in flight, the
+                # step's last one waited for before the stage is refilled
                 for j in gl.static_range(2):
                     x_tile = x_step.slice(128 * j, 128, 1).permute((1, 0))
+                    if j == 1:
+                        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g, acc_u))
                     a_g = _operand(
                         w_g.slice(64 * j, 64, 1), sga if j == 0 else sgb, w_layout, a_layout
                     )
                     acc_g = warpgroup_mma(a_g, x_tile, acc_g, is_async=True)
                     if GATED:
+                        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g, acc_u))
                         a_u = _operand(
                             w_u.slice(64 * j, 64, 1), sua if j == 0 else sub, w_layout, a_layout
                         )
                         acc_u = warpgroup_mma(a_u, x_tile, acc_u, is_async=True)
-                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                    if j == 1:
+                        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
                 sga = sga_next
                 sgb = sgb_next
                 sua = sua_next
