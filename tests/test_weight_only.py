@@ -354,7 +354,8 @@ def test_reference_refuses_graph_capture():
         (160, 256, 33, "silu", False),  # K not a multiple of 64: the Triton kernels run
     ],
 )
-def test_mx_hopper_kernel(h, i, m, activation, skew, monkeypatch):
+@pytest.mark.parametrize("block_m", [None, 16, 128, 256])
+def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
     """MXFP4 x bf16 on Hopper: wo_hopper's Gluon kernel against the Triton kernels and the
     float64 torch twin on the same call, with biases, empty slots, an expert_map, K and N not
     multiples of the 256-wide step, 2 tokens and many, uniform and skewed routing (most slots
@@ -379,7 +380,12 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, monkeypatch):
     monkeypatch.setattr(
         wo_hopper, "launch_mx_hopper", lambda *a, **k: ran.append(1) or launch(*a, **k)
     )
-    out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
+    if block_m is None:  # the table's tile
+        out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
+    else:  # both forms of the kernel: decode (<= 64 slots a tile), prefill (128, 256)
+        gemm = WoGemmConfig(64, 128, 8, 4, 2)
+        with use_wo_config(WoConfig(block_m, gemm, gemm)):
+            out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
     assert bool(ran) == (h % 64 == 0), "the Gluon kernel ran where it should not, or did not"
     monkeypatch.setattr(wo_hopper, "_ENABLED", False)
     triton_out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)

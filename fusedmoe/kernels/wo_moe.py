@@ -23,13 +23,14 @@ wo_hopper's Gluon kernel instead, from 2 tokens on (one token stays on the decod
 faster there), and at any token count when a2_fp8_group is set:
 
     x'      = permute_k(x)                                # the kernel's k order
-    a2      = GEMM1 on x', stored in the same k order     # tiles of min(BM, 64) slots
+    a2      = GEMM1 on x', stored in the same k order     # tiles of BM slots (<= 256)
     a2      = dequantize(fp8_quantize(a2, 1 x a2_fp8_group))   # a2_fp8_group only (w4a8)
     y, output as above
 
-Only BM (capped at wo_hopper.MAX_BLOCK_M) and GROUP_M of the config apply there; the tables
-were tuned for the Triton kernels. Where each variant stands: docs/performance.md, "4-bit
-weight-only experts" (H100) and "MXFP4 x bf16 on Hopper in Gluon" (H200).
+Only BM (wo_hopper.hopper_block_m: up to 64 the decode form, 128 and 256 the prefill form) and
+GROUP_M of the config apply there; the tables were tuned for the Triton kernels. Where each
+variant stands: docs/performance.md, "4-bit weight-only experts" (H100) and "MXFP4 x bf16 on
+Hopper in Gluon" (H200).
 """
 
 from __future__ import annotations
@@ -451,7 +452,7 @@ def _fused_experts_weight_only_impl(
             else "one token runs the decode kernel"
         )
         if hopper_reason is None:
-            block_m = min(config.block_m, wo_hopper.MAX_BLOCK_M)
+            block_m = wo_hopper.hopper_block_m(config.block_m)
             routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
             rows = GemmRows(
                 block_m, routing.expert_ids.shape[0], routing, topk_ids.reshape(-1),
