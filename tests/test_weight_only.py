@@ -458,8 +458,8 @@ def test_a2_fp8_group_is_checked():
 
 def _run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
     """A bit-exact model of the few PTX instructions the decode strings use (mov, prmt with a
-    zero second word, shl, and, mul.lo.u32, lop3, fma.rn.bf16x2): 32-bit registers by name,
-    $n operands from `inputs`; returns the $n registers written."""
+    zero second word, shl, and, min.u32, mul.lo.u32, mad.lo.u32, lop3, fma.rn.bf16x2): 32-bit
+    registers by name, $n operands from `inputs`; returns the $n registers written."""
     regs: dict[str, int] = {f"${n}": v for n, v in inputs.items()}
 
     def val(tok: str) -> int:
@@ -492,7 +492,7 @@ def _run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             r = 0
             for i in range(4):
                 s = (sel >> (4 * i)) & 0xF
-                assert s < 8 and not s & 8
+                assert s < 8  # no sign-replicating selectors
                 r |= ((word >> (8 * s)) & 0xFF if s < 4 else 0) << (8 * i)
         elif op == "shl.b32":
             r = (val(src[0]) << val(src[1])) & m
@@ -500,6 +500,10 @@ def _run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             r = val(src[0]) & val(src[1])
         elif op == "mul.lo.u32":
             r = (val(src[0]) * val(src[1])) & m
+        elif op == "mad.lo.u32":
+            r = (val(src[0]) * val(src[1]) + val(src[2])) & m
+        elif op == "min.u32":
+            r = min(val(src[0]), val(src[1]))
         elif op == "lop3.b32":
             a, b, c, lut = (val(t) for t in src)
             r = 0
@@ -540,17 +544,46 @@ def test_fp4_decode_ptx_is_exact(times_2_126, word_scale):
         bits = [
             torch.tensor([s]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF for s in scales
         ]
-        if word_scale:
-            regs = {4: word, **{5 + i: bits[i] * 0x10001 for i in range(4)}}
+        if word_scale:  # $6 and $8 must not be read: garbage there
+            regs = {4: word, 5: bits[0] * 0x10001, 6: 0x7FC07FC0, 7: bits[2] * 0x10001}
+            regs[8] = 0x7FC07FC0
         else:
             regs = {4: word, 5: bits[0] | bits[1] << 16, 6: bits[2] | bits[3] << 16}
         out = _run_ptx(asm, regs)
         nib = [(word >> (8 * byte + 4 * high)) & 0xF for high in (0, 1) for byte in range(4)]
         shift = 127 if times_2_126 else 191
         want = [table[n] * 2.0 ** (int(codes[i % 4]) - shift) for i, n in enumerate(nib)]
-        got = []
-        for reg in range(4):  # (low of 0, 1), (low of 2, 3), (high of 0, 1), (high of 2, 3)
-            for half in (0, 16):
-                v = torch.tensor([(out[reg] >> half) & 0xFFFF], dtype=torch.int32)
-                got.append(v.to(torch.int16).view(torch.bfloat16).double().item())
-        assert got == [float(w) for w in want], (hex(word), got, want)
+        got = [(out[reg] >> half) & 0xFFFF for reg in range(4) for half in (0, 16)]
+        # (low of 0, 1), (low of 2, 3), (high of 0, 1), (high of 2, 3), compared as bits (-0.0)
+        want_bits = [
+            torch.tensor([w]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF for w in want
+        ]
+        assert got == want_bits, (hex(word), got, want_bits)
+
+
+def test_scale_pair_ptx():
+    """wo_hopper's E8M0 code -> bf16 2^(code - 65) twice in an int32, on the PTX model: every
+    code; exact for 59 .. 192 (the kernel's documented range), infinity above."""
+    from fusedmoe.kernels.wo_hopper import _SCALE_PAIR_ASM
+
+    for code in range(256):
+        r = _run_ptx(_SCALE_PAIR_ASM.value, {1: code})[0]
+        assert r >> 16 == r & 0xFFFF
+        value = torch.tensor([r & 0xFFFF], dtype=torch.int32).to(torch.int16)
+        value = value.view(torch.bfloat16).double().item()
+        if 59 <= code <= 192:
+            assert value == 2.0 ** (code - 65), code
+        elif code > 192:
+            assert value == float("inf"), code
+
+
+def test_hopper_block_m():
+    """The tile for a weight-only config on Hopper: the config's up to 64 slots; 128 and 256
+    (the prefill form) only where experts see 128 slots or more on average, else 64."""
+    from fusedmoe.kernels.wo_hopper import hopper_block_m
+
+    assert hopper_block_m(16, 10_000, 8) == 16
+    assert hopper_block_m(64, 10_000, 8) == 64
+    assert hopper_block_m(128, 128 * 8, 8) == 128
+    assert hopper_block_m(128, 128 * 8 - 1, 8) == 64
+    assert hopper_block_m(512, 10_000, 8) == 256

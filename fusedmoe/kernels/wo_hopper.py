@@ -49,7 +49,7 @@ the memory: docs/performance.md), hence its instruction counts are kept minimal
 (wo_gemm.fp4_asm: 8 integer and 6 multiply-add instructions per 8 values, before the
 scaling).
 
-Prefill (_wo_mx_hopper_prefill_kernel). With many slots per expert the decode form spends
+Prefill (fusedmoe.kernels.wo_hopper_prefill). With many slots per expert the decode form spends
 its time decoding (each weight decoded again for every 64 slots) and waiting on it. The
 prefill form decodes each weight once per tile of 128 or 256 slots: 8 warps; per 64-column K
 step, 128 weight rows (GATED: the gate and the up rows of 64 output columns; else 128 output
@@ -90,29 +90,34 @@ try:  # Gluon's Hopper API (see wgmma_gemm: the same versions are supported)
 
     IMPORT_ERROR = ""
 except Exception as exc:
-    gluon = None
+    gluon = gl = async_copy = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = [
     "BLOCK_N",
     "STAGES",
+    "hopper_block_m",
     "launch_mx_hopper",
     "permute_k",
     "weights_unusable_reason",
 ]
 
-BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma height
-#: K steps of 256 columns in shared memory (a power of two, at least 2): 2 measured fastest on
-#: an H200 (3 CTAs per SM at 16 slots beat deeper rings on 2)
+BLOCK_N = 64  # the decode form's weight rows a program: one warpgroup's wgmma height
+#: the decode form's K steps of 256 columns in shared memory (at least 2): 2 measured fastest
+#: on an H200 (3 CTAs per SM at 16 slots beat deeper rings on 2)
 STAGES = 2
-#: the widest slot tile (wider calls take more tiles of an expert, whose weights they share in
-#: L2): at 128 slots the kernel spills (255 registers) and ran 1.8x slower on an H200
+#: the decode form's widest slot tile: at 128 slots it spills (255 registers) and ran 1.8x
+#: slower on an H200
 DECODE_MAX_BLOCK_M = 64
-#: tiles of 128 and 256 slots run the prefill form (_wo_mx_hopper_prefill_kernel)
+#: the prefill form (wo_hopper_prefill) takes tiles of 128 and 256 slots, and is chosen where an
+#: expert sees at least PREFILL_BLOCK_M slots on average (hopper_block_m): measured faster at
+#: 128 and 512 (H200), 1.5x slower at 32
 PREFILL_BLOCK_M = 128
-MAX_BLOCK_M = 256
-#: the prefill form's ring of 64-column K steps: two in flight beyond the one decoded (3
-#: stages measured 1-3% slower on an H200)
+MAX_BLOCK_M = 256  # the prefill form's widest tile (shared memory)
+#: the prefill form's weight rows a program: gate and up rows of 64 output columns, or 128
+PREFILL_ROWS = 128
+#: the prefill form's ring of 64-column K steps (at least 3): two in flight beyond the one
+#: decoded (3 stages measured 1-3% slower on an H200)
 PREFILL_STAGES = 4
 #: FUSEDMOE_WO_HOPPER=0: the Triton kernels run MXFP4 x bf16 on Hopper too (for comparisons)
 _ENABLED = os.environ.get("FUSEDMOE_WO_HOPPER", "1") != "0"
@@ -141,7 +146,7 @@ _SCALE_PAIR_ASM = tl.constexpr("""
 {
 .reg .b32 t;
 min.u32 t, $1, 193;
-mad.lo.u32 $0, t, 8388736, 520101632;
+mad.lo.u32 $0, t, 0x00800080, 0x1F001F00;
 }
 """)
 
@@ -425,182 +430,6 @@ if gluon is not None:
                 H_DTYPE, PERMUTE_OUT,
             )  # fmt: skip
 
-    @gluon.jit
-    def _tile_rows(r, n0, N, HALF: gl.constexpr, GATED: gl.constexpr, ACTIVATION: gl.constexpr):
-        """The w13 rows of a prefill tile's rows r (< 2 HALF) and whether their output column is
-        < N: for GATED, rows below HALF are the gate rows of output columns n0 + r, the others
-        the up rows of n0 + r - HALF; else the rows n0 + r."""
-        if GATED:
-            col = n0 + r % HALF
-            gate, up = gate_up_rows(col, N, GATED, ACTIVATION)
-            return gl.where(r < HALF, gate, up), col < N
-        col = n0 + r
-        return col, col < N
-
-    @gluon.jit
-    def _wo_mx_hopper_prefill_kernel(
-        a_ptr, stride_am,  # [rows of A, K] bf16, k-permuted (permute_k), unit stride along K
-        w_ptr, stride_we, stride_wn,  # [E_l, N_w, K / 2] uint8, unit stride along K
-        s_ptr, stride_se, stride_sn,  # [E_l, N_w, K / 32] uint8 (E8M0), unit stride along K
-        bias_ptr, stride_be, stride_bn,  # [E_l, N_w]
-        out_ptr, stride_om,  # [S, N], unit stride along N
-        topk_weights_ptr,  # float32 [S]
-        sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # moe_align's AlignedRouting
-        N, K, num_slots, max_blocks,
-        alpha, beta, limit,
-        A_ROW_DIV: gl.constexpr,
-        HAS_BIAS: gl.constexpr,
-        ACTIVATION: gl.constexpr,
-        GATED: gl.constexpr,
-        HAS_LIMIT: gl.constexpr,
-        MUL_ROUTED_WEIGHT: gl.constexpr,
-        H_DTYPE: gl.constexpr,
-        PERMUTE_OUT: gl.constexpr,
-        BLOCK_M: gl.constexpr,  # slots of the tile: 128 or 256, half to each warpgroup
-        STAGES: gl.constexpr,
-        GROUP_M: gl.constexpr,
-    ):  # fmt: skip
-        """The prefill form (module docstring, "Prefill"): 128 weight rows (GATED: the gate and
-        up rows of 64 output columns; else 128 output columns) decoded once per 64-column K step
-        into shared memory, where two warpgroups read them for BLOCK_M / 2 slots each."""
-        R: gl.constexpr = 128
-        BN: gl.constexpr = 64 if GATED else 128  # output columns of the tile
-        BK: gl.constexpr = 64  # a K step: one 64-column block
-        pid = gl.program_id(0)
-        num_pid_n = gl.cdiv(N, BN)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = gl.minimum(max_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
-        n0 = pid_n * BN
-        num_post = gl.load(num_post_ptr)
-        if pid_m * BLOCK_M < num_post:
-            e = gl.load(expert_ids_ptr + pid_m).to(gl.int64)
-
-            # the accumulators: [64, BLOCK_M], each warpgroup half the slots
-            mma: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_M // 2, 16]
-            )
-            # the weight bytes of a step [128 rows, 32 bytes]: two threads a row, 16 bytes
-            # (one E8M0 group) each; copied and read in the same layout
-            w_layout: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]],
-                lane_bases=[[0, 16], [1, 0], [2, 0], [4, 0], [8, 0]],
-                warp_bases=[[16, 0], [32, 0], [64, 0]],
-                block_bases=[],
-                shape=[R, 32],
-            )
-            s_layout: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
-                lane_bases=[[0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0], [8, 0, 0]],
-                warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]],
-                block_bases=[],
-                shape=[R, 2, 16],
-            )
-            s2: gl.constexpr = gl.SliceLayout(2, s_layout)  # [row, half]: a byte a thread
-            x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-            w_shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-            nvmma: gl.constexpr = gl.NVMMASharedLayout(
-                swizzle_byte_width=128, element_bitwidth=16, rank=2
-            )
-            w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], w_shared)
-            x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], nvmma)
-            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, R, BK], nvmma)
-
-            r_w = gl.arange(0, R, gl.SliceLayout(1, w_layout))
-            row_w, valid_w = _tile_rows(r_w, n0, N, 64, GATED, ACTIVATION)
-            byte = gl.arange(0, 32, gl.SliceLayout(0, w_layout))
-            w_ptrs = w_ptr + e * stride_we + row_w.to(gl.int64)[:, None] * stride_wn + byte[None, :]
-            w_mask = (gl.zeros([R, 32], gl.int32, w_layout) + valid_w.to(gl.int32)[:, None]) != 0
-
-            r_s = gl.arange(0, R, gl.SliceLayout(1, s2))
-            row_s, valid_s = _tile_rows(r_s, n0, N, 64, GATED, ACTIVATION)
-            half = gl.arange(0, 2, gl.SliceLayout(0, s2))
-            s_ptrs = s_ptr + e * stride_se + row_s.to(gl.int64)[:, None] * stride_sn + half[None, :]
-            s_mask = (gl.zeros([R, 2], gl.int32, s2) + valid_s.to(gl.int32)[:, None]) != 0
-            num_groups = K // 32
-
-            slot_x = gl.load(
-                sorted_ids_ptr + pid_m * BLOCK_M
-                + gl.arange(0, BLOCK_M, gl.SliceLayout(1, x_layout))
-            )  # fmt: skip
-            t = gl.arange(0, BK, gl.SliceLayout(0, x_layout))
-            x_ptrs = a_ptr + (slot_x // A_ROW_DIV).to(gl.int64)[:, None] * stride_am + t[None, :]
-            x_mask = (gl.zeros([BLOCK_M, BK], gl.int32, x_layout) + slot_x[:, None]) < num_slots
-
-            num_k = K // BK  # K is a multiple of 64
-            for i in gl.static_range(STAGES - 2):
-                live = i < num_k
-                async_copy.async_copy_global_to_shared(
-                    w_smem.index(i), w_ptrs + i * (BK // 2), mask=w_mask & live
-                )
-                async_copy.async_copy_global_to_shared(
-                    x_smem.index(i), x_ptrs + i * BK, mask=x_mask & live
-                )
-                async_copy.commit_group()
-            sc = _scale_pair(gl.load(s_ptrs, mask=s_mask & (half[None, :] < num_groups), other=127))
-
-            acc_g = gl.zeros([64, BLOCK_M], gl.float32, mma)
-            acc_u = gl.zeros([64, BLOCK_M], gl.float32, mma)
-            for kb in range(num_k):
-                stage = kb % STAGES
-                g_next = 2 * kb + 2 + half[None, :]
-                sc_next = _scale_pair(
-                    gl.load(s_ptrs + 2 * kb + 2, mask=s_mask & (g_next < num_groups), other=127)
-                )
-                async_copy.wait_group(STAGES - 3)
-                # every copy of step kb landed; every warp waited for the wgmma of step kb - 2,
-                # so its stage and its operand buffer are free
-                gl.thread_barrier()
-                nxt = kb + STAGES - 2
-                live = nxt < num_k
-                async_copy.async_copy_global_to_shared(
-                    w_smem.index(nxt % STAGES), w_ptrs + nxt * (BK // 2), mask=w_mask & live
-                )
-                async_copy.async_copy_global_to_shared(
-                    x_smem.index(nxt % STAGES), x_ptrs + nxt * BK, mask=x_mask & live
-                )
-                async_copy.commit_group()
-                # decode the step's weights (while the previous step's wgmma runs) into the
-                # operand buffer, in the k order of the module docstring: stored byte
-                # j = 8c + 2s + b, nibble h -> tensor column 16s + 8h + 2c + b
-                w = w_smem.index(stage).load(w_layout)
-                s3 = gl.full([R, 2, 16], 0, gl.int32, s_layout)
-                s3 = gl.broadcast(gl.expand_dims(sc, 2), s3)[0]
-                s3 = gl.convert_layout(gl.reshape(s3, [R, 32]), w_layout, assert_trivial=True)
-                low, high = _fp4_scaled(w, s3)
-                v = gl.reshape(gl.join(low, high), [R, 4, 4, 2, 2])
-                v = gl.reshape(gl.permute(v, (0, 2, 4, 1, 3)), [R, BK])
-                op = a_smem.index(kb % 2)
-                op.store(v)
-                fence_async_shared()
-                gl.thread_barrier()
-                x_t = x_smem.index(stage).permute((1, 0))
-                acc_g = warpgroup_mma(op.slice(0, 64, 0), x_t, acc_g, is_async=True)
-                acc_u = warpgroup_mma(op.slice(64, 64, 0), x_t, acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-                sc = sc_next
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-            async_copy.wait_group(0)
-
-            if GATED:
-                _epilogue(
-                    acc_g, acc_u, n0, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
-                    stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta,
-                    limit, mma, 64, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT,
-                    MUL_ROUTED_WEIGHT, H_DTYPE, PERMUTE_OUT,
-                )  # fmt: skip
-            else:  # rows 64 .. 127 are output columns n0 + 64 ..
-                for h in gl.static_range(2):
-                    acc = acc_g if h == 0 else acc_u
-                    _epilogue(
-                        acc, acc, n0 + 64 * h, e, pid_m, bias_ptr, stride_be, stride_bn,
-                        out_ptr, stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots,
-                        alpha, beta, limit, mma, 64, BLOCK_M, HAS_BIAS, ACTIVATION, GATED,
-                        HAS_LIMIT, MUL_ROUTED_WEIGHT, H_DTYPE, PERMUTE_OUT,
-                    )  # fmt: skip
-
 
 def permute_k(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (K a multiple of 64) with each 64-column block in the kernel's tensor order:
@@ -624,7 +453,7 @@ def _device_reason(index: int) -> str | None:
 def weights_unusable_reason(
     device, dtype, hidden, width, w13, w13_scale, w2, w2_scale
 ) -> str | None:
-    """None where both GEMMs of the weight-only op run _wo_mx_hopper_kernel: activations of this
+    """None where both GEMMs of the weight-only op run this module's kernels: activations of this
     device and dtype, `hidden` wide, MXFP4 w13 [E_l, N_w, hidden / 2] and w2 [E_l, hidden, width
     / 2] with E8M0 scales [E_l, rows, K / 32] (`width` GEMM1's output width); else why not."""
     if not _ENABLED:
@@ -662,19 +491,25 @@ def _misaligned(t: torch.Tensor) -> bool:
     return (t.storage_offset() * t.element_size()) % 16 != 0
 
 
-def hopper_block_m(config_block_m: int) -> int:
+def hopper_block_m(config_block_m: int, num_slots: int, num_experts: int) -> int:
     """The slots a tile for a weight-only config's block_m: up to 64 the decode form takes it
-    as it is; from 128 the prefill form, at most MAX_BLOCK_M."""
-    return min(config_block_m, MAX_BLOCK_M)
+    as it is; from 128 the prefill form (at most MAX_BLOCK_M), where experts see at least
+    PREFILL_BLOCK_M slots on average, else the decode form's widest tile."""
+    if config_block_m <= DECODE_MAX_BLOCK_M:
+        return config_block_m
+    if num_slots >= PREFILL_BLOCK_M * num_experts:
+        return min(config_block_m, MAX_BLOCK_M)
+    return DECODE_MAX_BLOCK_M
 
 
 def launch_mx_hopper(
     a, w, scale, bias, out, topk_weights, rows, num_slots, params, block_m, group_m,
     constexprs, permute_out,
 ):  # fmt: skip
-    """One GEMM of the weight-only op through _wo_mx_hopper_kernel: a k-permuted (permute_k),
-    rows the aligned routing (fused_moe.GemmRows), params (alpha, beta, limit), constexprs
-    the epilogue's (wo_moe._hopper_constexprs)."""
+    """One GEMM of the weight-only op through this module's kernels: a k-permuted (permute_k),
+    rows the aligned routing (fused_moe.GemmRows) in tiles of block_m slots (hopper_block_m:
+    up to 64 the decode form, 128 or 256 the prefill form), params (alpha, beta, limit),
+    constexprs the epilogue's (wo_moe._hopper_constexprs)."""
     if block_m > MAX_BLOCK_M or (DECODE_MAX_BLOCK_M < block_m < PREFILL_BLOCK_M):
         raise ValueError(
             f"block_m {block_m}: the decode form takes at most {DECODE_MAX_BLOCK_M} slots a "
@@ -694,7 +529,9 @@ def launch_mx_hopper(
         *params,
     )  # fmt: skip
     if block_m >= PREFILL_BLOCK_M:
-        tile_n = 64 if constexprs["GATED"] else 128
+        from fusedmoe.kernels.wo_hopper_prefill import _wo_mx_hopper_prefill_kernel
+
+        tile_n = PREFILL_ROWS // 2 if constexprs["GATED"] else PREFILL_ROWS
         grid = (rows.num_blocks * triton.cdiv(n_out, tile_n),)
         _wo_mx_hopper_prefill_kernel[grid](
             *args, **constexprs, PERMUTE_OUT=permute_out, BLOCK_M=block_m,

@@ -27,10 +27,10 @@ faster there), and at any token count when a2_fp8_group is set:
     a2      = dequantize(fp8_quantize(a2, 1 x a2_fp8_group))   # a2_fp8_group only (w4a8)
     y, output as above
 
-Only BM (wo_hopper.hopper_block_m: up to 64 the decode form, 128 and 256 the prefill form) and
-GROUP_M of the config apply there; the tables were tuned for the Triton kernels. Where each
-variant stands: docs/performance.md, "4-bit weight-only experts" (H100) and "MXFP4 x bf16 on
-Hopper in Gluon" (H200).
+Only BM and GROUP_M of the config apply there (wo_hopper.hopper_block_m: up to 64 slots the
+decode form; 128 and 256 the prefill form, where experts see 128 slots or more on average);
+the tables were tuned for the Triton kernels. Where each variant stands: docs/performance.md,
+"4-bit weight-only experts" (H100) and "MXFP4 x bf16 on Hopper in Gluon" (H200).
 """
 
 from __future__ import annotations
@@ -452,7 +452,7 @@ def _fused_experts_weight_only_impl(
             else "one token runs the decode kernel"
         )
         if hopper_reason is None:
-            block_m = wo_hopper.hopper_block_m(config.block_m)
+            block_m = wo_hopper.hopper_block_m(config.block_m, num_slots, num_local)
             routing = moe_align_block_size(topk_ids, block_m, num_local, expert_map)
             rows = GemmRows(
                 block_m, routing.expert_ids.shape[0], routing, topk_ids.reshape(-1),

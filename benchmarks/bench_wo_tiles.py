@@ -1,0 +1,93 @@
+"""The 4-bit weight-only op alone, replayed in CUDA graphs, per tile size: the A/B behind the
+MXFP4 kernel choices in docs/performance.md ("4-bit weight-only experts").
+
+    python benchmarks/bench_wo_tiles.py [--tokens 8,64,1024,4096] [--block-m table,64,128]
+                                        [--scheme mxfp4_w4a16] [--experts 128] [--top-k 4]
+                                        [--hidden 2880] [--intermediate 2880]
+
+The defaults are gpt-oss-120b's experts (swigluoai with biases), random N(0, 0.02^2) bf16
+weights quantized with quantize_experts, random top-k routing of softmax weights. Each
+--block-m value is a slots-per-tile override through use_wo_config ("table": the shipped
+choice); on Hopper, tiles up to 64 run wo_hopper's decode form and 128 / 256 its prefill form
+where experts see 128 slots or more on average (wo_hopper.hopper_block_m), else 64. Prints one
+line per token count: ms per call for each tile, and which was fastest. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from fusedmoe import fused_experts
+from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config
+from fusedmoe.quant import quantize_experts
+
+
+def time_graph(fn, reps: int) -> float:
+    """ms per replay of fn captured in a CUDA graph (after a warm-up call and replays)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="8,64,1024,4096")
+    parser.add_argument("--block-m", default="table,64,128")
+    parser.add_argument("--scheme", default="mxfp4_w4a16")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2880)
+    parser.add_argument("--intermediate", type=int, default=2880)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_wo_tiles.py times CUDA graphs: it needs a CUDA GPU")
+    e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
+    tiles = [None if t == "table" else int(t) for t in args.block_m.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
+    w2 = torch.randn(e, h, i, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
+    q13, q2, qc = quantize_experts(w13, w2, args.scheme)
+    del w13, w2
+    b13 = torch.randn(e, 2 * i, device="cuda", generator=gen).to(torch.bfloat16) * 0.1
+    b2 = torch.randn(e, h, device="cuda", generator=gen).to(torch.bfloat16) * 0.1
+    for m in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(m, h, device="cuda", generator=gen).to(torch.bfloat16)
+        scores, ids = torch.rand(m, e, device="cuda", generator=gen).topk(k, dim=1)
+        weights, ids = torch.softmax(scores, -1), ids.to(torch.int32)
+
+        def call(x=x, weights=weights, ids=ids):
+            return fused_experts(
+                x, q13, q2, weights, ids, quant_config=qc, backend="triton",
+                activation="swigluoai", w13_bias=b13, w2_bias=b2,
+            )  # fmt: skip
+
+        reps = max(10, int(200 / (1 + m / 64)))
+        times = {}
+        for tile in tiles:
+            if tile is None:
+                times["table"] = time_graph(call, reps)
+                continue
+            gemm = WoGemmConfig(64, 128, 8, 4, 2)
+            with use_wo_config(WoConfig(tile, gemm, gemm)):
+                times[str(tile)] = time_graph(call, reps)
+        best = min(times, key=times.get)
+        cells = "  ".join(f"{name}: {ms:.4f}" for name, ms in times.items())
+        print(f"tokens {m:6d}  {cells}  (fastest: {best})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
