@@ -564,10 +564,10 @@ def test_fp4_decode_ptx_is_exact(times_2_126, word_scale):
 def test_scale_pair_ptx():
     """wo_hopper's E8M0 code -> bf16 2^(code - 65) twice in an int32, on the PTX model: every
     code; exact for 59 .. 192 (the kernel's documented range), infinity above."""
-    from fusedmoe.kernels.wo_hopper import _SCALE_PAIR_ASM
+    from fusedmoe.kernels.wo_hopper import SCALE_PAIR_ASM
 
     for code in range(256):
-        r = _run_ptx(_SCALE_PAIR_ASM.value, {1: code})[0]
+        r = _run_ptx(SCALE_PAIR_ASM.value, {1: code})[0]
         assert r >> 16 == r & 0xFFFF
         value = torch.tensor([r & 0xFFFF], dtype=torch.int32).to(torch.int16)
         value = value.view(torch.bfloat16).double().item()

@@ -33,13 +33,13 @@ its output so (PERMUTE_OUT), and GEMM2 reads it as it is. K and GEMM1's N must b
 Per K step (four 64-column blocks): wait for the stage, refill the stage freed by the
 previous step (cp.async, STAGES - 1 steps ahead, 16-byte copies: 128 bytes of each weight row
 a step, into a shared layout whose 16-byte chunks are swizzled by row), then per sub-step read
-this thread's weight bytes (8-byte runs) from the stage, decode them in PTX (_fp4_scaled: sign
+this thread's weight bytes (8-byte runs) from the stage, decode them in PTX (fp4_scaled: sign
 and magnitude bits placed into a bf16, which holds e2m1 * 2^-126, times the scale as 2^(s -
 65): exact, the product e2m1 * 2^(s - 191)), and wgmma with the activation tile, each
 operand's decode overlapping the previous operand's wgmma (at most two in flight; the step's
 last is waited for before its stage is refilled). The accumulator leaves times 2^64. The
 scales load from global memory one step ahead into registers (a byte per row and block: too
-small for cp.async), each turned into its bf16 pair once (_scale_pair), not per byte. Scale
+small for cp.async), each turned into its bf16 pair once (scale_pair), not per byte. Scale
 codes must lie in [59, 192] (2^-68 .. 2^65; real weights' scales are near 2^-8): below,
 products lose bits to bf16's subnormals; above, 2^(s - 65) overflows. The kernel is exact
 inside that range.
@@ -95,10 +95,15 @@ except Exception as exc:
 
 __all__ = [
     "BLOCK_N",
+    "PREFILL_ROWS",
+    "SCALE_PAIR_ASM",
     "STAGES",
+    "fp4_scaled",
     "hopper_block_m",
     "launch_mx_hopper",
+    "mx_epilogue",
     "permute_k",
+    "scale_pair",
     "weights_unusable_reason",
 ]
 
@@ -131,7 +136,7 @@ _FP4_SCALED_ASM = tl.constexpr(fp4_asm(times_2_126=False, word_scale=True))
 
 
 @triton.jit
-def _fp4_scaled(packed, scale):
+def fp4_scaled(packed, scale):
     """uint8 E2M1 pairs and, per byte, its bf16 scale twice as an int32 (bytes 2i, 2i + 1 share
     one) -> (low-nibble values, high-nibble values)."""
     return tl.inline_asm_elementwise(
@@ -142,7 +147,7 @@ def _fp4_scaled(packed, scale):
 
 # E8M0 code s -> bf16 2^(s - 65), twice in an int32: (min(s, 193) + 62) << 7, times 0x10001.
 # In PTX so that LLVM does not pack the byte arithmetic into 16-bit pairs (which costs more).
-_SCALE_PAIR_ASM = tl.constexpr("""
+SCALE_PAIR_ASM = tl.constexpr("""
 {
 .reg .b32 t;
 min.u32 t, $1, 193;
@@ -152,10 +157,10 @@ mad.lo.u32 $0, t, 0x00800080, 0x1F001F00;
 
 
 @triton.jit
-def _scale_pair(code):
+def scale_pair(code):
     """uint8 E8M0 codes -> int32: the bf16 bits of 2^(code - 65) in both halves."""
     return tl.inline_asm_elementwise(
-        _SCALE_PAIR_ASM, "=r,r", [code.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1
+        SCALE_PAIR_ASM, "=r,r", [code.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1
     )
 
 
@@ -188,7 +193,7 @@ if gluon is not None:
         bf16 2^(s - 65) (the module docstring) twice in an int32; code 127 past the last group."""
         g = sub * 4 + s_groups
         s = gl.load(s_ptrs + sub * 4, mask=s_mask & (g < num_groups), other=127)
-        return _scale_pair(s)
+        return scale_pair(s)
 
     @gluon.jit
     def _operand(w_tile, scale_bits, w_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -198,14 +203,14 @@ if gluon is not None:
         s = gl.expand_dims(scale_bits, 3)
         s = gl.broadcast(s, gl.full([64, 2, 2, 16], 0, gl.int32, s.type.layout))[0]
         s = gl.convert_layout(gl.reshape(s, [64, 64]), w_layout, assert_trivial=True)
-        low, high = _fp4_scaled(w, s)
+        low, high = fp4_scaled(w, s)
         # (row, byte 32 blk + 8 c + 2 s + b, h) -> (row, blk, s, h, c, b)
         v = gl.reshape(gl.join(low, high), [64, 2, 4, 4, 2, 2])
         v = gl.reshape(gl.permute(v, (0, 1, 3, 5, 2, 4)), [64, 128])
         return gl.convert_layout(v, a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _epilogue(
+    def mx_epilogue(
         acc_g, acc_u, n0, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
         topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit,
         mma: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -423,12 +428,16 @@ if gluon is not None:
             async_copy.wait_group(0)
 
             # the epilogue, in the accumulator's layout
-            _epilogue(
+            mx_epilogue(
                 acc_g, acc_u, pid_n * BN, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
                 stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit,
                 mma, BN, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT,
                 H_DTYPE, PERMUTE_OUT,
             )  # fmt: skip
+
+
+if gluon is None:  # the names wo_hopper_prefill imports
+    mx_epilogue = None
 
 
 def permute_k(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -529,11 +538,11 @@ def launch_mx_hopper(
         *params,
     )  # fmt: skip
     if block_m >= PREFILL_BLOCK_M:
-        from fusedmoe.kernels.wo_hopper_prefill import _wo_mx_hopper_prefill_kernel
+        from fusedmoe.kernels.wo_hopper_prefill import wo_mx_hopper_prefill_kernel
 
         tile_n = PREFILL_ROWS // 2 if constexprs["GATED"] else PREFILL_ROWS
         grid = (rows.num_blocks * triton.cdiv(n_out, tile_n),)
-        _wo_mx_hopper_prefill_kernel[grid](
+        wo_mx_hopper_prefill_kernel[grid](
             *args, **constexprs, PERMUTE_OUT=permute_out, BLOCK_M=block_m,
             STAGES=PREFILL_STAGES, GROUP_M=group_m, num_warps=8,
         )  # fmt: skip

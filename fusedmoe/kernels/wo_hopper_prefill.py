@@ -11,18 +11,18 @@ import triton.language as tl
 from fusedmoe.kernels.moe_gemm import gate_up_rows
 from fusedmoe.kernels.wo_hopper import (
     PREFILL_ROWS,
-    _epilogue,
-    _fp4_scaled,
-    _scale_pair,
     async_copy,
     fence_async_shared,
+    fp4_scaled,
     gl,
     gluon,
+    mx_epilogue,
+    scale_pair,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-__all__ = ["_wo_mx_hopper_prefill_kernel"]
+__all__ = ["wo_mx_hopper_prefill_kernel"]
 
 _ROWS = tl.constexpr(PREFILL_ROWS)  # weight rows a program (wo_hopper.PREFILL_ROWS)
 
@@ -41,7 +41,7 @@ if gluon is not None:
         return col, col < N
 
     @gluon.jit
-    def _wo_mx_hopper_prefill_kernel(
+    def wo_mx_hopper_prefill_kernel(
         a_ptr, stride_am,  # [rows of A, K] bf16, k-permuted (permute_k), unit stride along K
         w_ptr, stride_we, stride_wn,  # [E_l, N_w, K / 2] uint8, unit stride along K
         s_ptr, stride_se, stride_sn,  # [E_l, N_w, K / 32] uint8 (E8M0), unit stride along K
@@ -145,14 +145,14 @@ if gluon is not None:
                     x_smem.index(i), x_ptrs + i * BK, mask=x_mask & live
                 )
                 async_copy.commit_group()
-            sc = _scale_pair(gl.load(s_ptrs, mask=s_mask & (half[None, :] < num_groups), other=127))
+            sc = scale_pair(gl.load(s_ptrs, mask=s_mask & (half[None, :] < num_groups), other=127))
 
             acc_g = gl.zeros([64, BLOCK_M], gl.float32, mma)
             acc_u = gl.zeros([64, BLOCK_M], gl.float32, mma)
             for kb in range(num_k):
                 stage = kb % STAGES
                 g_next = 2 * kb + 2 + half[None, :]
-                sc_next = _scale_pair(
+                sc_next = scale_pair(
                     gl.load(s_ptrs + 2 * kb + 2, mask=s_mask & (g_next < num_groups), other=127)
                 )
                 async_copy.wait_group(STAGES - 3)
@@ -176,7 +176,7 @@ if gluon is not None:
                 s_rep = gl.broadcast(gl.expand_dims(sc, 2), s_rep)[0]
                 s_rep = gl.reshape(s_rep, [R, 32])
                 s_rep = gl.convert_layout(s_rep, w_layout, assert_trivial=True)
-                low, high = _fp4_scaled(w, s_rep)
+                low, high = fp4_scaled(w, s_rep)
                 v = gl.reshape(gl.join(low, high), [R, 4, 4, 2, 2])
                 v = gl.reshape(gl.permute(v, (0, 2, 4, 1, 3)), [R, BK])
                 op = a_smem.index(kb % 2)
@@ -192,7 +192,7 @@ if gluon is not None:
             async_copy.wait_group(0)
 
             if GATED:
-                _epilogue(
+                mx_epilogue(
                     acc_g, acc_u, n0, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
                     stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta,
                     limit, mma, 64, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT,
@@ -201,7 +201,7 @@ if gluon is not None:
             else:  # rows 64 .. 127 are output columns n0 + 64 ..
                 for h in gl.static_range(2):
                     acc = acc_g if h == 0 else acc_u
-                    _epilogue(
+                    mx_epilogue(
                         acc, acc, n0 + 64 * h, e, pid_m, bias_ptr, stride_be, stride_bn,
                         out_ptr, stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots,
                         alpha, beta, limit, mma, 64, BLOCK_M, HAS_BIAS, ACTIVATION, GATED,
