@@ -10,7 +10,8 @@ weights quantized with quantize_experts, random top-k routing of softmax weights
 --block-m value is a slots-per-tile override through use_wo_config ("table": the shipped
 choice); on Hopper, tiles up to 64 run wo_hopper's decode form and 128 / 256 its prefill form
 where experts see 128 slots or more on average (wo_hopper.hopper_block_m), else 64. Prints one
-line per token count: ms per call for each tile, and which was fastest. Needs a CUDA GPU.
+line per token count: ms per call for each tile (fusedmoe.tools.bench.timing.time_ms: the
+median of CUDA-graph replays), and which was fastest. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -22,25 +23,7 @@ import torch
 from fusedmoe import fused_experts
 from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config
 from fusedmoe.quant import quantize_experts
-
-
-def time_graph(fn, reps: int) -> float:
-    """ms per replay of fn captured in a CUDA graph (after a warm-up call and replays)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from fusedmoe.tools.bench.timing import time_ms
 
 
 def main() -> None:
@@ -56,6 +39,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_wo_tiles.py times CUDA graphs: it needs a CUDA GPU")
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
+    device = torch.device("cuda")
     tiles = [None if t == "table" else int(t) for t in args.block_m.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
@@ -75,15 +59,14 @@ def main() -> None:
                 activation="swigluoai", w13_bias=b13, w2_bias=b2,
             )  # fmt: skip
 
-        reps = max(10, int(200 / (1 + m / 64)))
         times = {}
         for tile in tiles:
             if tile is None:
-                times["table"] = time_graph(call, reps)
+                times["table"] = time_ms(call, device)[0]
                 continue
             gemm = WoGemmConfig(64, 128, 8, 4, 2)
             with use_wo_config(WoConfig(tile, gemm, gemm)):
-                times[str(tile)] = time_graph(call, reps)
+                times[str(tile)] = time_ms(call, device)[0]
         best = min(times, key=times.get)
         cells = "  ".join(f"{name}: {ms:.4f}" for name, ms in times.items())
         print(f"tokens {m:6d}  {cells}  (fastest: {best})", flush=True)

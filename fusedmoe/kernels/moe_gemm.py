@@ -128,6 +128,17 @@ def epilogue_activation(
 
 
 @triton.jit
+def grouped_tile(pid, N, BLOCK_N: tl.constexpr, max_blocks, GROUP_M: tl.constexpr):
+    """Grouped launch order: program pid's (row block, column tile), GROUP_M row blocks sharing
+    each column tile of w while it is in L2."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(max_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
 def gate_up_rows(offs_n, N, GATED: tl.constexpr, ACTIVATION: tl.constexpr):
     """The w13 rows of output columns offs_n: gate and up (halves, or gpt-oss's interleaved
     pairs); a non-gated weight's rows twice."""
@@ -391,14 +402,7 @@ def _moe_gemm_kernel(
     pdl_wait(PDL)
     if ZERO_OUT:  # before any early return: every program zeroes its share
         _zero_slice(zero_ptr, zero_numel, 1024)
-    # Grouped launch order: GROUP_M row blocks share each column tile of w while it is in L2.
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, BLOCK_N, max_blocks, GROUP_M)
 
     if DIRECT:  # block pid_m is slot pid_m alone, in row 0 (the alignment launch is saved)
         expert = tl.load(ids_ptr + pid_m).to(tl.int32)

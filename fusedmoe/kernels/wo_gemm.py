@@ -67,6 +67,7 @@ from fusedmoe.kernels.moe_gemm import (
     e8m0_to_float,
     epilogue_activation,
     gate_up_rows,
+    grouped_tile,
     round_to,
 )
 
@@ -410,13 +411,7 @@ def _wo_gemm_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, BLOCK_N, max_blocks, GROUP_M)
 
     if DIRECT:
         expert = tl.load(ids_ptr + pid_m).to(tl.int32)

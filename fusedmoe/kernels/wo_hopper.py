@@ -75,7 +75,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedmoe.kernels.moe_gemm import epilogue_activation, gate_up_rows, round_to
+from fusedmoe.kernels.moe_gemm import (
+    epilogue_activation,
+    gate_up_rows,
+    grouped_tile,
+    round_to,
+)
 from fusedmoe.kernels.wo_gemm import fp4_asm
 
 try:  # Gluon's Hopper API (see wgmma_gemm: the same versions are supported)
@@ -284,13 +289,7 @@ if gluon is not None:
     ):  # fmt: skip
         BN: gl.constexpr = 64
         BK: gl.constexpr = 256  # a K step: two 128-column sub-steps
-        pid = gl.program_id(0)
-        num_pid_n = gl.cdiv(N, BN)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = gl.minimum(max_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
+        pid_m, pid_n = grouped_tile(gl.program_id(0), N, BN, max_blocks, GROUP_M)
         num_post = gl.load(num_post_ptr)
         if pid_m * BLOCK_M < num_post:
             e = gl.load(expert_ids_ptr + pid_m).to(gl.int64)

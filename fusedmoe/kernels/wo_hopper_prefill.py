@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from fusedmoe.kernels.moe_gemm import gate_up_rows
+from fusedmoe.kernels.moe_gemm import gate_up_rows, grouped_tile
 from fusedmoe.kernels.wo_hopper import (
     PREFILL_ROWS,
     async_copy,
@@ -72,13 +72,7 @@ if gluon is not None:
         gl.static_assert(R == 128, "the decode layouts below are for 128 rows on 8 warps")
         gl.static_assert(STAGES >= 3, "the ring refills the stage of step kb - 2")
         gl.static_assert(BLOCK_M == 128 or BLOCK_M == 256, "tiles of 128 or 256 slots")
-        pid = gl.program_id(0)
-        num_pid_n = gl.cdiv(N, BN)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = gl.minimum(max_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
+        pid_m, pid_n = grouped_tile(gl.program_id(0), N, BN, max_blocks, GROUP_M)
         n0 = pid_n * BN
         num_post = gl.load(num_post_ptr)
         if pid_m * BLOCK_M < num_post:
