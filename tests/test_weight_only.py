@@ -354,7 +354,7 @@ def test_reference_refuses_graph_capture():
         (160, 256, 33, "silu", False),  # K not a multiple of 64: the Triton kernels run
     ],
 )
-@pytest.mark.parametrize("block_m", [None, 16, 128, 256])
+@pytest.mark.parametrize("block_m", [None, 16, 128])
 def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
     """MXFP4 x bf16 on Hopper: wo_hopper's Gluon kernel against the Triton kernels and the
     float64 torch twin on the same call, with biases, empty slots, an expert_map, K and N not
@@ -382,7 +382,7 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
     )
     if block_m is None:  # the table's tile
         out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
-    else:  # both forms of the kernel: decode (<= 64 slots a tile), prefill (128, 256)
+    else:  # both forms of the kernel: decode (<= 64 slots a tile), prefill (128)
         gemm = WoGemmConfig(64, 128, 8, 4, 2)
         with use_wo_config(WoConfig(block_m, gemm, gemm)):
             out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
@@ -578,12 +578,16 @@ def test_scale_pair_ptx():
 
 
 def test_hopper_block_m():
-    """The tile for a weight-only config on Hopper: the config's up to 64 slots; 128 and 256
-    (the prefill form) only where experts see 128 slots or more on average, else 64."""
-    from fusedmoe.kernels.wo_hopper import hopper_block_m
+    """The tile for a weight-only config on Hopper: the config's up to 64 slots; 128 (the
+    prefill form) from a config of 128 or more, only where experts see 128 slots or more on
+    average, else 64; launch_mx_hopper refuses any other tile before it reads its tensors."""
+    from fusedmoe.kernels.wo_hopper import hopper_block_m, launch_mx_hopper
 
     assert hopper_block_m(16, 10_000, 8) == 16
     assert hopper_block_m(64, 10_000, 8) == 64
     assert hopper_block_m(128, 128 * 8, 8) == 128
     assert hopper_block_m(128, 128 * 8 - 1, 8) == 64
-    assert hopper_block_m(512, 10_000, 8) == 256
+    assert hopper_block_m(512, 10_000, 8) == 128
+    for block_m in (96, 256):
+        with pytest.raises(ValueError, match=f"block_m {block_m}"):
+            launch_mx_hopper(*[None] * 9, block_m, 8, {}, False)

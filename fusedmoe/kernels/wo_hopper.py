@@ -51,14 +51,16 @@ scaling).
 
 Prefill (fusedmoe.kernels.wo_hopper_prefill). With many slots per expert the decode form spends
 its time decoding (each weight decoded again for every 64 slots) and waiting on it. The
-prefill form decodes each weight once per tile of 128 or 256 slots: 8 warps; per 64-column K
-step, 128 weight rows (GATED: the gate and the up rows of 64 output columns; else 128 output
-columns) are decoded by all 256 threads (16 stored bytes, one E8M0 group, a thread) into a
-bf16 operand tile in shared memory, in the same k order, and two warpgroups multiply it with
-BM / 2 slots each (wgmma with both operands in shared memory). The operand tile is double
-buffered, so a step's decode overlaps the previous step's wgmma; a ring of PREFILL_STAGES
-steps brings the weights and activations (two in flight beyond the one decoded); two
-barriers a step.
+prefill form decodes each weight once per tile of 128 slots: 8 warps; per 64-column K step,
+256 weight rows (GATED: the gate and the up rows of 128 output columns, alternating, so that
+each thread's accumulator holds both of a column in a register pair; else 256 output columns)
+are decoded by all 256 threads (16 stored bytes, one E8M0 group, of two rows a thread) into a
+bf16 tile in shared memory, in the same k order: wgmma's right operand, 256 wide. The slots'
+activations are its left, 64 slots to each warpgroup, so the accumulator is [slots, weight
+rows] and the epilogue stores rows of the output. The operand tile is double buffered and a
+step's wgmma stays in flight while the next step is decoded; a ring of PREFILL_STAGES steps
+brings the weights and activations (cp.async: a plain load in flight would be waited for by
+the fence before each wgmma); two barriers a step.
 
 Columns past K read as code 0 (weights) and 0.0 (activations). The epilogues are wo_gemm's:
 GEMM1 bias, rounding to the activation dtype and the activation (gate and up tiles of the
@@ -119,15 +121,15 @@ STAGES = 2
 #: the decode form's widest slot tile: at 128 slots it spills (255 registers) and ran 1.8x
 #: slower on an H200
 DECODE_MAX_BLOCK_M = 64
-#: the prefill form (wo_hopper_prefill) takes tiles of 128 and 256 slots, and is chosen where an
-#: expert sees at least PREFILL_BLOCK_M slots on average (hopper_block_m): measured faster at
-#: 128 and 512 (H200), 1.5x slower at 32
+#: the prefill form (wo_hopper_prefill) takes tiles of 128 slots, and is chosen where an expert
+#: sees at least that many slots on average (hopper_block_m): measured faster at 128 and 512
+#: slots an expert (H200), 1.5x slower at 32
 PREFILL_BLOCK_M = 128
-MAX_BLOCK_M = 256  # the prefill form's widest tile (shared memory)
-#: the prefill form's weight rows a program: gate and up rows of 64 output columns, or 128
-PREFILL_ROWS = 128
+#: the prefill form's weight rows a program (wgmma's widest right operand): gate and up rows of
+#: 128 output columns, or 256
+PREFILL_ROWS = 256
 #: the prefill form's ring of 64-column K steps (at least 3): two in flight beyond the one
-#: decoded (3 stages measured 1-3% slower on an H200)
+#: decoded
 PREFILL_STAGES = 4
 #: FUSEDMOE_WO_HOPPER=0: the Triton kernels run MXFP4 x bf16 on Hopper too (for comparisons)
 _ENABLED = os.environ.get("FUSEDMOE_WO_HOPPER", "1") != "0"
@@ -221,27 +223,29 @@ if gluon is not None:
         mma: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, HAS_BIAS: gl.constexpr,
         ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_LIMIT: gl.constexpr,
         MUL_ROUTED_WEIGHT: gl.constexpr, H_DTYPE: gl.constexpr, PERMUTE_OUT: gl.constexpr,
+        SLOTS_FIRST: gl.constexpr,
     ):  # fmt: skip
         """Output columns n0 .. n0 + BN of the tile's slots from the accumulators [BN, BLOCK_M]
-        (times 2^64; gate and up, or acc_g alone), in their layout `mma`: wo_gemm's epilogues."""
+        ([BLOCK_M, BN] where SLOTS_FIRST; times 2^64; gate and up, or acc_g alone), in their
+        layout `mma`: wo_gemm's epilogues."""
+        N_AXIS: gl.constexpr = 1 if SLOTS_FIRST else 0  # the accumulators' column axis
+        M_AXIS: gl.constexpr = 1 - N_AXIS
         acc_g = acc_g * _ACC_SCALE
         acc_u = acc_u * _ACC_SCALE
-        offs_n = n0 + gl.arange(0, BN, gl.SliceLayout(1, mma))
+        offs_n = n0 + gl.arange(0, BN, gl.SliceLayout(M_AXIS, mma))
         n_mask = offs_n < N
         gate_rows, up_rows = gate_up_rows(offs_n, N, GATED, ACTIVATION)
         slots = gl.load(
-            sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, mma))
+            sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(N_AXIS, mma))
         )
         row_mask = slots < num_slots
         if HAS_BIAS:
             bias_base = bias_ptr + e * stride_be
-            acc_g += gl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0).to(
-                gl.float32
-            )[:, None]
+            bias_g = gl.load(bias_base + gate_rows * stride_bn, mask=n_mask, other=0.0)
+            acc_g += gl.expand_dims(bias_g.to(gl.float32), M_AXIS)
             if GATED:
-                acc_u += gl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0).to(
-                    gl.float32
-                )[:, None]
+                bias_u = gl.load(bias_base + up_rows * stride_bn, mask=n_mask, other=0.0)
+                acc_u += gl.expand_dims(bias_u.to(gl.float32), M_AXIS)
         if PERMUTE_OUT:  # column n of block n // 64 -> its tensor column (module docstring)
             j = offs_n % 64
             cols = (offs_n - j) + 16 * ((j // 4) % 4) + 8 * (j % 2) + 2 * (j // 16)
@@ -249,14 +253,16 @@ if gluon is not None:
         else:
             cols = offs_n
         slot_rows = slots.to(gl.int64)
-        out_ptrs = out_ptr + slot_rows[None, :] * stride_om + cols[:, None]
-        out_mask = n_mask[:, None] & row_mask[None, :]
+        out_ptrs = (
+            out_ptr + gl.expand_dims(slot_rows, N_AXIS) * stride_om + gl.expand_dims(cols, M_AXIS)
+        )
+        out_mask = gl.expand_dims(n_mask, M_AXIS) & gl.expand_dims(row_mask, N_AXIS)
         if ACTIVATION == _ACT_NONE:
             y = acc_g
             if MUL_ROUTED_WEIGHT:
                 y = round_to(y, H_DTYPE, False)
                 tw = gl.load(topk_weights_ptr + slot_rows, mask=row_mask, other=0.0)
-                y = y * tw[None, :]
+                y = y * gl.expand_dims(tw, N_AXIS)
             gl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
             h_g = round_to(acc_g, H_DTYPE, False)
@@ -431,7 +437,7 @@ if gluon is not None:
                 acc_g, acc_u, pid_n * BN, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
                 stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit,
                 mma, BN, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT,
-                H_DTYPE, PERMUTE_OUT,
+                H_DTYPE, PERMUTE_OUT, False,
             )  # fmt: skip
 
 
@@ -501,12 +507,12 @@ def _misaligned(t: torch.Tensor) -> bool:
 
 def hopper_block_m(config_block_m: int, num_slots: int, num_experts: int) -> int:
     """The slots a tile for a weight-only config's block_m: up to 64 the decode form takes it
-    as it is; from 128 the prefill form (at most MAX_BLOCK_M), where experts see at least
-    PREFILL_BLOCK_M slots on average, else the decode form's widest tile."""
+    as it is; from 128 the prefill form's PREFILL_BLOCK_M where experts see at least that many
+    slots on average, else the decode form's widest tile."""
     if config_block_m <= DECODE_MAX_BLOCK_M:
         return config_block_m
     if num_slots >= PREFILL_BLOCK_M * num_experts:
-        return min(config_block_m, MAX_BLOCK_M)
+        return PREFILL_BLOCK_M
     return DECODE_MAX_BLOCK_M
 
 
@@ -516,12 +522,12 @@ def launch_mx_hopper(
 ):  # fmt: skip
     """One GEMM of the weight-only op through this module's kernels: a k-permuted (permute_k),
     rows the aligned routing (fused_moe.GemmRows) in tiles of block_m slots (hopper_block_m:
-    up to 64 the decode form, 128 or 256 the prefill form), params (alpha, beta, limit),
+    up to 64 the decode form, 128 the prefill form), params (alpha, beta, limit),
     constexprs the epilogue's (wo_moe._hopper_constexprs)."""
-    if block_m > MAX_BLOCK_M or (DECODE_MAX_BLOCK_M < block_m < PREFILL_BLOCK_M):
+    if block_m > DECODE_MAX_BLOCK_M and block_m != PREFILL_BLOCK_M:
         raise ValueError(
             f"block_m {block_m}: the decode form takes at most {DECODE_MAX_BLOCK_M} slots a "
-            f"tile, the prefill form {PREFILL_BLOCK_M} to {MAX_BLOCK_M}"
+            f"tile, the prefill form {PREFILL_BLOCK_M}"
         )
     n_out = out.shape[1]
     dummy = rows.ids
@@ -536,7 +542,7 @@ def launch_mx_hopper(
         n_out, a.shape[1], num_slots, rows.num_blocks,
         *params,
     )  # fmt: skip
-    if block_m >= PREFILL_BLOCK_M:
+    if block_m == PREFILL_BLOCK_M:
         from fusedmoe.kernels.wo_hopper_prefill import wo_mx_hopper_prefill_kernel
 
         tile_n = PREFILL_ROWS // 2 if constexprs["GATED"] else PREFILL_ROWS
