@@ -2,6 +2,7 @@
 MXFP4 kernel choices in docs/performance.md ("4-bit weight-only experts").
 
     python benchmarks/bench_wo_tiles.py [--tokens 8,64,1024,4096] [--block-m table,64,128]
+                                        [--gemv 16x128x4,32x256x4]
                                         [--scheme mxfp4_w4a16] [--experts 128] [--top-k 4]
                                         [--hidden 2880] [--intermediate 2880]
 
@@ -9,7 +10,9 @@ The defaults are gpt-oss-120b's experts (swigluoai with biases), random N(0, 0.0
 weights quantized with quantize_experts, random top-k routing of softmax weights. Each
 --block-m value is a slots-per-tile override through use_wo_config ("table": the shipped
 choice); on Hopper, tiles up to 64 run wo_hopper's decode form and 128 / 256 its prefill form
-where experts see 128 slots or more on average (wo_hopper.hopper_block_m), else 64. Prints one
+where experts see 128 slots or more on average (wo_hopper.hopper_block_m), else 64. Each
+--gemv value BNxBKxW runs the decode GEMV (wo_gemm._wo_gemv_kernel: one slot a program) with
+BN weight rows and BK columns a step on W warps, whatever the slots per expert. Prints one
 line per token count: ms per call for each tile (fusedmoe.tools.bench.timing.time_ms: the
 median of CUDA-graph replays), and which was fastest. Needs a CUDA GPU.
 """
@@ -30,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8,64,1024,4096")
     parser.add_argument("--block-m", default="table,64,128")
+    parser.add_argument("--gemv", default="", help="GEMV tiles BNxBKxW, comma-separated")
     parser.add_argument("--scheme", default="mxfp4_w4a16")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=4)
@@ -40,7 +44,10 @@ def main() -> None:
         raise SystemExit("bench_wo_tiles.py times CUDA graphs: it needs a CUDA GPU")
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
     device = torch.device("cuda")
-    tiles = [None if t == "table" else int(t) for t in args.block_m.split(",")]
+    tiles = [None if t == "table" else int(t) for t in args.block_m.split(",") if t]
+    gemvs = [tuple(int(v) for v in t.split("x")) for t in args.gemv.split(",") if t]
+    if any(len(g) != 3 for g in gemvs):
+        raise SystemExit(f"--gemv takes BNxBKxW values, got {args.gemv!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
     w2 = torch.randn(e, h, i, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
@@ -67,6 +74,11 @@ def main() -> None:
             gemm = WoGemmConfig(64, 128, 8, 4, 2)
             with use_wo_config(WoConfig(tile, gemm, gemm)):
                 times[str(tile)] = time_ms(call, device)[0]
+        for bn, bk, warps in gemvs:
+            gemm = WoGemmConfig(64, 128, 8, 4, 2)
+            gemv = WoGemmConfig(bn, bk, 1, warps, 1)
+            with use_wo_config(WoConfig(16, gemm, gemm, gemv)):
+                times[f"gemv {bn}x{bk}x{warps}"] = time_ms(call, device)[0]
         best = min(times, key=times.get)
         cells = "  ".join(f"{name}: {ms:.4f}" for name, ms in times.items())
         print(f"tokens {m:6d}  {cells}  (fastest: {best})", flush=True)

@@ -23,12 +23,12 @@ wo_hopper's Gluon kernel instead, from 2 tokens on (one token stays on the decod
 faster there), and at any token count when a2_fp8_group is set:
 
     x'      = permute_k(x)                                # the kernel's k order
-    a2      = GEMM1 on x', stored in the same k order     # tiles of BM slots (<= 256)
+    a2      = GEMM1 on x', stored in the same k order     # tiles of BM slots (<= 128)
     a2      = dequantize(fp8_quantize(a2, 1 x a2_fp8_group))   # a2_fp8_group only (w4a8)
     y, output as above
 
 Only BM and GROUP_M of the config apply there (wo_hopper.hopper_block_m: up to 64 slots the
-decode form; 128 and 256 the prefill form, where experts see 128 slots or more on average);
+decode form; 128 the prefill form, where experts see 128 slots or more on average);
 the tables were tuned for the Triton kernels. Where each variant stands: docs/performance.md,
 "4-bit weight-only experts" (H100) and "MXFP4 x bf16 on Hopper in Gluon" (H200).
 """
@@ -221,7 +221,9 @@ def heuristic_wo_config(num_tokens: int, top_k: int, num_local_experts: int) -> 
     slots_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     if slots_per_expert <= GEMV_MAX_SLOTS_PER_EXPERT:
         gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
-        gemv = WoGemmConfig(block_n=16, block_k=128, group_m=1, num_warps=4, num_stages=1)
+        # 8 x 256: 49.8 against 52.2 us for 16 x 128 at one gpt-oss token (H200, the sweep of
+        # benchmarks/bench_wo_tiles.py --gemv in docs/performance.md)
+        gemv = WoGemmConfig(block_n=8, block_k=256, group_m=1, num_warps=4, num_stages=1)
         return WoConfig(16, gemm, gemm, gemv)
     if slots_per_expert <= 16:
         gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
