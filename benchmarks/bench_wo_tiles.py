@@ -9,10 +9,12 @@ MXFP4 kernel choices in docs/performance.md ("4-bit weight-only experts").
 The defaults are gpt-oss-120b's experts (swigluoai with biases), random N(0, 0.02^2) bf16
 weights quantized with quantize_experts, random top-k routing of softmax weights. Each
 --block-m value is a slots-per-tile override through use_wo_config ("table": the shipped
-choice); on Hopper, tiles up to 64 run wo_hopper's decode form and 128 / 256 its prefill form
-where experts see 128 slots or more on average (wo_hopper.hopper_block_m), else 64. Each
---gemv value BNxBKxW runs the decode GEMV (wo_gemm._wo_gemv_kernel: one slot a program) with
-BN weight rows and BK columns a step on W warps, whatever the slots per expert. Prints one
+choice); on Hopper, tiles up to 64 run wo_hopper's decode form and larger ones its prefill
+form's 128 where experts see 128 slots or more on average (wo_hopper.hopper_block_m), else
+64. Each --gemv value BNxBKxW runs the decode GEMV (wo_gemm._wo_gemv_kernel: one slot a
+program) with BN weight rows and BK columns a step on W warps: at any token count where
+wo_hopper's kernels do not run, and at one token where they do (MXFP4 x bf16 on Hopper runs
+them from 2 tokens; FUSEDMOE_WO_HOPPER=0 keeps the GEMV there too). Prints one
 line per token count: ms per call for each tile (fusedmoe.tools.bench.timing.time_ms: the
 median of CUDA-graph replays), and which was fastest. Needs a CUDA GPU.
 """

@@ -351,6 +351,7 @@ def test_reference_refuses_graph_capture():
         (64, 64, 1000, "swigluoai", True),  # K < one K step
         (256, 320, 64, "gelu", False),
         (256, 320, 64, "relu2_no_mul", True),  # not gated
+        (256, 320, 300, "relu2_no_mul", False),  # not gated, in the prefill form too
         (160, 256, 33, "silu", False),  # K not a multiple of 64: the Triton kernels run
     ],
 )
@@ -375,10 +376,10 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
         hot[:, 0] = 3
     expert_map = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5, 6, 7], dtype=torch.int32, device="cuda")
     kw = dict(activation=activation, w13_bias=b13, w2_bias=b2, expert_map=expert_map)
-    ran = []
+    ran = []  # the tile of each launch
     launch = wo_hopper.launch_mx_hopper
     monkeypatch.setattr(
-        wo_hopper, "launch_mx_hopper", lambda *a, **k: ran.append(1) or launch(*a, **k)
+        wo_hopper, "launch_mx_hopper", lambda *a, **k: ran.append(a[9]) or launch(*a, **k)
     )
     if block_m is None:  # the table's tile
         out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
@@ -387,6 +388,8 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
         with use_wo_config(WoConfig(block_m, gemm, gemm)):
             out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
     assert bool(ran) == (h % 64 == 0), "the Gluon kernel ran where it should not, or did not"
+    if ran and block_m == 128:  # the prefill form where experts see 128 slots on average
+        assert (128 in ran) == (m * k >= 128 * 8), ran
     monkeypatch.setattr(wo_hopper, "_ENABLED", False)
     triton_out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
     ref = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="torch", **kw)
@@ -578,9 +581,9 @@ def test_scale_pair_ptx():
 
 
 def test_hopper_block_m():
-    """The tile for a weight-only config on Hopper: the config's up to 64 slots; 128 (the
-    prefill form) from a config of 128 or more, only where experts see 128 slots or more on
-    average, else 64; launch_mx_hopper refuses any other tile before it reads its tensors."""
+    """The tile for a weight-only config on Hopper: the config's up to 64 slots; above 64, 128
+    (the prefill form) where experts see 128 slots or more on average, else 64;
+    launch_mx_hopper refuses any other tile before it reads its tensors."""
     from fusedmoe.kernels.wo_hopper import hopper_block_m, launch_mx_hopper
 
     assert hopper_block_m(16, 10_000, 8) == 16
@@ -588,6 +591,7 @@ def test_hopper_block_m():
     assert hopper_block_m(128, 128 * 8, 8) == 128
     assert hopper_block_m(128, 128 * 8 - 1, 8) == 64
     assert hopper_block_m(512, 10_000, 8) == 128
+    assert hopper_block_m(96, 10_000, 8) == 128
     for block_m in (96, 256):
         with pytest.raises(ValueError, match=f"block_m {block_m}"):
             launch_mx_hopper(*[None] * 9, block_m, 8, {}, False)

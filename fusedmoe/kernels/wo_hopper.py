@@ -1,9 +1,10 @@
 """MXFP4 x bf16 expert GEMMs for Hopper, written in Gluon: the weights decoded from their 4-bit
-bytes straight into wgmma's left operand, the loads pipelined in shared memory.
+bytes into a wgmma operand (registers in the decode form, shared memory in the prefill form),
+the loads pipelined in shared memory.
 
 The weight-only GEMM of fusedmoe.kernels.wo_gemm, same operands and epilogues, in two forms
 chosen by the tile's slots BM (hopper_block_m): the decode form below (BM <= 64, one
-warpgroup) and the prefill form (BM 128 or 256, "Prefill" at the end). The decode form: a
+warpgroup) and the prefill form (BM 128, "Prefill" at the end). The decode form: a
 program computes a 64 x BM tile of the transposed output (64 weight rows by BM routed slots of
 one expert) over K in steps of 256 (two sub-steps of 128, one wgmma each),
 
@@ -63,8 +64,8 @@ brings the weights and activations (cp.async: a plain load in flight would be wa
 the fence before each wgmma); two barriers a step.
 
 Columns past K read as code 0 (weights) and 0.0 (activations). The epilogues are wo_gemm's:
-GEMM1 bias, rounding to the activation dtype and the activation (gate and up tiles of the
-same 64 output columns: halves, or gpt-oss's interleaved rows); GEMM2 bias, rounding, times
+GEMM1 bias, rounding to the activation dtype and the activation (gate and up rows of the
+same output columns: halves, or gpt-oss's interleaved rows); GEMM2 bias, rounding, times
 the routing weight.
 """
 
@@ -228,7 +229,7 @@ if gluon is not None:
         """Output columns n0 .. n0 + BN of the tile's slots from the accumulators [BN, BLOCK_M]
         ([BLOCK_M, BN] where SLOTS_FIRST; times 2^64; gate and up, or acc_g alone), in their
         layout `mma`: wo_gemm's epilogues."""
-        N_AXIS: gl.constexpr = 1 if SLOTS_FIRST else 0  # the accumulators' column axis
+        N_AXIS: gl.constexpr = 1 if SLOTS_FIRST else 0  # the output columns' (n) axis
         M_AXIS: gl.constexpr = 1 - N_AXIS
         acc_g = acc_g * _ACC_SCALE
         acc_u = acc_u * _ACC_SCALE
@@ -507,7 +508,7 @@ def _misaligned(t: torch.Tensor) -> bool:
 
 def hopper_block_m(config_block_m: int, num_slots: int, num_experts: int) -> int:
     """The slots a tile for a weight-only config's block_m: up to 64 the decode form takes it
-    as it is; from 128 the prefill form's PREFILL_BLOCK_M where experts see at least that many
+    as it is; above 64, the prefill form's PREFILL_BLOCK_M where experts see at least that many
     slots on average, else the decode form's widest tile."""
     if config_block_m <= DECODE_MAX_BLOCK_M:
         return config_block_m

@@ -221,8 +221,9 @@ def heuristic_wo_config(num_tokens: int, top_k: int, num_local_experts: int) -> 
     slots_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     if slots_per_expert <= GEMV_MAX_SLOTS_PER_EXPERT:
         gemm = WoGemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=2)
-        # 8 x 256: 49.8 against 52.2 us for 16 x 128 at one gpt-oss token (H200, the sweep of
-        # benchmarks/bench_wo_tiles.py --gemv in docs/performance.md)
+        # 8 x 256: 49.8 against 52.2 us for 16 x 128 at one gpt-oss MXFP4 token (H200, the
+        # sweep of benchmarks/bench_wo_tiles.py --gemv in docs/performance.md; the sweep's
+        # 48.3 for 8 x 512 is within its spread); other formats and GPUs not measured
         gemv = WoGemmConfig(block_n=8, block_k=256, group_m=1, num_warps=4, num_stages=1)
         return WoConfig(16, gemm, gemm, gemv)
     if slots_per_expert <= 16:
