@@ -16,6 +16,7 @@ from tests.helpers import assert_close
 
 ROW_KEYS = {"preset", "quant", "backend", "tokens", "time_ms", "tflops", "gbps", "roofline_pct"}
 ROW_KEYS |= {"rel_err", "routing", "weights", "distinct", "floor_ms", "err_ref", "timing"}
+ROW_KEYS |= {"extra_gb"}
 # a custom shape, and ceilings given so that nothing is measured
 TINY = ["bench", "--experts", "6", "--top-k", "2", "--hidden", "64", "--intermediate", "32"]
 TINY += ["--hbm-gbps", "20", "--bf16-tflops", "0.5", "--fp8-tflops", "1", "--quiet"]
@@ -38,6 +39,7 @@ def test_bench_writes_json_and_csv(tmp_path, capsys):
     }
     for r in rows:
         assert r["time_ms"] > 0 and r["floor_ms"] > 0 and r["timing"] == "cpu"
+        assert r["extra_gb"] is None  # measured on a GPU only
         assert r["roofline_pct"] == pytest.approx(100 * r["floor_ms"] / r["time_ms"])
         # the baselines compute in bf16 without activation quantization: a few % in fp8 rows
         assert r["rel_err"] < (0.1 if r["quant"] == "fp8_block" else 0.03), r
@@ -236,3 +238,28 @@ def test_settle_runs_the_call_on_a_gpu(capturable):
     settle(lambda: x.add_(1), torch.device("cuda"), rep_ms=1.0, capturable=capturable)
     torch.cuda.synchronize()
     assert float(x[0]) >= 2  # the warm-up call and at least one replay or launch
+
+
+def test_peak_memory_is_none_on_the_cpu():
+    from fusedmoe.tools.bench.timing import peak_memory_gb
+
+    calls = []
+    assert peak_memory_gb(lambda: calls.append(1), torch.device("cpu")) is None
+    assert calls == []
+
+
+@pytest.mark.gpu
+def test_peak_memory_counts_what_the_call_allocates():
+    """peak_memory_gb (bench's extra_GB): a call that allocates 64 MiB shows it above the
+    base; one that allocates nothing new shows about nothing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fusedmoe.tools.bench.timing import peak_memory_gb
+
+    dev = torch.device("cuda")
+    held = torch.ones(1 << 20, device=dev)  # before the call: in the base, not the extra
+    peak, base = peak_memory_gb(lambda: torch.empty(64 << 20, dtype=torch.uint8, device=dev), dev)
+    assert base >= held.numel() * 4 / 1e9
+    assert peak - base == pytest.approx((64 << 20) / 1e9, rel=0.05)
+    peak, base = peak_memory_gb(lambda: held.add_(1), dev)
+    assert peak - base < 1e-3

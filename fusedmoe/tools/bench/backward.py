@@ -59,7 +59,7 @@ from fusedmoe.tools.baselines import grouped_mm_backward_unavailable, grouped_mm
 from fusedmoe.tools.bench.inputs import seeded, skew_bias, skew_strength
 from fusedmoe.tools.bench.report import format_table
 from fusedmoe.tools.bench.sweep import PLAIN_DTYPES, preset_label
-from fusedmoe.tools.bench.timing import rel_err, time_ms
+from fusedmoe.tools.bench.timing import peak_memory_gb, rel_err, time_ms
 from fusedmoe.tools.presets import MoEPreset
 from fusedmoe.tools.roofline import Ceilings, distinct_experts, moe_floor
 
@@ -244,18 +244,6 @@ def _steps(layer, inputs: StepInputs, loop: bool) -> dict[str, Step]:
 
 
 # ---- measuring ----------------------------------------------------------------------------------
-def peak_memory_gb(fn: Callable[[], object], device: torch.device) -> tuple[float, float] | None:
-    """(peak GB allocated while fn() runs, GB allocated before it) on a GPU; None on the CPU."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) / 1e9, base / 1e9
-
-
 def _why(exc: Exception) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text[:200]}"

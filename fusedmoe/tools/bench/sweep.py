@@ -12,6 +12,10 @@ reference backend on the same inputs:
                   read the scheme's values as 16-bit weights: their floor is a 16-bit one)
     tflops, gbps  the floor's flops and bytes over the measured time
     roofline_pct  floor_ms / time_ms * 100
+    extra_gb      on a GPU, what one eager call allocates above what was allocated before it
+                  (torch.cuda.max_memory_allocated): its workspaces, and a dequantized copy of
+                  the weights if it made one (the weights, inputs and cached buffers are before
+                  it); None on the CPU
 
 Peers (--peers, fusedmoe.tools.peers): other libraries' kernels on the same weights and
 routing, one contender each after the backends; built once per shape and scheme (their weight
@@ -42,7 +46,7 @@ from fusedmoe.tools.bench.inputs import (
     make_routing,
     quantize_expert_set,
 )
-from fusedmoe.tools.bench.timing import rel_err, settle, time_ms
+from fusedmoe.tools.bench.timing import peak_memory_gb, rel_err, settle, time_ms
 from fusedmoe.tools.presets import MoEPreset
 from fusedmoe.tools.roofline import Ceilings, distinct_experts, moe_floor
 
@@ -72,6 +76,7 @@ class Row:
     rel_err: float | None  # None: no reference for this row
     err_ref: str  # what rel_err was measured against
     timing: str  # "graph", "launch (...)" or "cpu"
+    extra_gb: float | None = None  # one eager call's allocations above its base (None: CPU)
 
 
 @dataclass
@@ -268,6 +273,8 @@ def _bench_case(
                 capturable=c.capturable,
             )  # fmt: skip
             row = _row(preset, quant, routing, m, num_distinct, c, ms, how, err, err_ref, spec)
+            peak = peak_memory_gb(functools.partial(c.run, inputs), device)
+            row.extra_gb = None if peak is None else peak[0] - peak[1]
             rows.append(row)
     return rows
 

@@ -25,7 +25,19 @@ import torch
 
 from fusedmoe._triton import has_triton
 
-__all__ = ["rel_err", "settle", "time_ms"]
+__all__ = ["peak_memory_gb", "rel_err", "settle", "time_ms"]
+
+
+def peak_memory_gb(fn: Callable[[], object], device: torch.device) -> tuple[float, float] | None:
+    """(peak GB allocated while fn() runs, GB allocated before it) on a GPU; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 1e9, base / 1e9
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
