@@ -1,6 +1,6 @@
 """Expert parallelism: placement, the EP prepare/finalize objects, sharded == unsharded.
 
-The distributed cases spawn 2 and 4 gloo processes once each (module fixtures), run every case
+The distributed cases spawn 2, 3 and 4 gloo processes once each (module fixtures), run every case
 of EP_CASES there, and compare each rank's outputs with the single-process layer (NoEP, every
 expert, all tokens at once) computed here.
 """
@@ -294,7 +294,17 @@ EP4_CASES = [
     EPCase("symm4_vdev", "symm_mem", calls=((3, 0, 7, 1), (13, 13, 13, 13)),
            transport="emulated_vdev"),
 ]  # fmt: skip
-CASES = {case.name: case for case in EP2_CASES + EP4_CASES}
+#: three ranks: a group that is not a power of two (symm_mem's peer transport takes any size;
+#: only torch's all_to_all_vdev, the grouped layout, needs a power of two)
+EP3_CASES = [
+    EPCase("naive3", calls=((4, 0, 9), (1, 1, 0))),
+    EPCase("a2a3", "all_to_all", calls=((4, 0, 9), (1, 1, 0))),
+    EPCase("symm3", "symm_mem", calls=((4, 0, 9), (0, 0, 2), (6, 6, 6))),
+    EPCase("symm3_fp8_block", "symm_mem", scheme="fp8_block", calls=((5, 2, 0),)),
+    EPCase("symm3_eplb_rr", "symm_mem", redundant=3, placement="round_robin", rebalance=True,
+           calls=((5, 1, 3),)),
+]  # fmt: skip
+CASES = {case.name: case for case in EP2_CASES + EP3_CASES + EP4_CASES}
 
 
 def _shared_modules():
@@ -437,6 +447,11 @@ def ep2():
 
 
 @pytest.fixture(scope="module")
+def ep3():
+    return _spawned(3, EP3_CASES)
+
+
+@pytest.fixture(scope="module")
 def ep4():
     return _spawned(4, EP4_CASES)
 
@@ -495,6 +510,12 @@ def routing_columns(case: EPCase) -> int:
 @pytest.mark.parametrize("case", _case_params(EP2_CASES))
 def test_two_ranks_sharded_equals_unsharded(case, ep2):
     _check_case(case, 2, ep2)
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", _case_params(EP3_CASES))
+def test_three_ranks_sharded_equals_unsharded(case, ep3):
+    _check_case(case, 3, ep3)
 
 
 @needs_gloo

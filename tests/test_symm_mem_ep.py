@@ -493,6 +493,32 @@ def test_emulated_transport_makes_auto_symm_mem(monkeypatch, spelling):
     assert asked.kind == "symm_mem" and asked.reason.startswith("asked for"), asked.reason
 
 
+@pytest.mark.parametrize("size", [2, 3, 4, 6])
+@pytest.mark.parametrize("transport", ["auto", "peer", "vdev"])
+def test_group_size_rule(monkeypatch, size, transport):
+    """nvshmem_unavailable_reason on a group of `size` NCCL ranks with NVSHMEM (stubbed: no GPU
+    here): a power of two runs every transport; another size only the peer transport asked
+    for by name (auto would fall to vdev where peers are not mapped, which needs a power of
+    two), and the reason says how to get it."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from fusedmoe.parallel.symm_mem_ep import nvshmem_unavailable_reason
+
+    monkeypatch.setenv(TRANSPORT_ENV, transport)
+    monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: True)
+    monkeypatch.setattr(symm_mem, "get_backend", lambda device: "NVSHMEM")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl", raising=False)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: size)
+    why = nvshmem_unavailable_reason(torch.device("cuda", 0))
+    if size in (2, 4) or transport == "peer":
+        assert why is None, why
+    else:
+        assert f"power-of-two group (this one has {size} ranks)" in why, why
+        assert f"{TRANSPORT_ENV}=peer" in why, why
+
+
 # (asked, keyword): what symm_mem cannot run -> the kind that can, and why (under the emulated
 # transport, where symm_mem would otherwise run)
 CANNOT_RUN = [

@@ -155,9 +155,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _symm_mem_runs(device: str | None) -> bool:
     """Whether the symm_mem kind can run here (CUDA with torch's NVSHMEM), asked before the
     process group starts: the default --kinds add it where it can."""
+    from fusedmoe.parallel.symm_mem_ep import transport_kind
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if device == "cpu" or not torch.cuda.is_available() or world & (world - 1):
-        return False  # symm_mem takes CUDA and a power-of-two group
+    if device == "cpu" or not torch.cuda.is_available():
+        return False
+    if world & (world - 1) and transport_kind() != "peer":
+        return False  # another size: the peer transport only, asked for by name
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError:
