@@ -132,14 +132,7 @@ if gluon is not None:
 
             num_k = K // BK  # K is a multiple of 64
             for i in gl.static_range(STAGES - 1):
-                live = i < num_k
-                async_copy.async_copy_global_to_shared(
-                    w_smem.index(i), w_ptrs + i * (BK // 2), mask=w_mask & live
-                )
-                async_copy.async_copy_global_to_shared(
-                    x_smem.index(i), x_ptrs + i * BK, mask=x_mask & live
-                )
-                async_copy.commit_group()
+                _copy_step(i, num_k, w_smem, x_smem, w_ptrs, w_mask, x_ptrs, x_mask)
             # the scale codes load a step before their decode and are converted there (plain
             # loads: the fence before each wgmma waits for them, so they are kept small)
             code = _step_codes(s_ptrs, s_mask, half, 0, num_groups)
@@ -164,15 +157,7 @@ if gluon is not None:
                 async_copy.wait_group(STAGES - 3)
                 gl.thread_barrier()
                 # refill the stage of step kb - 1 (its wgmma and its decode are done)
-                nxt = kb + STAGES - 1
-                live = nxt < num_k
-                async_copy.async_copy_global_to_shared(
-                    w_smem.index(nxt % STAGES), w_ptrs + nxt * (BK // 2), mask=w_mask & live
-                )
-                async_copy.async_copy_global_to_shared(
-                    x_smem.index(nxt % STAGES), x_ptrs + nxt * BK, mask=x_mask & live
-                )
-                async_copy.commit_group()
+                _copy_step(kb + STAGES - 1, num_k, w_smem, x_smem, w_ptrs, w_mask, x_ptrs, x_mask)
                 # decode step kb + 1 into the buffer step kb - 1 read (past the last step: zeros
                 # into a buffer nobody reads)
                 w_next = w_smem.index((kb + 1) % STAGES).load(w_layout)
@@ -195,6 +180,20 @@ if gluon is not None:
                 limit, out_layout, BN, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT,
                 MUL_ROUTED_WEIGHT, H_DTYPE, PERMUTE_OUT, True,
             )  # fmt: skip
+
+    @gluon.jit
+    def _copy_step(step, num_k, w_smem, x_smem, w_ptrs, w_mask, x_ptrs, x_mask):
+        """The cp.async copies of 64-column K step `step` into its stage (zeros past the last
+        step), committed as one group."""
+        STAGES: gl.constexpr = x_smem.shape[0]
+        live = step < num_k
+        async_copy.async_copy_global_to_shared(
+            w_smem.index(step % STAGES), w_ptrs + step * 32, mask=w_mask & live
+        )
+        async_copy.async_copy_global_to_shared(
+            x_smem.index(step % STAGES), x_ptrs + step * 64, mask=x_mask & live
+        )
+        async_copy.commit_group()
 
     @gluon.jit
     def _step_codes(s_ptrs, s_mask, half, step, num_groups):
