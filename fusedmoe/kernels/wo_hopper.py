@@ -52,16 +52,20 @@ scaling).
 
 Prefill (fusedmoe.kernels.wo_hopper_prefill). With many slots per expert the decode form spends
 its time decoding (each weight decoded again for every 64 slots) and waiting on it. The
-prefill form decodes each weight once per tile of 128 slots: 8 warps; per 64-column K step,
-256 weight rows (GATED: the gate and the up rows of 128 output columns, alternating, so that
-each thread's accumulator holds both of a column in a register pair; else 256 output columns)
-are decoded by all 256 threads (16 stored bytes, one E8M0 group, of two rows a thread) into a
-bf16 tile in shared memory, in the same k order: wgmma's right operand, 256 wide. The slots'
-activations are its left, 64 slots to each warpgroup, so the accumulator is [slots, weight
-rows] and the epilogue stores rows of the output. The operand tile is double buffered and a
-step's wgmma stays in flight while the next step is decoded; a ring of PREFILL_STAGES steps
-brings the weights and activations (cp.async: a plain load in flight would be waited for by
-the fence before each wgmma); two barriers a step.
+prefill form decodes each weight once per tile of 128 slots: 8 warps, 256 weight rows in two
+sets of 128 (GATED: the gate rows and the up rows of 128 output columns; else 256 output
+columns), each set decoded per 64-column K step straight into wgmma's left operand in
+registers (64 rows a warpgroup, the k order above), the slots' activations the right operand
+in shared memory, 128 wide; an accumulator [128 rows, 128 slots] a set. The second set's decode
+overlaps the first set's wgmma and the next step's first decode the second's; a ring of
+PREFILL_STAGES steps of cp.async copies (weights and activations) runs two steps ahead, one
+barrier a step. (Decoded tiles stored to shared memory as wgmma's operand, in either
+orientation, cost a proxy fence and half again the shared-memory traffic a step: slower,
+docs/performance.md.)
+
+Neither form fences between the cp.async copies and the wgmma that read them (Triton's own
+pipelines do not either: its fence pass fences only stores from registers); a fence there
+compiles to MEMBAR.ALL.CTA, which waits for every load in flight.
 
 Columns past K read as code 0 (weights) and 0.0 (activations). The epilogues are wo_gemm's:
 GEMM1 bias, rounding to the activation dtype and the activation (gate and up rows of the
@@ -91,14 +95,13 @@ try:  # Gluon's Hopper API (see wgmma_gemm: the same versions are supported)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
     IMPORT_ERROR = ""
 except Exception as exc:
-    gluon = gl = async_copy = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+    gluon = gl = async_copy = warpgroup_mma = warpgroup_mma_wait = None
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = [
@@ -126,11 +129,12 @@ DECODE_MAX_BLOCK_M = 64
 #: sees at least that many slots on average (hopper_block_m): measured faster at 128 and 512
 #: slots an expert (H200), 1.5x slower at 32
 PREFILL_BLOCK_M = 128
-#: the prefill form's weight rows a program (wgmma's widest right operand): gate and up rows of
-#: 128 output columns, or 256
+#: the prefill form's weight rows a program: two sets of 128 (the gate and the up rows of 128
+#: output columns, or 256 output columns), 64 rows of each a warpgroup
 PREFILL_ROWS = 256
 #: the prefill form's ring of 64-column K steps (at least 3): two in flight beyond the one
-#: decoded
+#: read, and the one whose second wgmma may still run; 4 measured fastest on an H200 (3 and 5
+#: were 3-4% slower)
 PREFILL_STAGES = 4
 #: FUSEDMOE_WO_HOPPER=0: the Triton kernels run MXFP4 x bf16 on Hopper too (for comparisons)
 _ENABLED = os.environ.get("FUSEDMOE_WO_HOPPER", "1") != "0"
@@ -224,13 +228,13 @@ if gluon is not None:
         mma: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, HAS_BIAS: gl.constexpr,
         ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_LIMIT: gl.constexpr,
         MUL_ROUTED_WEIGHT: gl.constexpr, H_DTYPE: gl.constexpr, PERMUTE_OUT: gl.constexpr,
-        SLOTS_FIRST: gl.constexpr,
     ):  # fmt: skip
         """Output columns n0 .. n0 + BN of the tile's slots from the accumulators [BN, BLOCK_M]
-        ([BLOCK_M, BN] where SLOTS_FIRST; times 2^64; gate and up, or acc_g alone), in their
-        layout `mma`: wo_gemm's epilogues."""
-        N_AXIS: gl.constexpr = 1 if SLOTS_FIRST else 0  # the output columns' (n) axis
-        M_AXIS: gl.constexpr = 1 - N_AXIS
+        (times 2^64; gate and up, or acc_g alone), in their layout `mma`: wo_gemm's epilogues.
+        (Turned to rows of the output through shared memory and stored 16 bytes a thread, the
+        prefill form ran 12% slower on an H200; the decode form the same.)"""
+        N_AXIS: gl.constexpr = 0  # the output columns' (n) axis
+        M_AXIS: gl.constexpr = 1
         acc_g = acc_g * _ACC_SCALE
         acc_u = acc_u * _ACC_SCALE
         offs_n = n0 + gl.arange(0, BN, gl.SliceLayout(M_AXIS, mma))
@@ -405,7 +409,6 @@ if gluon is not None:
                 _issue(kb + STAGES - 1, num_k, w_smem, x_smem, wg_ptrs, wu_ptrs, w_mask, w_cols,
                        x_ptrs, x_mask, x_cols, K, STAGES, GATED)  # fmt: skip
                 async_copy.commit_group()
-                fence_async_shared()
                 x_step = x_smem.index(stage)
                 w_g = w_smem.index(W_PER_STAGE * stage)
                 w_u = w_smem.index(W_PER_STAGE * stage + W_PER_STAGE - 1)
@@ -438,7 +441,7 @@ if gluon is not None:
                 acc_g, acc_u, pid_n * BN, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
                 stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit,
                 mma, BN, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT,
-                H_DTYPE, PERMUTE_OUT, False,
+                H_DTYPE, PERMUTE_OUT,
             )  # fmt: skip
 
 

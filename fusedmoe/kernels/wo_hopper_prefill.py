@@ -1,8 +1,8 @@
-"""The prefill form of wo_hopper's MXFP4 x bf16 expert GEMMs (Gluon, Hopper): tiles of 128 slots
-by 256 weight rows, each K step's weights decoded once into shared memory as wgmma's right
-operand, the slots' activations its left (fusedmoe.kernels.wo_hopper's module docstring,
-"Prefill"; the k order, the scale trick and the epilogues are that module's). Launched by
-wo_hopper.launch_mx_hopper."""
+"""The prefill form of wo_hopper's MXFP4 x bf16 expert GEMMs (Gluon, Hopper): tiles of 256
+weight rows by 128 slots, each K step's weights decoded straight into wgmma's left operand in
+registers, the slots' activations its right operand in shared memory
+(fusedmoe.kernels.wo_hopper's module docstring, "Prefill"; the k order, the scale trick and the
+epilogues are that module's). Launched by wo_hopper.launch_mx_hopper."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from fusedmoe.kernels.moe_gemm import gate_up_rows, grouped_tile
 from fusedmoe.kernels.wo_hopper import (
     PREFILL_ROWS,
     async_copy,
-    fence_async_shared,
     fp4_scaled,
     gl,
     gluon,
@@ -27,18 +26,6 @@ __all__ = ["wo_mx_hopper_prefill_kernel"]
 _ROWS = tl.constexpr(PREFILL_ROWS)  # weight rows a program (wo_hopper.PREFILL_ROWS)
 
 if gluon is not None:
-
-    @gluon.jit
-    def _tile_rows(r, n0, N, GATED: gl.constexpr, ACTIVATION: gl.constexpr):
-        """The w13 rows of a tile's operand rows r and whether their output column is < N:
-        for GATED, gate and up rows of output column n0 + r // 2 alternate (so that each
-        thread's accumulator holds both of a column); else the rows n0 + r."""
-        if GATED:
-            col = n0 + r // 2
-            gate, up = gate_up_rows(col, N, GATED, ACTIVATION)
-            return gl.where(r % 2 == 0, gate, up), col < N
-        col = n0 + r
-        return col, col < N
 
     @gluon.jit
     def wo_mx_hopper_prefill_kernel(
@@ -59,67 +46,76 @@ if gluon is not None:
         MUL_ROUTED_WEIGHT: gl.constexpr,
         H_DTYPE: gl.constexpr,
         PERMUTE_OUT: gl.constexpr,
-        BLOCK_M: gl.constexpr,  # slots of the tile: 128, 64 to each warpgroup
+        BLOCK_M: gl.constexpr,  # slots of the tile: wgmma's right operand, 128 wide
         STAGES: gl.constexpr,
         GROUP_M: gl.constexpr,
     ):  # fmt: skip
-        """The prefill form (module docstring): 256 weight rows (GATED: the gate and up rows of
-        128 output columns, alternating; else 256 output columns) decoded once per 64-column K
-        step into shared memory, wgmma's right operand; the slots' activations its left, 64
-        slots to each warpgroup; the accumulator [slots, weight rows]."""
-        R: gl.constexpr = _ROWS
-        BN: gl.constexpr = R // 2 if GATED else R  # output columns of the tile
+        """The prefill form (module docstring): 256 weight rows in two sets of 128 (GATED: the
+        gate and the up rows of 128 output columns; else rows n0 .. n0 + 127 and the next 128),
+        each set decoded per 64-column K step straight into wgmma's left operand in registers,
+        64 rows a warpgroup; the slots' activations the right operand, in shared memory; an
+        accumulator [128 rows, BLOCK_M slots] a set. Each set's decode overlaps the other
+        set's wgmma."""
+        RS: gl.constexpr = _ROWS // 2  # weight rows of a set: 64 a warpgroup
+        BN: gl.constexpr = RS if GATED else 2 * RS  # output columns of the tile
         BK: gl.constexpr = 64  # a K step: one 64-column block
-        gl.static_assert(R == 256, "the decode layouts below are for 256 rows on 8 warps")
-        gl.static_assert(STAGES >= 3, "the ring refills the stage of step kb - 1")
-        gl.static_assert(BLOCK_M == 128, "tiles of 128 slots: 64 a warpgroup")
+        gl.static_assert(RS == 128, "the layouts below are for sets of 128 rows on 8 warps")
+        gl.static_assert(STAGES >= 3, "the ring refills the stage of step kb - 2")
         pid_m, pid_n = grouped_tile(gl.program_id(0), N, BN, max_blocks, GROUP_M)
         n0 = pid_n * BN
         num_post = gl.load(num_post_ptr)
         if pid_m * BLOCK_M < num_post:
             e = gl.load(expert_ids_ptr + pid_m).to(gl.int64)
 
-            # the accumulator [BLOCK_M slots, R weight rows]: warpgroup g has slots 64 g ..
             mma: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, R, 16]
+                version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_M, 16]
             )
-            # the weight bytes of a step [256 rows, 32 bytes]: two threads a row, 16 bytes (one
-            # E8M0 group) each, rows r and r + 128; copied and read in the same layout
+            a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+            # a set's weight bytes of a step [128 rows, 32 bytes] as wgmma's left operand needs
+            # them: thread c of row c' (lane 4 c' + c) of warp w has bytes 8c .. 8c + 7 of rows
+            # 16 w + c' and 16 w + c' + 8 (one E8M0 group: group c // 2 of the step)
             w_layout: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [128, 0]],
-                lane_bases=[[0, 16], [1, 0], [2, 0], [4, 0], [8, 0]],
+                reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+                lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
                 warp_bases=[[16, 0], [32, 0], [64, 0]],
                 block_bases=[],
-                shape=[R, 32],
+                shape=[RS, 32],
             )
             s_layout: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [128, 0, 0]],
-                lane_bases=[[0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0], [8, 0, 0]],
+                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+                lane_bases=[[0, 0, 8], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
                 warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]],
                 block_bases=[],
-                shape=[R, 2, 16],
+                shape=[RS, 2, 16],
             )
-            s2: gl.constexpr = gl.SliceLayout(2, s_layout)  # [row, half]: a byte a thread
+            s2: gl.constexpr = gl.SliceLayout(2, s_layout)  # [row, group of the step]
+            # the copies, 16 bytes a thread: both sets' weight bytes [256 rows, 32], x [slots, 64]
+            wc_layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [8, 1], [1, 0])
             x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
             w_shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
             nvmma: gl.constexpr = gl.NVMMASharedLayout(
                 swizzle_byte_width=128, element_bitwidth=16, rank=2
             )
-            w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], w_shared)
+            w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2 * RS, 32], w_shared)
             x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], nvmma)
-            b_smem = gl.allocate_shared_memory(gl.bfloat16, [2, R, BK], nvmma)
 
-            r_w = gl.arange(0, R, gl.SliceLayout(1, w_layout))
-            row_w, valid_w = _tile_rows(r_w, n0, N, GATED, ACTIVATION)
-            byte = gl.arange(0, 32, gl.SliceLayout(0, w_layout))
-            w_ptrs = w_ptr + e * stride_we + row_w.to(gl.int64)[:, None] * stride_wn + byte[None, :]
-            w_mask = (gl.zeros([R, 32], gl.int32, w_layout) + valid_w.to(gl.int32)[:, None]) != 0
+            r_c = gl.arange(0, 2 * RS, gl.SliceLayout(1, wc_layout))
+            row_c, valid_c = _set_rows(r_c, n0, N, GATED, ACTIVATION)
+            byte = gl.arange(0, 32, gl.SliceLayout(0, wc_layout))
+            w_ptrs = w_ptr + e * stride_we + row_c.to(gl.int64)[:, None] * stride_wn + byte[None, :]
+            zero_w = gl.zeros([2 * RS, 32], gl.int32, wc_layout)
+            w_mask = (zero_w + valid_c.to(gl.int32)[:, None]) != 0
 
-            r_s = gl.arange(0, R, gl.SliceLayout(1, s2))
-            row_s, valid_s = _tile_rows(r_s, n0, N, GATED, ACTIVATION)
+            r_s = gl.arange(0, RS, gl.SliceLayout(1, s2))
             half = gl.arange(0, 2, gl.SliceLayout(0, s2))
-            s_ptrs = s_ptr + e * stride_se + row_s.to(gl.int64)[:, None] * stride_sn + half[None, :]
-            s_mask = (gl.zeros([R, 2], gl.int32, s2) + valid_s.to(gl.int32)[:, None]) != 0
+            zero_s = gl.zeros([RS, 2], gl.int32, s2)
+            row_g, valid_g = _set_rows(r_s, n0, N, GATED, ACTIVATION)
+            row_u, valid_u = _set_rows(r_s + RS, n0, N, GATED, ACTIVATION)
+            s_base = s_ptr + e * stride_se + half[None, :]
+            sg_ptrs = s_base + row_g.to(gl.int64)[:, None] * stride_sn
+            su_ptrs = s_base + row_u.to(gl.int64)[:, None] * stride_sn
+            sg_mask = (zero_s + valid_g.to(gl.int32)[:, None]) != 0
+            su_mask = (zero_s + valid_u.to(gl.int32)[:, None]) != 0
             num_groups = K // 32
 
             slot_x = gl.load(
@@ -131,55 +127,61 @@ if gluon is not None:
             x_mask = (gl.zeros([BLOCK_M, BK], gl.int32, x_layout) + slot_x[:, None]) < num_slots
 
             num_k = K // BK  # K is a multiple of 64
-            for i in gl.static_range(STAGES - 1):
+            for i in gl.static_range(STAGES - 2):
                 _copy_step(i, num_k, w_smem, x_smem, w_ptrs, w_mask, x_ptrs, x_mask)
-            # the scale codes load a step before their decode and are converted there (plain
-            # loads: the fence before each wgmma waits for them, so they are kept small)
-            code = _step_codes(s_ptrs, s_mask, half, 0, num_groups)
-            async_copy.wait_group(STAGES - 2)  # step 0 landed
-            gl.thread_barrier()
-            _decode_step(w_smem.index(0).load(w_layout), code, b_smem.index(0), s_layout)
-            code = _step_codes(s_ptrs, s_mask, half, 1, num_groups)
-            fence_async_shared()
-            gl.thread_barrier()
+            # the scale codes: plain loads two steps ahead of their decode
+            cg0 = _step_codes(sg_ptrs, sg_mask, half, 0, num_groups)
+            cu0 = _step_codes(su_ptrs, su_mask, half, 0, num_groups)
+            cg1 = _step_codes(sg_ptrs, sg_mask, half, 1, num_groups)
+            cu1 = _step_codes(su_ptrs, su_mask, half, 1, num_groups)
 
-            acc = gl.zeros([BLOCK_M, R], gl.float32, mma)
+            acc_g = gl.zeros([RS, BLOCK_M], gl.float32, mma)
+            acc_u = gl.zeros([RS, BLOCK_M], gl.float32, mma)
             for kb in range(num_k):
-                acc = warpgroup_mma(
-                    x_smem.index(kb % STAGES), b_smem.index(kb % 2).permute((1, 0)), acc,
-                    is_async=True,
-                )  # fmt: skip
-                code_next = _step_codes(s_ptrs, s_mask, half, kb + 2, num_groups)
-                # step kb - 1's wgmma done (this warpgroup's; the barrier: both); step kb + 1's
-                # copies landed (STAGES - 3 younger ones may not have). Step kb's wgmma stays in
-                # flight while step kb + 1 is decoded, and until step kb + 1's wgmma is queued
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # step kb's copies landed (this thread's; the barrier: every thread's). No
+                # proxy fence between cp.async and wgmma, as in Triton's own pipelines (its
+                # fence pass fences only stores from registers); a fence here compiles to
+                # MEMBAR.ALL.CTA, which waits for every load in flight. Every warpgroup is past
+                # step kb - 1's first wait, so step kb - 2's wgmma are done: its stage is
+                # refilled (step kb - 1's second wgmma may still be reading its x)
                 async_copy.wait_group(STAGES - 3)
                 gl.thread_barrier()
-                # refill the stage of step kb - 1 (its wgmma and its decode are done)
-                _copy_step(kb + STAGES - 1, num_k, w_smem, x_smem, w_ptrs, w_mask, x_ptrs, x_mask)
-                # decode step kb + 1 into the buffer step kb - 1 read (past the last step: zeros
-                # into a buffer nobody reads)
-                w_next = w_smem.index((kb + 1) % STAGES).load(w_layout)
-                _decode_step(w_next, code, b_smem.index((kb + 1) % 2), s_layout)
-                code = code_next
-                fence_async_shared()
-                gl.thread_barrier()  # every warp's decode stored before step kb + 1's wgmma
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _copy_step(kb + STAGES - 2, num_k, w_smem, x_smem, w_ptrs, w_mask, x_ptrs, x_mask)
+                cg2 = _step_codes(sg_ptrs, sg_mask, half, kb + 2, num_groups)
+                cu2 = _step_codes(su_ptrs, su_mask, half, kb + 2, num_groups)
+                w_step = w_smem.index(kb % STAGES)
+                x_t = x_smem.index(kb % STAGES).permute((1, 0))
+                a_g = _decode_rows(w_step.slice(0, RS, 0).load(w_layout), cg0, s_layout, a_layout)
+                acc_g = warpgroup_mma(a_g, x_t, acc_g, is_async=True)
+                # the other set's wgmma of step kb - 1 done; this one runs while the second set
+                # is decoded
+                acc_g, acc_u, a_g = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g, acc_u, a_g))
+                a_u = _decode_rows(w_step.slice(RS, RS, 0).load(w_layout), cu0, s_layout, a_layout)
+                acc_u = warpgroup_mma(a_u, x_t, acc_u, is_async=True)
+                acc_g, acc_u, a_u = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g, acc_u, a_u))
+                cg0 = cg1
+                cu0 = cu1
+                cg1 = cg2
+                cu1 = cu2
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             async_copy.wait_group(0)
 
-            if GATED:  # alternating gate and up columns: a register pair of each thread
-                acc_g, acc_u = gl.split(gl.reshape(acc, [BLOCK_M, BN, 2]))
-            else:
-                acc_g = acc
-                acc_u = acc
-            out_layout: gl.constexpr = acc_g.type.layout
-            mx_epilogue(
-                acc_g, acc_u, n0, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
-                stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta,
-                limit, out_layout, BN, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT,
-                MUL_ROUTED_WEIGHT, H_DTYPE, PERMUTE_OUT, True,
-            )  # fmt: skip
+            if GATED:
+                mx_epilogue(
+                    acc_g, acc_u, n0, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
+                    stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta,
+                    limit, mma, RS, BLOCK_M, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT,
+                    MUL_ROUTED_WEIGHT, H_DTYPE, PERMUTE_OUT,
+                )  # fmt: skip
+            else:  # two sets of output columns
+                for j in gl.static_range(2):
+                    acc = acc_g if j == 0 else acc_u
+                    mx_epilogue(
+                        acc, acc, n0 + j * RS, e, pid_m, bias_ptr, stride_be, stride_bn,
+                        out_ptr, stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots,
+                        alpha, beta, limit, mma, RS, BLOCK_M, HAS_BIAS, ACTIVATION, GATED,
+                        HAS_LIMIT, MUL_ROUTED_WEIGHT, H_DTYPE, PERMUTE_OUT,
+                    )  # fmt: skip
 
     @gluon.jit
     def _copy_step(step, num_k, w_smem, x_smem, w_ptrs, w_mask, x_ptrs, x_mask):
@@ -196,16 +198,22 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _step_codes(s_ptrs, s_mask, half, step, num_groups):
-        """This thread's E8M0 scale codes of K step `step` [R, 2]; 127 past the last group."""
-        g = 2 * step + half[None, :]
-        return gl.load(s_ptrs + 2 * step, mask=s_mask & (g < num_groups), other=127)
+    def _set_rows(r, n0, N, GATED: gl.constexpr, ACTIVATION: gl.constexpr):
+        """The w13 rows of the prefill form's operand rows r (< 256: two sets of 128) and
+        whether their output column is < N: GATED, set 0 the gate rows and set 1 the up rows
+        of output columns n0 + r % 128; else the rows n0 + r."""
+        if GATED:
+            col = n0 + r % 128
+            gate, up = gate_up_rows(col, N, GATED, ACTIVATION)
+            return gl.where(r < 128, gate, up), col < N
+        col = n0 + r
+        return col, col < N
 
     @gluon.jit
-    def _decode_step(w, code, dst, s_layout: gl.constexpr):
-        """A step's weight bytes [R, 32] and scale codes [R, 2] -> bf16 [R, 64] in the module
-        docstring's k order (stored byte j = 8c + 2s + b, nibble h -> tensor column 16s + 8h +
-        2c + b), stored into the operand buffer dst."""
+    def _decode_rows(w, code, s_layout: gl.constexpr, a_layout: gl.constexpr):
+        """A set's weight bytes of a step [128, 32] and scale codes [128, 2] -> wgmma's left
+        operand [128, 64] bf16 in registers, in the module docstring's k order (stored byte j =
+        8c + 2s + b, nibble h -> tensor column 16s + 8h + 2c + b)."""
         R: gl.constexpr = w.shape[0]
         w_layout: gl.constexpr = w.type.layout
         sc = scale_pair(code)
@@ -214,4 +222,11 @@ if gluon is not None:
         s_rep = gl.convert_layout(gl.reshape(s_rep, [R, 32]), w_layout, assert_trivial=True)
         low, high = fp4_scaled(w, s_rep)
         v = gl.reshape(gl.join(low, high), [R, 4, 4, 2, 2])
-        dst.store(gl.reshape(gl.permute(v, (0, 2, 4, 1, 3)), [R, 64]))
+        v = gl.reshape(gl.permute(v, (0, 2, 4, 1, 3)), [R, 64])
+        return gl.convert_layout(v, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _step_codes(s_ptrs, s_mask, half, step, num_groups):
+        """This thread's E8M0 scale codes of K step `step` [R, 2]; 127 past the last group."""
+        g = 2 * step + half[None, :]
+        return gl.load(s_ptrs + 2 * step, mask=s_mask & (g < num_groups), other=127)
