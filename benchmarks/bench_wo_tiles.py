@@ -2,7 +2,7 @@
 MXFP4 kernel choices in docs/performance.md ("4-bit weight-only experts").
 
     python benchmarks/bench_wo_tiles.py [--tokens 8,64,1024,4096] [--block-m table,64,128]
-                                        [--gemv 16x128x4,32x256x4]
+                                        [--group-m 8] [--gemv 16x128x4,32x256x4]
                                         [--scheme mxfp4_w4a16] [--experts 128] [--top-k 4]
                                         [--hidden 2880] [--intermediate 2880]
 
@@ -11,12 +11,14 @@ weights quantized with quantize_experts, random top-k routing of softmax weights
 --block-m value is a slots-per-tile override through use_wo_config ("table": the shipped
 choice); on Hopper, tiles up to 64 run wo_hopper's decode form and larger ones its prefill
 form's 128 where experts see 128 slots or more on average (wo_hopper.hopper_block_m), else
-64. Each --gemv value BNxBKxW runs the decode GEMV (wo_gemm._wo_gemv_kernel: one slot a
-program) with BN weight rows and BK columns a step on W warps: at any token count where
-wo_hopper's kernels do not run, and at one token where they do (MXFP4 x bf16 on Hopper runs
-them from 2 tokens; FUSEDMOE_WO_HOPPER=0 keeps the GEMV there too). Prints one
-line per token count: ms per call for each tile (fusedmoe.tools.bench.timing.time_ms: the
-median of CUDA-graph replays), and which was fastest. Needs a CUDA GPU.
+64; --group-m values are the launch order's groups of row blocks for those overrides (each
+tile with each, named tile/group). Each --gemv value BNxBKxW runs the decode GEMV
+(wo_gemm._wo_gemv_kernel: one slot a program) with BN weight rows and BK columns a step on W
+warps: at any token count where wo_hopper's kernels do not run, and at one token where they
+do (MXFP4 x bf16 on Hopper runs them from 2 tokens; FUSEDMOE_WO_HOPPER=0 keeps the GEMV there
+too). Prints one line per token count: ms per call for each tile
+(fusedmoe.tools.bench.timing.time_ms: the median of CUDA-graph replays), and which was
+fastest. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="8,64,1024,4096")
     parser.add_argument("--block-m", default="table,64,128")
+    parser.add_argument("--group-m", default="8", help="GROUP_M of the --block-m overrides")
     parser.add_argument("--gemv", default="", help="GEMV tiles BNxBKxW, comma-separated")
     parser.add_argument("--scheme", default="mxfp4_w4a16")
     parser.add_argument("--experts", type=int, default=128)
@@ -47,6 +50,7 @@ def main() -> None:
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
     device = torch.device("cuda")
     tiles = [None if t == "table" else int(t) for t in args.block_m.split(",") if t]
+    groups = [int(g) for g in args.group_m.split(",") if g]
     gemvs = [tuple(int(v) for v in t.split("x")) for t in args.gemv.split(",") if t]
     if any(len(g) != 3 for g in gemvs):
         raise SystemExit(f"--gemv takes BNxBKxW values, got {args.gemv!r}")
@@ -73,9 +77,11 @@ def main() -> None:
             if tile is None:
                 times["table"] = time_ms(call, device)[0]
                 continue
-            gemm = WoGemmConfig(64, 128, 8, 4, 2)
-            with use_wo_config(WoConfig(tile, gemm, gemm)):
-                times[str(tile)] = time_ms(call, device)[0]
+            for group in groups:
+                gemm = WoGemmConfig(64, 128, group, 4, 2)
+                name = str(tile) if len(groups) == 1 else f"{tile}/{group}"
+                with use_wo_config(WoConfig(tile, gemm, gemm)):
+                    times[name] = time_ms(call, device)[0]
         for bn, bk, warps in gemvs:
             gemm = WoGemmConfig(64, 128, 8, 4, 2)
             gemv = WoGemmConfig(bn, bk, 1, warps, 1)
