@@ -413,7 +413,9 @@ if gluon is not None:
                 w_g = w_smem.index(W_PER_STAGE * stage)
                 w_u = w_smem.index(W_PER_STAGE * stage + W_PER_STAGE - 1)
                 # each operand's decode overlaps the previous wgmma: at most 2 in flight, the
-                # step's last one waited for before the stage is refilled
+                # step's last one waited for before the stage is refilled (and before the next
+                # step writes the operand registers again: they must not change while their
+                # wgmma is in flight)
                 for j in gl.static_range(2):
                     x_tile = x_step.slice(128 * j, 128, 1).permute((1, 0))
                     if j == 1:

@@ -154,7 +154,10 @@ if gluon is not None:
                 a_g = _decode_rows(w_step.slice(0, RS, 0).load(w_layout), cg0, s_layout, a_layout)
                 acc_g = warpgroup_mma(a_g, x_t, acc_g, is_async=True)
                 # the other set's wgmma of step kb - 1 done; this one runs while the second set
-                # is decoded
+                # is decoded. Each set's operand registers are written again (the next step)
+                # only after the wait that retires its wgmma: in PTX they are the same registers
+                # every step, and a register operand must not change while its wgmma is in
+                # flight (the wait's deps keep values alive, not the packed registers wgmma reads)
                 acc_g, acc_u, a_g = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g, acc_u, a_g))
                 a_u = _decode_rows(w_step.slice(RS, RS, 0).load(w_layout), cu0, s_layout, a_layout)
                 acc_u = warpgroup_mma(a_u, x_t, acc_u, is_async=True)
