@@ -16,7 +16,7 @@ from tests.helpers import assert_close
 
 ROW_KEYS = {"preset", "quant", "backend", "tokens", "time_ms", "tflops", "gbps", "roofline_pct"}
 ROW_KEYS |= {"rel_err", "routing", "weights", "distinct", "floor_ms", "err_ref", "timing"}
-ROW_KEYS |= {"extra_gb"}
+ROW_KEYS |= {"extra_gb", "err_bf16"}
 # a custom shape, and ceilings given so that nothing is measured
 TINY = ["bench", "--experts", "6", "--top-k", "2", "--hidden", "64", "--intermediate", "32"]
 TINY += ["--hbm-gbps", "20", "--bf16-tflops", "0.5", "--fp8-tflops", "1", "--quiet"]
@@ -49,6 +49,39 @@ def test_bench_writes_json_and_csv(tmp_path, capsys):
         table = list(csv.DictReader(f))
     assert len(table) == len(rows) and set(table[0]) >= ROW_KEYS
     assert [float(r["time_ms"]) for r in table] == [r["time_ms"] for r in rows]
+
+
+def test_bench_err_bf16_is_the_error_against_the_unquantized_layer(tmp_path):
+    """Quantized rows report err_bf16, their output against the reference on the unquantized
+    weights the scheme was made from: recomputed here from the bench's own weights and routing
+    for the reference row, and far above the kernels' own error for a 4-bit scheme. Unquantized
+    rows, and rows without a float64 reference (--ref-max-slots), have none."""
+    from fusedmoe.tools.bench.inputs import make_expert_weights, make_routing, quantize_expert_set
+    from fusedmoe.tools.bench.timing import rel_err
+
+    js = tmp_path / "rows.json"
+    assert main([*TINY, "--tokens", "5", "--quant", "bf16,mxfp4_w4a16", "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())
+    assert all(r["err_bf16"] is None for r in rows if r["quant"] == "bf16")
+    quantized = [r for r in rows if r["quant"] == "mxfp4_w4a16"]
+    assert quantized and all(r["err_bf16"] is not None for r in quantized)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    w13, w2 = make_expert_weights("custom", 6, 64, 32, "silu", bf16, cpu)
+    experts = quantize_expert_set(w13, w2, "mxfp4_w4a16", with_plain=False)
+    r = make_routing("custom", 5, 6, 2, 64, "uniform", bf16, cpu)
+    args = (r.topk_weights, r.topk_ids)
+    plain = fused_experts(r.x, w13, w2, *args, activation="silu", backend="torch")
+    quant = fused_experts(
+        r.x, experts.w13, experts.w2, *args, activation="silu",
+        quant_config=experts.quant_config, backend="torch",
+    )  # fmt: skip
+    expected = rel_err(quant, plain)
+    reference_row = next(r for r in quantized if r["backend"] == "torch")
+    assert reference_row["err_bf16"] == pytest.approx(expected, rel=1e-6)
+    assert expected > 5 * max(r["rel_err"] for r in quantized)
+    assert main([*TINY, "--tokens", "5", "--quant", "mxfp4_w4a16", "--ref-max-slots", "0",
+                 "--json", str(js)]) == 0  # fmt: skip
+    assert all(r["err_bf16"] is None for r in json.loads(js.read_text()))
 
 
 def test_bench_plot_is_a_png(tmp_path, capsys):

@@ -2,10 +2,10 @@
 
 JSON is a list of objects, one per row, with the keys of fusedmoe.tools.bench.sweep.Row (preset,
 quant, routing, backend, weights, tokens, distinct, time_ms, tflops, gbps, floor_ms,
-roofline_pct, rel_err, err_ref, timing, extra_gb) plus the run's device and ceilings; CSV has
-the same columns. The plot needs matplotlib (pip install 'fusedmoe[plot]'): one panel per (shape,
-scheme, routing), time against tokens on log-log axes, one line per contender and the floor of
-the scheme's weights dashed.
+roofline_pct, rel_err, err_ref, timing, extra_gb, err_bf16) plus the run's device and ceilings;
+CSV has the same columns. The plot needs matplotlib (pip install 'fusedmoe[plot]'): one panel
+per (shape, scheme, routing), time against tokens on log-log axes, one line per contender and
+the floor of the scheme's weights dashed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ _COLUMNS = (  # (header, row -> text, right-aligned)
     ("roofline_pct", lambda r: f"{r.roofline_pct:.1f}", True),
     ("rel_err", lambda r: "-" if r.rel_err is None else f"{r.rel_err:.1e}", True),
     ("vs", lambda r: r.err_ref, False),
+    ("err_bf16", lambda r: "-" if r.err_bf16 is None else f"{r.err_bf16:.1e}", True),
     ("timing", lambda r: r.timing, False),
     ("extra_GB", lambda r: "-" if r.extra_gb is None else f"{r.extra_gb:.3f}", True),
 )

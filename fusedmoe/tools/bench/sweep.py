@@ -16,6 +16,10 @@ reference backend on the same inputs:
                   (torch.cuda.max_memory_allocated): its workspaces, and a dequantized copy of
                   the weights if it made one (the weights, inputs and cached buffers are before
                   it); None on the CPU
+    err_bf16      quantized rows: max |out - plain| / max |plain|, plain = the reference
+                  backend on the unquantized weights the scheme was made from (the scheme's
+                  error and the kernel's together), where rel_err has its float64 reference;
+                  the unquantized weights are kept for it (none with ref_max_slots 0)
 
 Peers (--peers, fusedmoe.tools.peers): other libraries' kernels on the same weights and
 routing, one contender each after the backends; built once per shape and scheme (their weight
@@ -41,6 +45,7 @@ from fusedmoe.tools.bench.contenders import (
     select_backends,
 )
 from fusedmoe.tools.bench.inputs import (
+    ExpertSet,
     make_expert_biases,
     make_expert_weights,
     make_routing,
@@ -77,6 +82,10 @@ class Row:
     err_ref: str  # what rel_err was measured against
     timing: str  # "graph", "launch (...)" or "cpu"
     extra_gb: float | None = None  # one eager call's allocations above its base (None: CPU)
+    #: against the same layer unquantized (the reference backend on the bf16 weights the scheme
+    #: was made from): the scheme's error with the kernel's; None for unquantized rows, and
+    #: where rel_err has no float64 reference (--ref-max-slots)
+    err_bf16: float | None = None
 
 
 @dataclass
@@ -167,6 +176,10 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
     )
     if preset.has_bias:
         experts.w13_bias, experts.w2_bias = make_expert_biases(preset.name, w13, w2)
+    unquantized = None  # the reference on the weights the scheme was made from (err_bf16)
+    if quant not in PLAIN_DTYPES and spec.ref_max_slots > 0:
+        plain = ExpertSet(w13, w2, None, None, None, experts.w13_bias, experts.w2_bias)
+        unquantized = reference_run(plain, preset.activation)
     del w13, w2
     problem = _problem(preset, experts.quant_config, dtype, device)
     selection = select_backends(problem, spec.backends)
@@ -192,8 +205,9 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
     for routing in spec.routings:
         for m in spec.tokens:
             rows += _bench_case(
-                preset, quant, routing, m, contenders, reference, spec, note, settle_first=first
-            )
+                preset, quant, routing, m, contenders, reference, spec, note,
+                settle_first=first, unquantized=unquantized,
+            )  # fmt: skip
             first = False
             if step is not None:
                 step(f"{where}, {routing}, M={m}")
@@ -225,7 +239,7 @@ def _fast_accum(quant: str, spec: BenchSpec) -> bool:
 
 def _bench_case(
     preset, quant, routing, m, contenders: list[Contender], reference, spec, note, *,
-    settle_first: bool = False,
+    settle_first: bool = False, unquantized=None,
 ):  # fmt: skip
     device = spec.device
     k = preset.top_k
@@ -250,11 +264,12 @@ def _bench_case(
                 found = f"its check failed: {exc!r:.300}"
             if found is not None:
                 note(f"{preset_label(preset)}, {quant}, {routing}, M={m}: {c.name}: {found}")
-        ref, ref_name = None, "none"
+        ref, ref_name, plain_ref = None, "none", None
         if m * k <= spec.ref_max_slots:
             ref = outputs.get(REFERENCE)
             ref = reference(inputs) if ref is None else ref
             ref_name = f"{REFERENCE}({quant})"
+            plain_ref = None if unquantized is None else unquantized(inputs)
         rows = []
         for c in contenders:
             if c.name not in outputs:
@@ -273,6 +288,8 @@ def _bench_case(
                 capturable=c.capturable,
             )  # fmt: skip
             row = _row(preset, quant, routing, m, num_distinct, c, ms, how, err, err_ref, spec)
+            if plain_ref is not None:
+                row.err_bf16 = rel_err(outputs[c.name], plain_ref)
             peak = peak_memory_gb(functools.partial(c.run, inputs), device)
             row.extra_gb = None if peak is None else peak[0] - peak[1]
             rows.append(row)
