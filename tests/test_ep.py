@@ -242,6 +242,7 @@ class EPCase:
     rebalance: bool = False  # EPLB: rebalance after the calls, run them again
     backend: str = "torch"  # triton: on the CPU under its interpreter (TRITON_INTERPRET=1)
     transport: str = "emulated"  # symm_mem's: the regions layout, or "emulated_vdev" (grouped)
+    compiled: bool = False  # the layer under torch.compile (aot_eager: dynamo and aot_autograd)
 
 
 A1_SCALE, A2_SCALE = torch.tensor([0.02]), torch.tensor([0.05])
@@ -276,6 +277,12 @@ EP2_CASES = [
     EPCase("symm_eplb", "symm_mem", redundant=2, rebalance=True, calls=((11, 4), (0, 6))),
     EPCase("symm_triton_fp8_block", "symm_mem", scheme="fp8_block", backend="triton",
            calls=((5, 0), (3, 4))),
+    # under torch.compile: symm_mem's dispatch and combine run outside the graph
+    EPCase("naive_compiled", compiled=True, calls=((5, 8), (0, 2))),
+    EPCase("a2a_compiled", "all_to_all", compiled=True, calls=((5, 8), (0, 2))),
+    EPCase("symm_compiled", "symm_mem", compiled=True, calls=((5, 8), (0, 2))),
+    EPCase("symm_compiled_fp8_block", "symm_mem", scheme="fp8_block", compiled=True,
+           calls=((6, 3),)),
     # the grouped layout (all_to_all_vdev's, where peers are not mapped)
     EPCase("symm_vdev", "symm_mem", transport="emulated_vdev"),
     EPCase("symm_vdev_fp8_block", "symm_mem", scheme="fp8_block", calls=((6, 3), (0, 4)),
@@ -387,6 +394,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
                 layer.load_weights(data["shared"])
             quantize(layer, case)
             layer.set_backend(case.backend)
+            forward = torch.compile(layer, backend="aot_eager") if case.compiled else layer
             outputs, placements = [], []
             rounds = 2 if case.rebalance else 1
             for _ in range(rounds):
@@ -394,7 +402,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
                     rows = ranks[rank]
                     with torch.no_grad():
                         logits = data["logits"][rows, : routing_columns(case)]
-                        outputs.append(layer(data["x"][rows], logits))
+                        outputs.append(forward(data["x"][rows], logits))
                 if case.rebalance and len(placements) == 0:
                     from fusedmoe.parallel.eplb import rebalance_layer
 

@@ -539,6 +539,9 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             )
         return num_tokens
 
+    # prepare and finalize run outside a torch.compile graph (graph breaks): they reinterpret
+    # the symmetric buffers' bytes, which aot_autograd cannot trace (docs/expert-parallelism.md)
+    @torch.compiler.disable
     def prepare(
         self,
         a1,
@@ -569,6 +572,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             quant_config, defer_input_quant,
         )  # fmt: skip
 
+    @torch.compiler.disable
     def finalize(self, *args, **kwargs):
         try:
             super().finalize(*args, **kwargs)
@@ -628,6 +632,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         directly (no copy before the combine); None for another shape or dtype."""
         in_flight = self._in_flight
         if in_flight is None or len(shape) != 2 or shape[0] != self.capacity:
+            return None
+        if torch.compiler.is_compiling():  # a compiled graph cannot write a byte buffer's view
             return None
         state = in_flight.dispatch
         if dtype != self._out_dtype or _row_bytes(shape[1] * dtype.itemsize) != (
