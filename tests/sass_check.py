@@ -8,15 +8,20 @@ the next iteration's operand while the last wgmma runs writes them under it (the
 of the wide prefill tile did; docs/performance.md). in_flight_writes walks each loop body that
 holds an HGMMA twice (the back edge) and reports such writes.
 
-Heuristic by design, for the kernels it was written for: an instruction's destination is its
-first operand when that is a general register; stores, async copies and compares write none.
+It reads `cuobjdump -sass` output as it is (the addresses on each line find the loops;
+triton.tools.disasm.get_sass drops them, and yields no instruction here). Heuristic by design,
+for the kernels it was written for: an instruction's destination is its first operand when
+that is a general register, one register wide unless the opcode says .64, .128 or .WIDE;
+stores, async copies and compares write none. Missed: instructions whose first operand is a
+predicate (SHFL), atomics that return a value, and wider writes that do not say so (LDSM .x4,
+CS2R).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["in_flight_writes", "instructions"]
+__all__ = ["hgmma_loops", "in_flight_writes", "instructions"]
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _NO_DEST = ("ST", "LDGSTS", "BAR", "RED", "ATOM", "ISETP", "FSETP", "HSETP", "DSETP", "BRA")
@@ -43,20 +48,25 @@ def _operands(text: str) -> tuple[str, list[int], list[int]] | None:
     return m.group(0), acc, [] if a is None else list(range(int(a.group(1)), int(a.group(1)) + 4))
 
 
-def in_flight_writes(sass: str) -> list[str]:
-    """The instructions (of loops with an HGMMA) that write a register of a wgmma group in
-    flight: its register A operand, or its accumulator written by anything but an HGMMA."""
+def hgmma_loops(sass: str) -> list[list[str]]:
+    """The bodies (instruction texts) of the loops that issue an HGMMA: from a backward
+    branch's target to the branch."""
     code = instructions(sass)
-    loops = []
+    bodies = []
     for address, text in code:
         m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < address:
-            loops.append((int(m.group(1), 16), address))
+            body = [t for a, t in code if int(m.group(1), 16) <= a <= address]
+            if any(re.sub(r"^@!?U?P[0-9T]\s+", "", t).startswith("HGMMA") for t in body):
+                bodies.append(body)
+    return bodies
+
+
+def in_flight_writes(sass: str) -> list[str]:
+    """The instructions (of loops with an HGMMA) that write a register of a wgmma group in
+    flight: its register A operand, or its accumulator written by anything but an HGMMA."""
     found = []
-    for start, end in loops:
-        body = [text for address, text in code if start <= address <= end]
-        if not any(t.lstrip("@!UP0123456789T ").startswith("HGMMA") for t in body):
-            continue
+    for body in hgmma_loops(sass):
         groups: list[set[int]] = []  # in flight, oldest first
         current: set[int] = set()  # the group being issued
         for lap in range(2):
@@ -74,7 +84,7 @@ def in_flight_writes(sass: str) -> list[str]:
                 m = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", bare)
                 if m:
                     keep = int(m.group(1), 16)
-                    groups = groups[len(groups) - keep :] if keep else []
+                    groups = groups[max(0, len(groups) - keep) :] if keep else []
                     continue
                 d = re.match(r"\S+\s+R(\d+)\b", bare)
                 if d is None or op.startswith(_NO_DEST):

@@ -3,10 +3,13 @@ CPU), and none in the Hopper weight-only kernels as they compile on the GPU."""
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
+
 import pytest
 import torch
 
-from tests.sass_check import in_flight_writes, instructions
+from tests.sass_check import hgmma_loops, in_flight_writes, instructions
 
 
 def _sass(*lines: str) -> str:
@@ -22,6 +25,13 @@ HGMMA = "HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR8], R24, gsb0"
 def test_instructions_reads_addresses_and_text():
     code = instructions(_sass("MOV R1, R2", "@P6 BRA 0x100"))
     assert code == [(0x100, "MOV R1, R2"), (0x110, "@P6 BRA 0x100")]
+
+
+def test_text_without_addresses_has_no_instruction():
+    """triton.tools.disasm.get_sass's form (no addresses, branch targets as labels) is not
+    read: no instruction, no loop (the GPU test asserts it found loops)."""
+    text = "--:-:-:Y:1\tLOP3.LUT R152, R3, 0xff, RZ, 0xc0, !PT;\n--:-:-:Y:5\t@P6 BRA `(.L_x_1);"
+    assert instructions(text) == [] and hgmma_loops(text) == []
 
 
 def test_an_operand_rewritten_before_its_wgmma_retires_is_found():
@@ -97,11 +107,13 @@ def test_code_outside_loops_and_loops_without_wgmma_are_not_walked():
 def test_hopper_weight_only_kernels_write_no_register_of_a_wgmma_in_flight():
     """Both forms of wo_hopper's Gluon kernels (decode tiles of 16 and 64 slots, the prefill
     tile of 128; gated and not), compiled as they run, read from Triton's cache and
-    disassembled: no instruction writes a register a wgmma in flight reads."""
-    from triton.tools.disasm import get_sass
+    disassembled with cuobjdump: each has a loop issuing wgmma, and no instruction writes a
+    register a wgmma in flight reads."""
+    from triton.tools.disasm import path_to_cuobjdump
 
     from fusedmoe import fused_experts
-    from fusedmoe.kernels import wo_hopper, wo_hopper_prefill
+    from fusedmoe.kernels import wo_hopper
+    from fusedmoe.kernels.wo_hopper_prefill import wo_mx_hopper_prefill_kernel as prefill_kernel
     from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config
     from fusedmoe.quant import quantize_experts
     from tests.helpers import random_routing
@@ -122,15 +134,14 @@ def test_hopper_weight_only_kernels_write_no_register_of_a_wgmma_in_flight():
             with use_wo_config(WoConfig(block_m, gemm, gemm)):
                 fused_experts(x, q13, q2, weights, ids, quant_config=qc, activation=activation)
     torch.cuda.synchronize()
-    kernels = (wo_hopper._wo_mx_hopper_kernel, wo_hopper_prefill.wo_mx_hopper_prefill_kernel)
-    compiled = [
-        kernel
-        for fn in kernels
-        for cache in fn.device_caches.values()
-        for kernel in cache[0].values()
-    ]
-    assert len(compiled) >= 6, "fewer kernel variants compiled than launched"
-    for kernel in compiled:
-        sass = get_sass(kernel.asm["cubin"])
-        assert "HGMMA" in sass
-        assert in_flight_writes(sass) == [], kernel.name
+    cuobjdump = path_to_cuobjdump()
+    for fn, least in ((wo_hopper._wo_mx_hopper_kernel, 4), (prefill_kernel, 2)):
+        compiled = [c for cache in fn.device_caches.values() for c in cache[0].values()]
+        assert len(compiled) >= least, f"{fn.__name__}: fewer variants compiled than launched"
+        for kernel in compiled:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                sass = subprocess.check_output([cuobjdump, "-sass", f.name], text=True)
+            assert hgmma_loops(sass), f"{kernel.name}: no loop with a wgmma found in its SASS"
+            assert in_flight_writes(sass) == [], kernel.name

@@ -60,6 +60,7 @@ if gluon is not None:
         BN: gl.constexpr = RS if GATED else 2 * RS  # output columns of the tile
         BK: gl.constexpr = 64  # a K step: one 64-column block
         gl.static_assert(RS == 128, "the layouts below are for sets of 128 rows on 8 warps")
+        gl.static_assert(BLOCK_M == 128, "two accumulators [128, BLOCK_M]: the register budget")
         gl.static_assert(STAGES >= 3, "the ring refills the stage of step kb - 2")
         pid_m, pid_n = grouped_tile(gl.program_id(0), N, BN, max_blocks, GROUP_M)
         n0 = pid_n * BN
@@ -139,8 +140,8 @@ if gluon is not None:
             acc_u = gl.zeros([RS, BLOCK_M], gl.float32, mma)
             for kb in range(num_k):
                 # step kb's copies landed (this thread's; the barrier: every thread's). No
-                # proxy fence between cp.async and wgmma, as in Triton's own pipelines (its
-                # fence pass fences only stores from registers); a fence here compiles to
+                # proxy fence between cp.async and wgmma, relying on what Triton's own
+                # pipelines rely on (wo_hopper's module docstring); a fence here compiles to
                 # MEMBAR.ALL.CTA, which waits for every load in flight. Every warpgroup is past
                 # step kb - 1's first wait, so step kb - 2's wgmma are done: its stage is
                 # refilled (step kb - 1's second wgmma may still be reading its x)
@@ -230,6 +231,6 @@ if gluon is not None:
 
     @gluon.jit
     def _step_codes(s_ptrs, s_mask, half, step, num_groups):
-        """This thread's E8M0 scale codes of K step `step` [R, 2]; 127 past the last group."""
+        """This thread's E8M0 scale codes of K step `step` [128, 2]; 127 past the last group."""
         g = 2 * step + half[None, :]
         return gl.load(s_ptrs + 2 * step, mask=s_mask & (g < num_groups), other=127)

@@ -539,10 +539,21 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             )
         return num_tokens
 
-    # prepare and finalize run outside a torch.compile graph (graph breaks): they reinterpret
-    # the symmetric buffers' bytes, which aot_autograd cannot trace (docs/expert-parallelism.md)
-    @torch.compiler.disable
-    def prepare(
+    # Under torch.compile prepare and finalize run outside the graph (graph breaks): they
+    # reinterpret the symmetric buffers' bytes, which aot_autograd cannot trace
+    # (docs/expert-parallelism.md). torch.compiler.disable is applied when compiling only: as a
+    # decorator it would import torch._dynamo with this module and wrap every eager call.
+    def prepare(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(self._prepare)(*args, **kwargs)
+        return self._prepare(*args, **kwargs)
+
+    def finalize(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(self._finalize)(*args, **kwargs)
+        return self._finalize(*args, **kwargs)
+
+    def _prepare(
         self,
         a1,
         topk_weights,
@@ -572,8 +583,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             quant_config, defer_input_quant,
         )  # fmt: skip
 
-    @torch.compiler.disable
-    def finalize(self, *args, **kwargs):
+    def _finalize(self, *args, **kwargs):
         try:
             super().finalize(*args, **kwargs)
         finally:

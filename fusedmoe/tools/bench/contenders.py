@@ -157,7 +157,8 @@ def make_contenders(
 
 
 def reference_run(experts: ExpertSet, activation: str) -> Callable[[RoutingInputs], torch.Tensor]:
-    """The reference backend on the row's (quantized) weights."""
+    """The reference backend on the weights of `experts`: a row's (quantized) ones, or the
+    unquantized ones a scheme was made from (err_bf16)."""
 
     def run(r: RoutingInputs) -> torch.Tensor:
         return fused_experts(

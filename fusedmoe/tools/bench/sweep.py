@@ -19,7 +19,7 @@ reference backend on the same inputs:
     err_bf16      quantized rows: max |out - plain| / max |plain|, plain = the reference
                   backend on the unquantized weights the scheme was made from (the scheme's
                   error and the kernel's together), where rel_err has its float64 reference;
-                  the unquantized weights are kept for it (none with ref_max_slots 0)
+                  computed for every such row up front, then the unquantized weights are freed
 
 Peers (--peers, fusedmoe.tools.peers): other libraries' kernels on the same weights and
 routing, one contender each after the backends; built once per shape and scheme (their weight
@@ -176,10 +176,7 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
     )
     if preset.has_bias:
         experts.w13_bias, experts.w2_bias = make_expert_biases(preset.name, w13, w2)
-    unquantized = None  # the reference on the weights the scheme was made from (err_bf16)
-    if quant not in PLAIN_DTYPES and spec.ref_max_slots > 0:
-        plain = ExpertSet(w13, w2, None, None, None, experts.w13_bias, experts.w2_bias)
-        unquantized = reference_run(plain, preset.activation)
+    plain_refs = _unquantized_references(preset, quant, spec, w13, w2, experts)
     del w13, w2
     problem = _problem(preset, experts.quant_config, dtype, device)
     selection = select_backends(problem, spec.backends)
@@ -206,12 +203,34 @@ def _bench_scheme(preset, quant, spec: BenchSpec, note: Note, step) -> list[Row]
         for m in spec.tokens:
             rows += _bench_case(
                 preset, quant, routing, m, contenders, reference, spec, note,
-                settle_first=first, unquantized=unquantized,
+                settle_first=first, plain_ref=plain_refs.get((routing, m)),
             )  # fmt: skip
             first = False
             if step is not None:
                 step(f"{where}, {routing}, M={m}")
     return rows
+
+
+def _unquantized_references(preset, quant, spec: BenchSpec, w13, w2, experts) -> dict:
+    """(routing, M) -> the reference backend's output on the unquantized weights w13, w2 the
+    scheme was made from (err_bf16), for a quantized scheme's rows that get a float64
+    reference; computed before the sweep, so that those weights need not be kept."""
+    if quant in PLAIN_DTYPES:
+        return {}
+    plain = ExpertSet(w13, w2, None, None, None, experts.w13_bias, experts.w2_bias)
+    run = reference_run(plain, preset.activation)
+    dtype = _act_dtype(quant)[1]
+    refs = {}
+    with torch.inference_mode():
+        for routing in spec.routings:
+            for m in spec.tokens:
+                if m * preset.top_k <= spec.ref_max_slots:
+                    inputs = make_routing(
+                        preset.name, m, preset.num_experts, preset.top_k, preset.hidden_size,
+                        routing, dtype, spec.device,
+                    )  # fmt: skip
+                    refs[routing, m] = run(inputs)
+    return refs
 
 
 def _peers(preset, quant, experts, dtype, spec: BenchSpec, note: Note, where: str):
@@ -239,7 +258,7 @@ def _fast_accum(quant: str, spec: BenchSpec) -> bool:
 
 def _bench_case(
     preset, quant, routing, m, contenders: list[Contender], reference, spec, note, *,
-    settle_first: bool = False, unquantized=None,
+    settle_first: bool = False, plain_ref: torch.Tensor | None = None,
 ):  # fmt: skip
     device = spec.device
     k = preset.top_k
@@ -264,12 +283,11 @@ def _bench_case(
                 found = f"its check failed: {exc!r:.300}"
             if found is not None:
                 note(f"{preset_label(preset)}, {quant}, {routing}, M={m}: {c.name}: {found}")
-        ref, ref_name, plain_ref = None, "none", None
+        ref, ref_name = None, "none"
         if m * k <= spec.ref_max_slots:
             ref = outputs.get(REFERENCE)
             ref = reference(inputs) if ref is None else ref
             ref_name = f"{REFERENCE}({quant})"
-            plain_ref = None if unquantized is None else unquantized(inputs)
         rows = []
         for c in contenders:
             if c.name not in outputs:
