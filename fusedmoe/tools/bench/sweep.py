@@ -219,18 +219,21 @@ def _unquantized_references(preset, quant, spec: BenchSpec, w13, w2, experts) ->
         return {}
     plain = ExpertSet(w13, w2, None, None, None, experts.w13_bias, experts.w2_bias)
     run = reference_run(plain, preset.activation)
-    dtype = _act_dtype(quant)[1]
     refs = {}
     with torch.inference_mode():
         for routing in spec.routings:
             for m in spec.tokens:
                 if m * preset.top_k <= spec.ref_max_slots:
-                    inputs = make_routing(
-                        preset.name, m, preset.num_experts, preset.top_k, preset.hidden_size,
-                        routing, dtype, spec.device,
-                    )  # fmt: skip
-                    refs[routing, m] = run(inputs)
+                    refs[routing, m] = run(_row_inputs(preset, quant, routing, m, spec.device))
     return refs
+
+
+def _row_inputs(preset, quant, routing, m, device):
+    """A row's tokens and routing (seeded: the same for every call with these arguments)."""
+    return make_routing(
+        preset.name, m, preset.num_experts, preset.top_k, preset.hidden_size, routing,
+        _act_dtype(quant)[1], device,
+    )  # fmt: skip
 
 
 def _peers(preset, quant, experts, dtype, spec: BenchSpec, note: Note, where: str):
@@ -262,10 +265,7 @@ def _bench_case(
 ):  # fmt: skip
     device = spec.device
     k = preset.top_k
-    inputs = make_routing(
-        preset.name, m, preset.num_experts, k, preset.hidden_size, routing,
-        _act_dtype(quant)[1], device,
-    )  # fmt: skip
+    inputs = _row_inputs(preset, quant, routing, m, device)
     num_distinct = distinct_experts(inputs.topk_ids, preset.num_experts)
     with torch.inference_mode():
         outputs: dict[str, torch.Tensor] = {}
