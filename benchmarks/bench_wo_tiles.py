@@ -3,6 +3,7 @@ MXFP4 kernel choices in docs/performance.md ("4-bit weight-only experts").
 
     python benchmarks/bench_wo_tiles.py [--tokens 8,64,1024,4096] [--block-m table,64,128]
                                         [--group-m 8] [--gemv 16x128x4,32x256x4]
+                                        [--one-slot 1x16,2x16,1x32]
                                         [--scheme mxfp4_w4a16] [--experts 128] [--top-k 4]
                                         [--hidden 2880] [--intermediate 2880]
 
@@ -18,7 +19,9 @@ warps: at any token count where wo_hopper's kernels do not run, and at one token
 do (MXFP4 x bf16 on Hopper runs them from 2 tokens; FUSEDMOE_WO_HOPPER=0 keeps the GEMV there
 too). Prints one line per token count: ms per call for each tile
 (fusedmoe.tools.bench.timing.time_ms: the median of CUDA-graph replays), and which was
-fastest. Needs a CUDA GPU.
+fastest. Each --one-slot value TxCB runs wo_hopper_gemv's one-slot form (MXFP4 x bf16 on
+Hopper) at any token count, T 16-row mma tiles a warp, CB bytes of a row a lane and step.
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import torch
 
 from fusedmoe import fused_experts
+from fusedmoe.kernels import wo_hopper
 from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config
 from fusedmoe.quant import quantize_experts
 from fusedmoe.tools.bench.timing import time_ms
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--block-m", default="table,64,128")
     parser.add_argument("--group-m", default="8", help="GROUP_M of the --block-m overrides")
     parser.add_argument("--gemv", default="", help="GEMV tiles BNxBKxW, comma-separated")
+    parser.add_argument("--one-slot", default="", help="one-slot form tiles TxCB, comma-separated")
     parser.add_argument("--scheme", default="mxfp4_w4a16")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=4)
@@ -54,6 +59,9 @@ def main() -> None:
     gemvs = [tuple(int(v) for v in t.split("x")) for t in args.gemv.split(",") if t]
     if any(len(g) != 3 for g in gemvs):
         raise SystemExit(f"--gemv takes BNxBKxW values, got {args.gemv!r}")
+    one_slot = [tuple(int(v) for v in t.split("x")) for t in args.one_slot.split(",") if t]
+    if any(len(t) != 2 for t in one_slot):
+        raise SystemExit(f"--one-slot takes TxCB values, got {args.one_slot!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
     w2 = torch.randn(e, h, i, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
@@ -87,6 +95,16 @@ def main() -> None:
             gemv = WoGemmConfig(bn, bk, 1, warps, 1)
             with use_wo_config(WoConfig(16, gemm, gemm, gemv)):
                 times[f"gemv {bn}x{bk}x{warps}"] = time_ms(call, device)[0]
+        for form in one_slot:
+            gemm = WoGemmConfig(64, 128, 8, 4, 2)
+            gemv = WoGemmConfig(8, 256, 1, 4, 1)  # any: the one-slot form takes its place
+            saved = wo_hopper.GEMV_TILES, wo_hopper.GEMV_CB
+            wo_hopper.GEMV_TILES, wo_hopper.GEMV_CB = form
+            try:
+                with use_wo_config(WoConfig(16, gemm, gemm, gemv)):
+                    times["one-slot " + "x".join(map(str, form))] = time_ms(call, device)[0]
+            finally:
+                wo_hopper.GEMV_TILES, wo_hopper.GEMV_CB = saved
         best = min(times, key=times.get)
         cells = "  ".join(f"{name}: {ms:.4f}" for name, ms in times.items())
         print(f"tokens {m:6d}  {cells}  (fastest: {best})", flush=True)

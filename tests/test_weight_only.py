@@ -398,6 +398,55 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
     assert_close(out, triton_out, torch.bfloat16, tol=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("h", "i", "m", "activation"),
+    [
+        (2880, 2880, 1, "swigluoai"),  # gpt-oss at one token
+        (192, 320, 1, "silu"),  # K = 192: a step and a half, N not a multiple of the tile
+        (64, 64, 3, "swigluoai"),  # K < one step; three tokens through the one-slot form
+        (256, 320, 2, "relu2_no_mul"),  # not gated
+    ],
+)
+@pytest.mark.parametrize(("tiles", "cb"), [(1, 16), (2, 16), (1, 32)])
+def test_mx_gemv_kernel(h, i, m, activation, tiles, cb, monkeypatch):
+    """MXFP4 x bf16 on Hopper at decode: wo_hopper_gemv's one-slot form (mma.sync) against the
+    CUDA-core GEMV and the float64 torch twin on the same call, with biases, empty slots and an
+    expert_map, for each of its tiles."""
+    from fusedmoe.kernels import wo_hopper
+
+    dev = torch.zeros(1, device="cuda")
+    if wo_hopper.gluon is None or wo_hopper._device_reason(dev.device.index or 0) is not None:
+        pytest.skip("the Gluon kernel needs Hopper and Triton 3.6")
+    e, k = 8, 4
+    q13, q2, qc, b13, b2 = _experts("mxfp4_w4a16", {}, e, h, i, activation, True)
+    x = torch.randn(m, h, device="cuda").to(torch.bfloat16)
+    weights, ids = random_routing(m, 10, k, empty=0.1, device="cuda")
+    expert_map = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5, 6, 7], dtype=torch.int32, device="cuda")
+    kw = dict(activation=activation, w13_bias=b13, w2_bias=b2, expert_map=expert_map)
+    ran = []
+    launch = wo_hopper.launch_mx_gemv
+    monkeypatch.setattr(
+        wo_hopper, "launch_mx_gemv", lambda *a, **k: ran.append(1) or launch(*a, **k)
+    )
+    monkeypatch.setattr(wo_hopper, "GEMV_TILES", tiles)
+    monkeypatch.setattr(wo_hopper, "GEMV_CB", cb)
+    gemm = WoGemmConfig(64, 64, 8, 4, 2)
+    config = WoConfig(16, gemm, gemm, gemv=WoGemmConfig(8, 256, 1, 4, 1))
+    with use_wo_config(config):
+        out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
+        assert ran == [1, 1], "the one-slot form did not run both GEMMs"
+        monkeypatch.setattr(wo_moe, "_GEMV_MMA", False)
+        cuda_cores = fused_experts(
+            x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw
+        )
+    assert ran == [1, 1]
+    ref = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="torch", **kw)
+    assert ref.abs().max() > 0
+    assert_close(out, ref, torch.bfloat16, tol=1e-2)
+    assert_close(out, cuda_cores, torch.bfloat16, tol=1e-2)
+
+
 def test_permute_k_round_trip():
     """wo_hopper.permute_k: a permutation of each 64-column block, k(t) = 16c + 4s + 2b + h, and
     the form that writes into a given tensor agrees."""

@@ -230,9 +230,12 @@ if gluon is not None:
         mma: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, HAS_BIAS: gl.constexpr,
         ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_LIMIT: gl.constexpr,
         MUL_ROUTED_WEIGHT: gl.constexpr, H_DTYPE: gl.constexpr, PERMUTE_OUT: gl.constexpr,
+        DIRECT: gl.constexpr = False,
     ):  # fmt: skip
         """Output columns n0 .. n0 + BN of the tile's slots from the accumulators [BN, BLOCK_M]
         (times 2^64; gate and up, or acc_g alone), in their layout `mma`: wo_gemm's epilogues.
+        The tile's slots: BLOCK_M of the aligned routing's block pid_m, or (DIRECT) slot pid_m
+        alone in the tile's first column.
         (Turned to rows of the output through shared memory and stored 16 bytes a thread, the
         prefill form ran 7-12% slower on an H200 and the decode form was unchanged.)"""
         N_AXIS: gl.constexpr = 0  # the output columns' (n) axis
@@ -242,9 +245,11 @@ if gluon is not None:
         offs_n = n0 + gl.arange(0, BN, gl.SliceLayout(M_AXIS, mma))
         n_mask = offs_n < N
         gate_rows, up_rows = gate_up_rows(offs_n, N, GATED, ACTIVATION)
-        slots = gl.load(
-            sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(N_AXIS, mma))
-        )
+        m = gl.arange(0, BLOCK_M, gl.SliceLayout(N_AXIS, mma))
+        if DIRECT:
+            slots = gl.where(m == 0, pid_m, num_slots)
+        else:
+            slots = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + m)
         row_mask = slots < num_slots
         if HAS_BIAS:
             bias_base = bias_ptr + e * stride_be
@@ -564,4 +569,53 @@ def launch_mx_hopper(
     _wo_mx_hopper_kernel[grid](
         *args, **constexprs, PERMUTE_OUT=permute_out, BLOCK_M=block_m, STAGES=STAGES,
         GROUP_M=group_m, num_warps=4,
+    )  # fmt: skip
+
+
+#: the one-slot form's tile (wo_hopper_gemv): 16-row mma tiles a warp, bytes a lane reads per
+#: row and step
+GEMV_TILES = 1
+GEMV_CB = 16
+
+
+def launch_mx_gemv(
+    a, w, scale, bias, out, topk_weights, ids, expert_map, num_local, params, constexprs,
+    tiles: int | None = None, cb: int | None = None,
+):  # fmt: skip
+    """One GEMM of the weight-only op through the one-slot form (wo_hopper_gemv): a program a
+    slot (ids: topk_ids flattened) and 32 tiles (GATED) or 64 tiles output columns; a in its
+    natural k order, read two 16-bit values per int32 (copied where its
+    rows are not 4-byte aligned with unit stride); params (alpha, beta, limit); constexprs the
+    epilogue's (wo_moe._hopper_constexprs); tiles and cb (None: GEMV_TILES, GEMV_CB) the
+    tile."""
+    from fusedmoe.kernels.wo_hopper_gemv import gemv_layouts, wo_mx_gemv_kernel
+
+    tiles = GEMV_TILES if tiles is None else tiles
+    cb = GEMV_CB if cb is None else cb
+    if tiles not in (1, 2) or cb not in (16, 32):
+        raise ValueError(f"the one-slot form takes tiles 1 or 2 and cb 16 or 32, got {tiles}, {cb}")
+    if a.stride(1) != 1 or a.stride(0) % 2 or a.data_ptr() % 4:
+        a = a.clone(memory_format=torch.contiguous_format)
+    n_out = out.shape[1]
+    num_ids = num_local if expert_map is None else expert_map.shape[0]
+    tile_n = (32 if constexprs["GATED"] else 64) * tiles
+    num_slots, num_n = ids.numel(), triton.cdiv(n_out, tile_n)
+    bias_args = (bias, bias.stride(0), bias.stride(1)) if bias is not None else (ids, 0, 0)
+    maps = (ids, ids if expert_map is None else expert_map)
+    args = (
+        a, a.stride(0),
+        w, w.stride(0), w.stride(1),
+        scale, scale.stride(0), scale.stride(1),
+        *bias_args,
+        out, out.stride(0),
+        topk_weights,
+        *maps,
+        num_ids, num_local,
+        n_out, a.shape[1], num_slots,
+        *params,
+    )  # fmt: skip
+    layouts = gemv_layouts(tiles, cb)
+    wo_mx_gemv_kernel[(num_slots, num_n)](
+        *args, **constexprs, HAS_MAP=expert_map is not None, TILES=tiles, CB=cb, **layouts,
+        num_warps=4,
     )  # fmt: skip

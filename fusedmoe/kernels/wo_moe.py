@@ -84,6 +84,10 @@ _A_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: calls of at most this many slots per expert (uniform routing: each expert about one slot)
 #: run the decode kernel
 GEMV_MAX_SLOTS_PER_EXPERT = 0.25
+#: MXFP4 x bf16 on Hopper: the decode configs (gemv) run wo_hopper_gemv's one-slot form on the
+#: tensor cores; FUSEDMOE_WO_GEMV_MMA=0 runs what ran before it (the CUDA-core GEMV at one
+#: token, wo_hopper's decode form from two), for the A/B
+_GEMV_MMA = os.environ.get("FUSEDMOE_WO_GEMV_MMA", "1") != "0"
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: FUSEDMOE_WO_MMA_ORDER=1: 64 x 128 tiles on 4 warps take the register-direct path (wo_gemm,
 #: MMA_ORDER). Off by default: 3x slower on an H100 as it stands (docs/performance.md)
@@ -448,11 +452,30 @@ def _fused_experts_weight_only_impl(
     with device_guard(x):
         a2 = workspace2.view(-1)[: num_slots * width].view(num_slots, width)
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
-        # one token: the decode kernel is faster, unless a2_fp8_group needs the Gluon kernel
+        mx_reason = _mx_hopper_reason(x, w13, w13_scale, w2, w2_scale, width, w_format, group)
+        if config.gemv is not None and mx_reason is None and _GEMV_MMA and not a2_fp8_group:
+            # about a slot per expert, MXFP4 on Hopper: the one-slot form (wo_hopper_gemv)
+            ids = topk_ids.reshape(-1)
+            common = _epilogue_constexprs(
+                x, top_k, fmt, group, None, w13_bias, act, params, False, h_dtype
+            )
+            wo_hopper.launch_mx_gemv(
+                x, w13, w13_scale, w13_bias, a2, topk_weights, ids, expert_map, num_local,
+                params[:3], _hopper_constexprs(common),
+            )  # fmt: skip
+            common = _epilogue_constexprs(
+                a2, 1, fmt, group, None, w2_bias, None, params, mul_routed_weight, h_dtype
+            )
+            wo_hopper.launch_mx_gemv(
+                a2, w2, w2_scale, w2_bias, y, topk_weights.reshape(-1), ids, expert_map,
+                num_local, params[:3], _hopper_constexprs(common),
+            )  # fmt: skip
+            moe_sum(y, output, topk_ids, expert_map, num_local)
+            return
+        # one token without the one-slot form: the CUDA-core GEMV is faster, unless
+        # a2_fp8_group needs the Gluon kernel
         hopper_reason = (
-            _mx_hopper_reason(x, w13, w13_scale, w2, w2_scale, width, w_format, group)
-            if num_tokens > 1 or a2_fp8_group
-            else "one token runs the decode kernel"
+            mx_reason if num_tokens > 1 or a2_fp8_group else "one token runs the decode kernel"
         )
         if hopper_reason is None:
             block_m = wo_hopper.hopper_block_m(config.block_m, num_slots, num_local)
