@@ -63,6 +63,12 @@ barrier a step. (Decoded tiles stored to shared memory as wgmma's operand, in ei
 orientation, cost a proxy fence and half again the shared-memory traffic a step: slower,
 docs/performance.md.)
 
+One slot (fusedmoe.kernels.wo_hopper_gemv, launch_mx_gemv). Where experts see about one slot
+each (decode at a few tokens), a program multiplies one slot's activations, in their natural
+order, by 32 or 64 output columns of its expert's weights through mma.sync (m16n8k16), the
+decode's bf16 pairs the instruction's left operand as they are; no alignment, no shared
+memory, the loads two steps ahead in registers.
+
 Neither form fences between the cp.async copies and the wgmma that read them. The PTX memory
 model counts cp.async as a generic-proxy write, which wgmma's async-proxy read formally needs a
 fence.proxy.async after; Triton's own cp.async pipelines rely on the same behaviour without one

@@ -19,8 +19,10 @@ dtype "wo_<format>"; an H100 table ships for gpt-oss MXFP4), the heuristic by sl
 (heuristic_wo_config: 16-slot tiles while experts see a few tokens, then 64 and 128).
 
 MXFP4 x bf16 on Hopper (wo_hopper.weights_unusable_reason says where) runs both GEMMs through
-wo_hopper's Gluon kernel instead, from 2 tokens on (one token stays on the decode kernel,
-faster there), and at any token count when a2_fp8_group is set:
+wo_hopper's Gluon kernels instead: where the config is a decode one (gemv), the one-slot form
+(wo_hopper_gemv: a program a slot, mma.sync, no alignment; FUSEDMOE_WO_GEMV_MMA=0 turns it
+off); otherwise, from 2 tokens on (one token then stays on the decode kernel, faster there)
+and at any token count when a2_fp8_group is set (which the one-slot form does not run):
 
     x'      = permute_k(x)                                # the kernel's k order
     a2      = GEMM1 on x', stored in the same k order     # tiles of BM slots (<= 128)
