@@ -1,20 +1,21 @@
 """The one-slot form of wo_hopper's MXFP4 x bf16 expert GEMMs (Gluon): for calls whose experts
-see about one slot each (decode at a token or two), a program multiplies one slot's activations
-by BN output columns of its expert's weights, on the tensor cores through mma.sync (m16n8k16,
-the slot in the first of its 8 columns), the weights decoded from their 4-bit bytes straight
-into the instruction's left operand, nothing through shared memory.
+see about one slot each (decode: gpt-oss up to 8 tokens), a program multiplies one slot's
+activations by BN output columns of its expert's weights, on the tensor cores through mma.sync
+(m16n8k16, the slot in the first of its 8 columns), the weights decoded from their 4-bit bytes
+straight into the instruction's left operand, nothing through shared memory.
 
 Why: at one token the weight bytes of the four experts (50 MB for gpt-oss-120b) take 10 us at
 the H200's bandwidth, but they are spread over few experts, so each program must keep many
 bytes in flight and spend few instructions on each. The CUDA-core GEMV (wo_gemm._wo_gemv_kernel)
-spends about 8 instructions on a weight (decode, bf16 to float32, fma) and was latency-bound at
-a quarter of the bandwidth; here the decode's bf16 pairs are the mma's operand as they are
-(about 2.5 instructions a weight), and each thread keeps two steps of loads ahead in registers.
+spends about 9 instructions on a weight (decode, bf16 to float32, fma, the activations moved
+through shared memory every step); here the decode's bf16 pairs are the mma's operand as they
+are (about 3.6 instructions a weight, two thirds of them the decode), and each thread keeps two
+steps of loads ahead in registers (docs/performance.md, "The one-slot form").
 
 Layout. A warp owns a 16-row mma tile (GATED: the gate rows and the up rows of 8 output
 columns, in its rows 0-7 and 8-15; else 16 output columns) and TILES of them (TILES * 64 rows
 a program of 4 warps). Per K step each of a row's 4 lanes t (lane = 4 g + t: rows g and g + 8)
-reads CB consecutive bytes (16 or 32: LDG.128s): CB / 16 MX groups of 32 columns, one scale
+reads CB consecutive bytes (16 or 32), CB / 16 MX groups of 32 columns, one scale
 each. The mma sums over k in any order common to both operands, so the step's 8 CB columns are
 relabelled: stored byte c = CB t + 4 j + 2 i1 + i0 (j < CB / 4) holds logical columns 2c + h
 (h: its nibble), placed at tensor column
