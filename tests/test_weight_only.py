@@ -404,15 +404,17 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
     [
         (2880, 2880, 1, "swigluoai"),  # gpt-oss at one token
         (192, 320, 1, "silu"),  # K = 192: a step and a half, N not a multiple of the tile
-        (64, 64, 3, "swigluoai"),  # K < one step; three tokens through the one-slot form
+        (64, 64, 3, "swigluoai"),  # K < one step; three tokens: blocks of slots
         (256, 320, 2, "relu2_no_mul"),  # not gated
+        (192, 320, 11, "silu"),  # every token on the same experts: blocks of 8 and of 3
     ],
 )
 @pytest.mark.parametrize(("tiles", "cb"), [(1, 16), (2, 16), (1, 32)])
 def test_mx_gemv_kernel(h, i, m, activation, tiles, cb, monkeypatch):
     """MXFP4 x bf16 on Hopper at decode: wo_hopper_gemv's one-slot form (mma.sync) against the
-    CUDA-core GEMV and the float64 torch twin on the same call, with biases, empty slots and an
-    expert_map, for each of its tiles."""
+    CUDA-core GEMV (or the decode form) and the float64 torch twin on the same call, with
+    biases, empty slots and an expert_map, for each of its tiles: a program a slot at one
+    token, blocks of an expert's slots from two (an expert shared by every token included)."""
     from fusedmoe.kernels import wo_hopper
 
     dev = torch.zeros(1, device="cuda")
@@ -422,6 +424,8 @@ def test_mx_gemv_kernel(h, i, m, activation, tiles, cb, monkeypatch):
     q13, q2, qc, b13, b2 = _experts("mxfp4_w4a16", {}, e, h, i, activation, True)
     x = torch.randn(m, h, device="cuda").to(torch.bfloat16)
     weights, ids = random_routing(m, 10, k, empty=0.1, device="cuda")
+    if m > 8:  # every token on the first token's experts
+        ids[:] = ids[0]
     expert_map = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5, 6, 7], dtype=torch.int32, device="cuda")
     kw = dict(activation=activation, w13_bias=b13, w2_bias=b2, expert_map=expert_map)
     ran = []

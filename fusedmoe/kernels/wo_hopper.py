@@ -586,18 +586,20 @@ GEMV_CB = 16
 
 def launch_mx_gemv(
     a, w, scale, bias, out, topk_weights, ids, expert_map, num_local, params, constexprs,
-    tiles: int | None = None, cb: int | None = None,
+    routing=None, tiles: int | None = None, cb: int | None = None,
 ):  # fmt: skip
     """One GEMM of the weight-only op through the one-slot form (wo_hopper_gemv): a program a
-    slot (ids: topk_ids flattened) and 32 tiles (GATED) or 64 tiles output columns; a in its
-    natural k order, read two 16-bit values per int32 (copied where its
-    rows are not 4-byte aligned with unit stride); params (alpha, beta, limit); constexprs the
-    epilogue's (wo_moe._hopper_constexprs); tiles and cb (None: GEMV_TILES, GEMV_CB) the
-    tile."""
+    slot (ids: topk_ids flattened; routing None) or a block of routing's (moe_align's
+    AlignedRouting in blocks of 8), and 32 tiles (GATED) or 64 tiles output columns; a in its
+    natural k order, read two 16-bit values per int32 (copied where its rows are not 4-byte
+    aligned with unit stride); params (alpha, beta, limit); constexprs the epilogue's
+    (wo_moe._hopper_constexprs); tiles and cb (None: GEMV_TILES, GEMV_CB) the tile."""
     from fusedmoe.kernels.wo_hopper_gemv import gemv_layouts, wo_mx_gemv_kernel
 
     tiles = GEMV_TILES if tiles is None else tiles
     cb = GEMV_CB if cb is None else cb
+    if routing is not None and routing.block_m != 8:
+        raise ValueError(f"the one-slot form takes blocks of 8 slots, got {routing.block_m}")
     if tiles not in (1, 2) or cb not in (16, 32):
         raise ValueError(f"the one-slot form takes tiles 1 or 2 and cb 16 or 32, got {tiles}, {cb}")
     if a.stride(1) != 1 or a.stride(0) % 2 or a.data_ptr() % 4:
@@ -616,12 +618,17 @@ def launch_mx_gemv(
         out, out.stride(0),
         topk_weights,
         *maps,
+        *(
+            (ids, ids, ids)
+            if routing is None
+            else (routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_post_padded)
+        ),
         num_ids, num_local,
         n_out, a.shape[1], num_slots,
         *params,
     )  # fmt: skip
-    layouts = gemv_layouts(tiles, cb)
-    wo_mx_gemv_kernel[(num_slots, num_n)](
-        *args, **constexprs, HAS_MAP=expert_map is not None, TILES=tiles, CB=cb, **layouts,
-        num_warps=4,
+    num_m = num_slots if routing is None else routing.expert_ids.shape[0]
+    wo_mx_gemv_kernel[(num_m, num_n)](
+        *args, **constexprs, HAS_MAP=expert_map is not None, DIRECT=routing is None,
+        TILES=tiles, CB=cb, **gemv_layouts(tiles, cb), num_warps=4,
     )  # fmt: skip

@@ -1,8 +1,10 @@
 """The one-slot form of wo_hopper's MXFP4 x bf16 expert GEMMs (Gluon): for calls whose experts
-see about one slot each (decode: gpt-oss up to 8 tokens), a program multiplies one slot's
-activations by BN output columns of its expert's weights, on the tensor cores through mma.sync
-(m16n8k16, the slot in the first of its 8 columns), the weights decoded from their 4-bit bytes
-straight into the instruction's left operand, nothing through shared memory.
+see about one slot each (decode: gpt-oss up to 8 tokens), a program multiplies the activations
+of one slot (DIRECT: a token's slots, without alignment) or of a block of up to 8 slots of one
+expert (moe_align's blocks of 8: an expert hit by several tokens is read once) by BN output
+columns of the expert's weights, on the tensor cores through mma.sync (m16n8k16, a slot a
+column), the weights decoded from their 4-bit bytes straight into the instruction's left
+operand, nothing through shared memory.
 
 Why: at one token the weight bytes of the four experts (50 MB for gpt-oss-120b) take 10 us at
 the H200's bandwidth, but they are spread over few experts, so each program must keep many
@@ -25,10 +27,10 @@ relabelled: stored byte c = CB t + 4 j + 2 i1 + i0 (j < CB / 4) holds logical co
 which puts the decode's registers (the low nibbles of bytes 0, 1 of a word, of 2, 3, then the
 high nibbles: wo_gemm.fp4_asm) where m16n8k16 wants them: register pairs (2t, 2t + 1) and (2t +
 8, 2t + 9) of k block 2 j + h. The activations take the same order: lane t of column g reads
-the 2 CB consecutive values 2 CB t .. of slot g (here: only the first column holds a slot; the
-others read zeros) and the compiler pairs them in registers. The scales are applied in the
+the 2 CB consecutive values 2 CB t .. of slot g (columns without a slot read zeros) and the
+compiler pairs them in registers. The scales are applied in the
 decode as 2^(s - 65) and the accumulator leaves times 2^64 (wo_hopper's module docstring: scale
-codes in [59, 192]); the epilogue is wo_hopper.mx_epilogue's (DIRECT: one slot a program).
+codes in [59, 192]); the epilogue is wo_hopper.mx_epilogue's.
 Launched by wo_hopper.launch_mx_gemv."""
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ if gluon is not None:
         out_ptr, stride_om,  # [S, N], unit stride along N
         topk_weights_ptr,  # float32 [S]
         ids_ptr, map_ptr,  # topk_ids [S] (flattened) and expert_map [E] (or ids again)
+        sorted_ids_ptr, expert_ids_ptr, num_post_ptr,  # not DIRECT: moe_align's, blocks of 8
         num_ids, num_local,
         N, K, num_slots,
         alpha, beta, limit,
@@ -135,6 +138,7 @@ if gluon is not None:
         MUL_ROUTED_WEIGHT: gl.constexpr,
         H_DTYPE: gl.constexpr,
         HAS_MAP: gl.constexpr,
+        DIRECT: gl.constexpr,  # a program a slot (program_id 0); else a block of 8 slots
         TILES: gl.constexpr,  # 16-row mma tiles a warp
         CB: gl.constexpr,  # bytes of a row a lane reads a step (16 or 32)
         mma: gl.constexpr,  # gemv_layouts(TILES, CB)
@@ -146,9 +150,13 @@ if gluon is not None:
         BN: gl.constexpr = ROWS // 2 if GATED else ROWS  # output columns a program
         HALF_STEP: gl.constexpr = 4 * CB
         G_LANE: gl.constexpr = CB // 16  # scale groups of a lane's run
-        slot = gl.program_id(0)
+        pid_m = gl.program_id(0)  # DIRECT: the slot; else the block of 8 slots
         pid_n = gl.program_id(1)
-        expert = _slot_expert(slot, ids_ptr, map_ptr, num_ids, HAS_MAP)
+        if DIRECT:
+            expert = _slot_expert(pid_m, ids_ptr, map_ptr, num_ids, HAS_MAP)
+        else:
+            num_post = gl.load(num_post_ptr)
+            expert = gl.where(pid_m * 8 < num_post, gl.load(expert_ids_ptr + pid_m), -1)
         if (expert >= 0) & (expert < num_local):
             e = expert.to(gl.int64)
             s_layout: gl.constexpr = gl.SliceLayout(3, w4_layout)
@@ -203,15 +211,20 @@ if gluon is not None:
             s_ptrs = s_ptr + e * stride_se + row3 + s_groups
             s_rows_ok = (s_groups * 0 + gl.expand_dims(gl.expand_dims(n_s, 1), 2)) < N
 
-            # the slot's activations, in the tile's first column: pairs [4 CB, 8] (int32)
+            # the slots' activations, a slot a column (DIRECT: the first): pairs [4 CB, 8]
             xk = gl.arange(0, 4 * CB, gl.SliceLayout(1, x_layout))
             xn = gl.arange(0, 8, gl.SliceLayout(0, x_layout))
+            if DIRECT:
+                slots = gl.where(xn == 0, pid_m, num_slots)
+            else:
+                slots = gl.load(sorted_ids_ptr + pid_m * 8 + xn)
+            rows = gl.where(slots < num_slots, slots // A_ROW_DIV, 0).to(gl.int64)
             zero_x = gl.zeros([4 * CB, 8], gl.int32, x_layout)
             x_k = zero_x + gl.expand_dims(xk, 1)
-            x_ok = (zero_x + gl.expand_dims(xn, 0)) == 0
+            x_ok = (zero_x + gl.expand_dims(slots, 0)) < num_slots
             x_ptrs = (
-                a_ptr.to(gl.pointer_type(gl.int32)) + (slot // A_ROW_DIV).to(gl.int64)
-                * (stride_am // 2) + x_k
+                a_ptr.to(gl.pointer_type(gl.int32))
+                + gl.expand_dims(rows * (stride_am // 2), 0) + x_k
             )  # fmt: skip
 
             # loaded two steps ahead
@@ -248,9 +261,9 @@ if gluon is not None:
                 acc = mma_v2(a_op, _gemv_b(x2, b_layout, CB), acc)
 
             _gemv_epilogue(
-                acc, e, slot, pid_n, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
-                topk_weights_ptr, ids_ptr, N, num_slots, alpha, beta, limit, ROWS, BN, HAS_BIAS,
-                ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT, H_DTYPE,
+                acc, e, pid_m, pid_n, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
+                topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit, ROWS, BN,
+                HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT, H_DTYPE, DIRECT,
             )  # fmt: skip
 
     @gluon.jit
@@ -264,14 +277,15 @@ if gluon is not None:
 
     @gluon.jit
     def _gemv_epilogue(
-        acc, e, slot, pid_n, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
-        topk_weights_ptr, ids_ptr, N, num_slots, alpha, beta, limit, ROWS: gl.constexpr,
+        acc, e, pid_m, pid_n, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
+        topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit, ROWS: gl.constexpr,
         BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
         GATED: gl.constexpr, HAS_LIMIT: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr,
-        H_DTYPE: gl.constexpr,
+        H_DTYPE: gl.constexpr, DIRECT: gl.constexpr,
     ):  # fmt: skip
-        """The accumulator [ROWS, 8] (the program's rows, the slot in column 0) -> the gate
-        and up accumulators [BN, 8] of columns pid_n BN .. -> wo_hopper.mx_epilogue."""
+        """The accumulator [ROWS, 8] (the program's rows by its slots: DIRECT, slot pid_m in
+        column 0; else block pid_m's 8) -> the gate and up accumulators [BN, 8] of columns
+        pid_n BN .. -> wo_hopper.mx_epilogue."""
         out_l: gl.constexpr = gl.BlockedLayout([1, 2, 1, 8], [4, 1, 8, 1], [4, 1, 1, 1],
                                                [3, 1, 2, 0])  # fmt: skip
         if GATED:
@@ -286,9 +300,10 @@ if gluon is not None:
         acc_g = gl.convert_layout(acc_g, epi)
         acc_u = gl.convert_layout(acc_u, epi)
         mx_epilogue(
-            acc_g, acc_u, pid_n * BN, e, slot, bias_ptr, stride_be, stride_bn, out_ptr,
-            stride_om, topk_weights_ptr, ids_ptr, N, num_slots, alpha, beta, limit, epi, BN, 8,
-            HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT, H_DTYPE, False, True,
+            acc_g, acc_u, pid_n * BN, e, pid_m, bias_ptr, stride_be, stride_bn, out_ptr,
+            stride_om, topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit, epi,
+            BN, 8, HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT, H_DTYPE, False,
+            DIRECT,
         )  # fmt: skip
 
 

@@ -20,8 +20,8 @@ dtype "wo_<format>"; an H100 table ships for gpt-oss MXFP4), the heuristic by sl
 
 MXFP4 x bf16 on Hopper (wo_hopper.weights_unusable_reason says where) runs both GEMMs through
 wo_hopper's Gluon kernels instead: where the config is a decode one (gemv), the one-slot form
-(wo_hopper_gemv: a program a slot, mma.sync, no alignment; FUSEDMOE_WO_GEMV_MMA=0 turns it
-off); otherwise, from 2 tokens on (one token then stays on the decode kernel, faster there)
+(wo_hopper_gemv, mma.sync: a program a slot up to GEMV_DIRECT_MAX_TOKENS, without alignment,
+else a block of up to 8 slots of one expert; FUSEDMOE_WO_GEMV_MMA=0 turns it off); otherwise, from 2 tokens on (one token then stays on the decode kernel, faster there)
 and at any token count when a2_fp8_group is set (which the one-slot form does not run):
 
     x'      = permute_k(x)                                # the kernel's k order
@@ -90,6 +90,11 @@ GEMV_MAX_SLOTS_PER_EXPERT = 0.25
 #: tensor cores; FUSEDMOE_WO_GEMV_MMA=0 runs what ran before it (the CUDA-core GEMV at one
 #: token, wo_hopper's decode form from two), for the A/B
 _GEMV_MMA = os.environ.get("FUSEDMOE_WO_GEMV_MMA", "1") != "0"
+#: the one-slot form's program a slot up to this many tokens, blocks of slots above: at 2
+#: gpt-oss tokens on an H200 0.052-0.058 ms against 0.062 uniform, 0.051 against 0.047 when
+#: both tokens pick the same experts; at 4 and 8 the blocks win (0.053 against 0.083 and 0.066
+#: against 0.148 skewed), docs/performance.md "The one-slot form"
+GEMV_DIRECT_MAX_TOKENS = 2
 _DOT_SCALED = os.environ.get("FUSEDMOE_WO_DOT_SCALED", "0") == "1"
 #: FUSEDMOE_WO_MMA_ORDER=1: 64 x 128 tiles on 4 warps take the register-direct path (wo_gemm,
 #: MMA_ORDER). Off by default: 3x slower on an H100 as it stands (docs/performance.md)
@@ -456,21 +461,29 @@ def _fused_experts_weight_only_impl(
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
         mx_reason = _mx_hopper_reason(x, w13, w13_scale, w2, w2_scale, width, w_format, group)
         if config.gemv is not None and mx_reason is None and _GEMV_MMA and not a2_fp8_group:
-            # about a slot per expert, MXFP4 on Hopper: the one-slot form (wo_hopper_gemv)
+            # about a slot per expert, MXFP4 on Hopper: the one-slot form (wo_hopper_gemv). Up
+            # to GEMV_DIRECT_MAX_TOKENS a program a slot (no alignment; an expert is read at
+            # most that many times), else a block of an expert's slots (up to 8), so that an
+            # expert several tokens share is read once
             ids = topk_ids.reshape(-1)
+            one = (
+                None
+                if num_tokens <= GEMV_DIRECT_MAX_TOKENS
+                else moe_align_block_size(topk_ids, 8, num_local, expert_map)
+            )
             common = _epilogue_constexprs(
                 x, top_k, fmt, group, None, w13_bias, act, params, False, h_dtype
             )
             wo_hopper.launch_mx_gemv(
                 x, w13, w13_scale, w13_bias, a2, topk_weights, ids, expert_map, num_local,
-                params[:3], _hopper_constexprs(common),
+                params[:3], _hopper_constexprs(common), one,
             )  # fmt: skip
             common = _epilogue_constexprs(
                 a2, 1, fmt, group, None, w2_bias, None, params, mul_routed_weight, h_dtype
             )
             wo_hopper.launch_mx_gemv(
                 a2, w2, w2_scale, w2_bias, y, topk_weights.reshape(-1), ids, expert_map,
-                num_local, params[:3], _hopper_constexprs(common),
+                num_local, params[:3], _hopper_constexprs(common), one,
             )  # fmt: skip
             moe_sum(y, output, topk_ids, expert_map, num_local)
             return
