@@ -21,8 +21,9 @@ dtype "wo_<format>"; an H100 table ships for gpt-oss MXFP4), the heuristic by sl
 MXFP4 x bf16 on Hopper (wo_hopper.weights_unusable_reason says where) runs both GEMMs through
 wo_hopper's Gluon kernels instead: where the config is a decode one (gemv), the one-slot form
 (wo_hopper_gemv, mma.sync: a program a slot up to GEMV_DIRECT_MAX_TOKENS, without alignment,
-else a block of up to 8 slots of one expert; FUSEDMOE_WO_GEMV_MMA=0 turns it off); otherwise, from 2 tokens on (one token then stays on the decode kernel, faster there)
-and at any token count when a2_fp8_group is set (which the one-slot form does not run):
+else a block of up to 8 slots of one expert; FUSEDMOE_WO_GEMV_MMA=0 turns it off);
+otherwise, from 2 tokens on (one token then stays on the decode kernel, faster there) and at
+any token count when a2_fp8_group is set (which the one-slot form does not run):
 
     x'      = permute_k(x)                                # the kernel's k order
     a2      = GEMM1 on x', stored in the same k order     # tiles of BM slots (<= 128)
