@@ -15,11 +15,11 @@ form's 128 where experts see 128 slots or more on average (wo_hopper.hopper_bloc
 64; --group-m values are the launch order's groups of row blocks for those overrides (each
 tile with each, named tile/group). Each --gemv value BNxBKxW runs the decode GEMV
 (wo_gemm._wo_gemv_kernel: one slot a program) with BN weight rows and BK columns a step on W
-warps: at any token count where wo_hopper's kernels do not run, and at one token where they
-do (MXFP4 x bf16 on Hopper runs them from 2 tokens; FUSEDMOE_WO_HOPPER=0 keeps the GEMV there
-too). Prints one line per token count: ms per call for each tile
-(fusedmoe.tools.bench.timing.time_ms: the median of CUDA-graph replays), and which was
-fastest. Each --one-slot value TxCB runs wo_hopper_gemv's one-slot form (MXFP4 x bf16 on
+warps, at any token count, where wo_hopper's kernels do not run (for MXFP4 x bf16 on Hopper
+a decode config runs the one-slot form instead; FUSEDMOE_WO_GEMV_MMA=0 with
+FUSEDMOE_WO_HOPPER=0 keeps the GEMV there). Prints one line per token count: ms per call for
+each tile (fusedmoe.tools.bench.timing.time_ms: the median of CUDA-graph replays), and which
+was fastest. Each --one-slot value TxCB runs wo_hopper_gemv's one-slot form (MXFP4 x bf16 on
 Hopper) at any token count, T 16-row mma tiles a warp, CB bytes of a row a lane and step.
 Needs a CUDA GPU.
 """
@@ -27,6 +27,7 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -35,6 +36,12 @@ from fusedmoe.kernels import wo_hopper
 from fusedmoe.kernels.wo_moe import WoConfig, WoGemmConfig, use_wo_config
 from fusedmoe.quant import quantize_experts
 from fusedmoe.tools.bench.timing import time_ms
+
+
+def _counted(launch, ran, *args, **kwargs):
+    """launch, recording in `ran` that it ran."""
+    ran.append(1)
+    return launch(*args, **kwargs)
 
 
 def main() -> None:
@@ -95,16 +102,23 @@ def main() -> None:
             gemv = WoGemmConfig(bn, bk, 1, warps, 1)
             with use_wo_config(WoConfig(16, gemm, gemm, gemv)):
                 times[f"gemv {bn}x{bk}x{warps}"] = time_ms(call, device)[0]
-        for form in one_slot:
+        for tiles_, cb in one_slot:
             gemm = WoGemmConfig(64, 128, 8, 4, 2)
             gemv = WoGemmConfig(8, 256, 1, 4, 1)  # any: the one-slot form takes its place
-            saved = wo_hopper.GEMV_TILES, wo_hopper.GEMV_CB
-            wo_hopper.GEMV_TILES, wo_hopper.GEMV_CB = form
+            ran = []
+            launch = wo_hopper.launch_mx_gemv
+            wo_hopper.launch_mx_gemv = functools.partial(_counted, launch, ran)
             try:
-                with use_wo_config(WoConfig(16, gemm, gemm, gemv)):
-                    times["one-slot " + "x".join(map(str, form))] = time_ms(call, device)[0]
+                config = WoConfig(16, gemm, gemm, gemv)
+                with use_wo_config(config), wo_hopper.use_one_slot_tile(tiles_, cb):
+                    times[f"one-slot {tiles_}x{cb}"] = time_ms(call, device)[0]
             finally:
-                wo_hopper.GEMV_TILES, wo_hopper.GEMV_CB = saved
+                wo_hopper.launch_mx_gemv = launch
+            if not ran:
+                raise SystemExit(
+                    "--one-slot: the one-slot form did not run (it takes MXFP4 x bf16 on "
+                    "Hopper, FUSEDMOE_WO_GEMV_MMA not 0)"
+                )
         best = min(times, key=times.get)
         cells = "  ".join(f"{name}: {ms:.4f}" for name, ms in times.items())
         print(f"tokens {m:6d}  {cells}  (fastest: {best})", flush=True)

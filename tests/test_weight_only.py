@@ -99,8 +99,9 @@ MMA_TILES = WoConfig(16, WoGemmConfig(64, 128, 2, 4, 2), WoGemmConfig(64, 128, 2
                          ids=[IDS[0], IDS[3], IDS[5]])  # fmt: skip
 def test_both_kernels(config, scheme, options, monkeypatch):
     """Each kernel on the same call, whatever the heuristic would pick: the decode kernel (one
-    slot per program) and the tensor-core one, swigluoai with biases, empty slots and an
-    expert_map, K = 192 (not a multiple of the 128-wide K step)."""
+    slot per program; for MXFP4 x bf16 on Hopper the one-slot form in its place) and the
+    tensor-core one, swigluoai with biases, empty slots and an expert_map, K = 192 (not a
+    multiple of the 128-wide K step)."""
     e, h, i, k, m = 6, 192, 64, 3, 9
     q13, q2, qc, b13, b2 = _experts(scheme, options, e, h, i, "swigluoai", True)
     x = torch.randn(m, h, device=DEVICE).to(torch.bfloat16)
@@ -400,55 +401,86 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("h", "i", "m", "activation"),
+    ("h", "i", "m", "activation", "extras"),
     [
-        (2880, 2880, 1, "swigluoai"),  # gpt-oss at one token
-        (192, 320, 1, "silu"),  # K = 192: a step and a half, N not a multiple of the tile
-        (64, 64, 3, "swigluoai"),  # K < one step; three tokens: blocks of slots
-        (256, 320, 2, "relu2_no_mul"),  # not gated
-        (192, 320, 11, "silu"),  # every token on the same experts: blocks of 8 and of 3
+        (2880, 2880, 1, "swigluoai", True),  # gpt-oss at one token
+        (192, 320, 1, "silu", True),  # K = 192: a step and a half
+        (64, 64, 2, "swigluoai", True),  # K < one step; two tokens: a program a slot
+        (256, 320, 2, "relu2_no_mul", False),  # not gated; no expert_map, no biases
+        (64, 128, 3, "swigluoai", False),  # three tokens: blocks of slots
+        (256, 320, 5, "relu2_no_mul", True),  # not gated, in blocks
+        (192, 320, 11, "silu", True),  # every token on the same experts: blocks of 8 and of 3
     ],
 )
 @pytest.mark.parametrize(("tiles", "cb"), [(1, 16), (2, 16), (1, 32)])
-def test_mx_gemv_kernel(h, i, m, activation, tiles, cb, monkeypatch):
-    """MXFP4 x bf16 on Hopper at decode: wo_hopper_gemv's one-slot form (mma.sync) against the
-    CUDA-core GEMV (or the decode form) and the float64 torch twin on the same call, with
-    biases, empty slots and an expert_map, for each of its tiles: a program a slot at one
-    token, blocks of an expert's slots from two (an expert shared by every token included)."""
+def test_mx_gemv_kernel(h, i, m, activation, extras, tiles, cb, monkeypatch):
+    """MXFP4 x bf16 on Hopper at decode: wo_hopper_gemv's one-slot form (mma.sync) against what
+    runs without it (the CUDA-core GEMV at one token, the decode form from two) and the
+    float64 torch twin on the same call, for each of its tiles: a program a slot up to
+    wo_moe.GEMV_DIRECT_MAX_TOKENS tokens, blocks of an expert's slots above (an expert every
+    token shares included); empty slots; biases and an expert_map or neither; x a view whose
+    rows are not 4-byte aligned (the launcher copies it). The shared workspaces are poisoned
+    before each call, so that no result can come from an earlier one."""
     from fusedmoe.kernels import wo_hopper
+    from fusedmoe.modular import shared_workspaces
+    from tests.helpers import poison_
 
     dev = torch.zeros(1, device="cuda")
     if wo_hopper.gluon is None or wo_hopper._device_reason(dev.device.index or 0) is not None:
         pytest.skip("the Gluon kernel needs Hopper and Triton 3.6")
     e, k = 8, 4
-    q13, q2, qc, b13, b2 = _experts("mxfp4_w4a16", {}, e, h, i, activation, True)
-    x = torch.randn(m, h, device="cuda").to(torch.bfloat16)
-    weights, ids = random_routing(m, 10, k, empty=0.1, device="cuda")
+    q13, q2, qc, b13, b2 = _experts("mxfp4_w4a16", {}, e, h, i, activation, extras)
+    x = torch.randn(m, h + 1, device="cuda").to(torch.bfloat16)[:, 1:]  # misaligned rows
+    weights, ids = random_routing(m, 10 if extras else e, k, empty=0.1, device="cuda")
     if m > 8:  # every token on the first token's experts
         ids[:] = ids[0]
-    expert_map = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5, 6, 7], dtype=torch.int32, device="cuda")
-    kw = dict(activation=activation, w13_bias=b13, w2_bias=b2, expert_map=expert_map)
-    ran = []
+    kw = dict(activation=activation)
+    if extras:
+        emap = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5, 6, 7], dtype=torch.int32, device="cuda")
+        kw.update(w13_bias=b13, w2_bias=b2, expert_map=emap)
+    modes = []  # per launch: a program a slot (None) or blocks (the routing)
     launch = wo_hopper.launch_mx_gemv
     monkeypatch.setattr(
-        wo_hopper, "launch_mx_gemv", lambda *a, **k: ran.append(1) or launch(*a, **k)
+        wo_hopper, "launch_mx_gemv", lambda *a, **kw_: modes.append(a[11]) or launch(*a, **kw_)
     )
-    monkeypatch.setattr(wo_hopper, "GEMV_TILES", tiles)
-    monkeypatch.setattr(wo_hopper, "GEMV_CB", cb)
+
+    def call():
+        for buf in shared_workspaces().buffers.values():
+            poison_(buf)
+        return fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
+
     gemm = WoGemmConfig(64, 64, 8, 4, 2)
     config = WoConfig(16, gemm, gemm, gemv=WoGemmConfig(8, 256, 1, 4, 1))
-    with use_wo_config(config):
-        out = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw)
-        assert ran == [1, 1], "the one-slot form did not run both GEMMs"
+    with use_wo_config(config), wo_hopper.use_one_slot_tile(tiles, cb):
+        out = call()
+        assert len(modes) == 2, "the one-slot form did not run both GEMMs"
+        direct = m <= wo_moe.GEMV_DIRECT_MAX_TOKENS
+        assert all((mode is None) == direct for mode in modes), modes
         monkeypatch.setattr(wo_moe, "_GEMV_MMA", False)
-        cuda_cores = fused_experts(
-            x, q13, q2, weights, ids, quant_config=qc, backend="triton", **kw
-        )
-    assert ran == [1, 1]
+        without = call()
+    assert len(modes) == 2
     ref = fused_experts(x, q13, q2, weights, ids, quant_config=qc, backend="torch", **kw)
     assert ref.abs().max() > 0
     assert_close(out, ref, torch.bfloat16, tol=1e-2)
-    assert_close(out, cuda_cores, torch.bfloat16, tol=1e-2)
+    assert_close(out, without, torch.bfloat16, tol=1e-2)
+
+
+def test_one_slot_tile_override():
+    """wo_hopper.use_one_slot_tile: the tile it sets holds in its scope only, nested scopes
+    restore the outer one, and a tile the kernel does not take is refused before any launch."""
+    from fusedmoe.kernels import wo_hopper
+
+    assert wo_hopper._one_slot_tile.get() is None
+    with wo_hopper.use_one_slot_tile(2, 16):
+        assert wo_hopper._one_slot_tile.get() == (2, 16)
+        with wo_hopper.use_one_slot_tile(1, 32):
+            assert wo_hopper._one_slot_tile.get() == (1, 32)
+        assert wo_hopper._one_slot_tile.get() == (2, 16)
+    assert wo_hopper._one_slot_tile.get() is None
+    for tiles, cb in ((3, 16), (1, 8), (0, 32)):
+        with pytest.raises(ValueError, match="tiles 1 or 2 and cb 16 or 32"):
+            wo_hopper.use_one_slot_tile(tiles, cb).__enter__()
+    assert wo_hopper._one_slot_tile.get() is None
 
 
 def test_permute_k_round_trip():

@@ -64,10 +64,11 @@ orientation, cost a proxy fence and half again the shared-memory traffic a step:
 docs/performance.md.)
 
 One slot (fusedmoe.kernels.wo_hopper_gemv, launch_mx_gemv). Where experts see about one slot
-each (decode at a few tokens), a program multiplies one slot's activations, in their natural
-order, by 32 or 64 output columns of its expert's weights through mma.sync (m16n8k16), the
-decode's bf16 pairs the instruction's left operand as they are; no alignment, no shared
-memory, the loads two steps ahead in registers.
+each (decode at a few tokens), a program multiplies the activations of one slot (no alignment)
+or of a block of up to 8 slots of one expert (moe_align's, blocks of 8), in their natural
+order, by 32 or 64 output columns of the expert's weights through mma.sync (m16n8k16), the
+decode's bf16 pairs the instruction's left operand as they are; no shared memory, the loads
+two steps ahead in registers.
 
 Neither form fences between the cp.async copies and the wgmma that read them. The PTX memory
 model counts cp.async as a generic-proxy write, which wgmma's async-proxy read formally needs a
@@ -83,8 +84,11 @@ the routing weight.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -579,29 +583,41 @@ def launch_mx_hopper(
 
 
 #: the one-slot form's tile (wo_hopper_gemv): 16-row mma tiles a warp, bytes a lane reads per
-#: row and step
-GEMV_TILES = 1
-GEMV_CB = 16
+#: row and step (use_one_slot_tile overrides it in a scope, for sweeps and tests)
+GEMV_TILE = (1, 16)
+_one_slot_tile: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "fusedmoe_one_slot_tile", default=None
+)
+
+
+@contextlib.contextmanager
+def use_one_slot_tile(tiles: int, cb: int) -> Iterator[None]:
+    """Run the one-slot form with `tiles` 16-row mma tiles a warp and `cb` bytes a lane a step
+    (1 or 2; 16 or 32) in this scope."""
+    if tiles not in (1, 2) or cb not in (16, 32):
+        raise ValueError(f"the one-slot form takes tiles 1 or 2 and cb 16 or 32, got {tiles}, {cb}")
+    token = _one_slot_tile.set((tiles, cb))
+    try:
+        yield
+    finally:
+        _one_slot_tile.reset(token)
 
 
 def launch_mx_gemv(
     a, w, scale, bias, out, topk_weights, ids, expert_map, num_local, params, constexprs,
-    routing=None, tiles: int | None = None, cb: int | None = None,
+    routing=None,
 ):  # fmt: skip
     """One GEMM of the weight-only op through the one-slot form (wo_hopper_gemv): a program a
     slot (ids: topk_ids flattened; routing None) or a block of routing's (moe_align's
-    AlignedRouting in blocks of 8), and 32 tiles (GATED) or 64 tiles output columns; a in its
-    natural k order, read two 16-bit values per int32 (copied where its rows are not 4-byte
-    aligned with unit stride); params (alpha, beta, limit); constexprs the epilogue's
-    (wo_moe._hopper_constexprs); tiles and cb (None: GEMV_TILES, GEMV_CB) the tile."""
+    AlignedRouting in blocks of 8), and 32 * tiles (GATED) or 64 * tiles output columns (the
+    tile: GEMV_TILE or use_one_slot_tile's); a in its natural k order, read two 16-bit values
+    per int32 (copied where its rows are not 4-byte aligned with unit stride); params (alpha,
+    beta, limit); constexprs the epilogue's (wo_moe._hopper_constexprs)."""
     from fusedmoe.kernels.wo_hopper_gemv import gemv_layouts, wo_mx_gemv_kernel
 
-    tiles = GEMV_TILES if tiles is None else tiles
-    cb = GEMV_CB if cb is None else cb
+    tiles, cb = _one_slot_tile.get() or GEMV_TILE
     if routing is not None and routing.block_m != 8:
         raise ValueError(f"the one-slot form takes blocks of 8 slots, got {routing.block_m}")
-    if tiles not in (1, 2) or cb not in (16, 32):
-        raise ValueError(f"the one-slot form takes tiles 1 or 2 and cb 16 or 32, got {tiles}, {cb}")
     if a.stride(1) != 1 or a.stride(0) % 2 or a.data_ptr() % 4:
         a = a.clone(memory_format=torch.contiguous_format)
     n_out = out.shape[1]

@@ -65,6 +65,8 @@ def fp4_word(word, scale):
 
 __all__ = ["gemv_layouts", "wo_mx_gemv_kernel"]
 
+wo_mx_gemv_kernel = None  # (defined below where Gluon imports)
+
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
@@ -102,7 +104,7 @@ if gluon is not None:
         v = gl.reshape(v, [ROWS, 4, J, 2, 2, 2])
         # -> (row, j, h, i1, t, i0)
         v = gl.reshape(gl.permute(v, (0, 2, 5, 4, 1, 3)), [ROWS, 8 * CB])
-        return gl.convert_layout(v, a_layout)
+        return gl.convert_layout(v, a_layout, assert_trivial=True)
 
     @gluon.jit
     def _gemv_b(x, b_layout: gl.constexpr, CB: gl.constexpr):
@@ -148,7 +150,7 @@ if gluon is not None:
     ):  # fmt: skip
         ROWS: gl.constexpr = 64 * TILES  # weight rows a program (4 warps)
         BN: gl.constexpr = ROWS // 2 if GATED else ROWS  # output columns a program
-        HALF_STEP: gl.constexpr = 4 * CB
+        STEP_BYTES: gl.constexpr = 4 * CB  # of a row
         G_LANE: gl.constexpr = CB // 16  # scale groups of a lane's run
         pid_m = gl.program_id(0)  # DIRECT: the slot; else the block of 8 slots
         pid_n = gl.program_id(1)
@@ -228,7 +230,7 @@ if gluon is not None:
             )  # fmt: skip
 
             # loaded two steps ahead
-            num_k = gl.cdiv(K // 2, HALF_STEP)
+            num_k = gl.cdiv(K // 2, STEP_BYTES)
             w0, s0, x0 = _gemv_loads(
                 0, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok, x_ptrs,
                 x_k, x_ok, K, CB,

@@ -131,7 +131,9 @@ class WoConfig:
     gemm1: WoGemmConfig
     gemm2: WoGemmConfig
     #: decode: both GEMMs one slot per program on the CUDA cores (wo_gemm._wo_gemv_kernel),
-    #: BN rows x BK per step (block_m, gemm1 and gemm2 unused)
+    #: BN rows x BK per step (block_m, gemm1 and gemm2 unused); for MXFP4 x bf16 on Hopper its
+    #: presence selects wo_hopper_gemv's one-slot form instead, whose tile is its own
+    #: (wo_hopper.GEMV_TILE)
     gemv: WoGemmConfig | None = None
 
     def __post_init__(self) -> None:
@@ -467,7 +469,7 @@ def _fused_experts_weight_only_impl(
             # most that many times), else a block of an expert's slots (up to 8), so that an
             # expert several tokens share is read once
             ids = topk_ids.reshape(-1)
-            one = (
+            blocks = (
                 None
                 if num_tokens <= GEMV_DIRECT_MAX_TOKENS
                 else moe_align_block_size(topk_ids, 8, num_local, expert_map)
@@ -477,14 +479,14 @@ def _fused_experts_weight_only_impl(
             )
             wo_hopper.launch_mx_gemv(
                 x, w13, w13_scale, w13_bias, a2, topk_weights, ids, expert_map, num_local,
-                params[:3], _hopper_constexprs(common), one,
+                params[:3], _hopper_constexprs(common), blocks,
             )  # fmt: skip
             common = _epilogue_constexprs(
                 a2, 1, fmt, group, None, w2_bias, None, params, mul_routed_weight, h_dtype
             )
             wo_hopper.launch_mx_gemv(
                 a2, w2, w2_scale, w2_bias, y, topk_weights.reshape(-1), ids, expert_map,
-                num_local, params[:3], _hopper_constexprs(common), one,
+                num_local, params[:3], _hopper_constexprs(common), blocks,
             )  # fmt: skip
             moe_sum(y, output, topk_ids, expert_map, num_local)
             return
