@@ -1,7 +1,8 @@
 """The one-slot form of wo_hopper's MXFP4 x bf16 expert GEMMs (Gluon): for calls whose experts
 see about one slot each (decode: gpt-oss up to 8 tokens), a program multiplies the activations
-of one slot (DIRECT: a token's slots, without alignment) or of a block of up to 8 slots of one
-expert (moe_align's blocks of 8: an expert hit by several tokens is read once) by BN output
+of one slot (DIRECT, up to wo_moe.GEMV_DIRECT_MAX_TOKENS tokens: no alignment) or of a block of
+up to 8 slots of one expert (moe_align's blocks of 8: an expert several tokens share is read
+once) by BN output
 columns of the expert's weights, on the tensor cores through mma.sync (m16n8k16, a slot a
 column), the weights decoded from their 4-bit bytes straight into the instruction's left
 operand, nothing through shared memory.
@@ -17,8 +18,8 @@ steps of loads ahead in registers (docs/performance.md, "The one-slot form").
 Layout. A warp owns a 16-row mma tile (GATED: the gate rows and the up rows of 8 output
 columns, in its rows 0-7 and 8-15; else 16 output columns) and TILES of them (TILES * 64 rows
 a program of 4 warps). Per K step each of a row's 4 lanes t (lane = 4 g + t: rows g and g + 8)
-reads CB consecutive bytes (16 or 32), CB / 16 MX groups of 32 columns, one scale
-each. The mma sums over k in any order common to both operands, so the step's 8 CB columns are
+reads CB consecutive bytes (16 or 32), CB / 16 MX groups of 32 columns, one scale each. The
+mma sums over k in any order common to both operands, so the step's 8 CB columns are
 relabelled: stored byte c = CB t + 4 j + 2 i1 + i0 (j < CB / 4) holds logical columns 2c + h
 (h: its nibble), placed at tensor column
 
@@ -28,10 +29,9 @@ which puts the decode's registers (the low nibbles of bytes 0, 1 of a word, of 2
 high nibbles: wo_gemm.fp4_asm) where m16n8k16 wants them: register pairs (2t, 2t + 1) and (2t +
 8, 2t + 9) of k block 2 j + h. The activations take the same order: lane t of column g reads
 the 2 CB consecutive values 2 CB t .. of slot g (columns without a slot read zeros) and the
-compiler pairs them in registers. The scales are applied in the
-decode as 2^(s - 65) and the accumulator leaves times 2^64 (wo_hopper's module docstring: scale
-codes in [59, 192]); the epilogue is wo_hopper.mx_epilogue's.
-Launched by wo_hopper.launch_mx_gemv."""
+compiler pairs them in registers. The scales are applied in the decode as 2^(s - 65) and the
+accumulator leaves times 2^64 (wo_hopper's module docstring: scale codes in [59, 192]); the
+epilogue is wo_hopper.mx_epilogue's. Launched by wo_hopper.launch_mx_gemv."""
 
 from __future__ import annotations
 
