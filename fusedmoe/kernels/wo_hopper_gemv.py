@@ -2,10 +2,9 @@
 see about one slot each (decode: gpt-oss up to 8 tokens), a program multiplies the activations
 of one slot (DIRECT, up to wo_moe.GEMV_DIRECT_MAX_TOKENS tokens: no alignment) or of a block of
 up to 8 slots of one expert (moe_align's blocks of 8: an expert several tokens share is read
-once) by BN output
-columns of the expert's weights, on the tensor cores through mma.sync (m16n8k16, a slot a
-column), the weights decoded from their 4-bit bytes straight into the instruction's left
-operand, nothing through shared memory.
+once) by BN output columns of the expert's weights, on the tensor cores through mma.sync
+(m16n8k16, a slot a column), the weights decoded from their 4-bit bytes straight into the
+instruction's left operand, nothing through shared memory.
 
 Why: at one token the weight bytes of the four experts (50 MB for gpt-oss-120b) take 10 us at
 the H200's bandwidth, but they are spread over few experts, so each program must keep many
