@@ -539,6 +539,19 @@ def hopper_block_m(config_block_m: int, num_slots: int, num_experts: int) -> int
     return DECODE_MAX_BLOCK_M
 
 
+def _operand_args(a, w, scale, bias, out, topk_weights, dummy) -> tuple:
+    """The arguments every kernel of this module takes first: A, the weights, their scales, the
+    bias (dummy where there is none), the output (with their strides) and the routing weights."""
+    return (
+        a, a.stride(0),
+        w, w.stride(0), w.stride(1),
+        scale, scale.stride(0), scale.stride(1),
+        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
+        out, out.stride(0),
+        topk_weights,
+    )  # fmt: skip
+
+
 def launch_mx_hopper(
     a, w, scale, bias, out, topk_weights, rows, num_slots, params, block_m, group_m,
     constexprs, permute_out,
@@ -553,14 +566,8 @@ def launch_mx_hopper(
             f"tile, the prefill form {PREFILL_BLOCK_M}"
         )
     n_out = out.shape[1]
-    dummy = rows.ids
     args = (
-        a, a.stride(0),
-        w, w.stride(0), w.stride(1),
-        scale, scale.stride(0), scale.stride(1),
-        *((bias, bias.stride(0), bias.stride(1)) if bias is not None else (dummy, 0, 0)),
-        out, out.stride(0),
-        topk_weights,
+        *_operand_args(a, w, scale, bias, out, topk_weights, rows.ids),
         *rows.kernel_args()[:3],
         n_out, a.shape[1], num_slots, rows.num_blocks,
         *params,
@@ -624,16 +631,9 @@ def launch_mx_gemv(
     num_ids = num_local if expert_map is None else expert_map.shape[0]
     tile_n = (32 if constexprs["GATED"] else 64) * tiles
     num_slots, num_n = ids.numel(), triton.cdiv(n_out, tile_n)
-    bias_args = (bias, bias.stride(0), bias.stride(1)) if bias is not None else (ids, 0, 0)
-    maps = (ids, ids if expert_map is None else expert_map)
     args = (
-        a, a.stride(0),
-        w, w.stride(0), w.stride(1),
-        scale, scale.stride(0), scale.stride(1),
-        *bias_args,
-        out, out.stride(0),
-        topk_weights,
-        *maps,
+        *_operand_args(a, w, scale, bias, out, topk_weights, ids),
+        ids, ids if expert_map is None else expert_map,
         *(
             (ids, ids, ids)
             if routing is None

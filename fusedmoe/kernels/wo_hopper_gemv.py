@@ -119,6 +119,17 @@ if gluon is not None:
         return gl.convert_layout(v, b_layout, assert_trivial=True)
 
     @gluon.jit
+    def _gemv_mma(
+        acc, w, s_codes, x, wq_layout: gl.constexpr, a_layout: gl.constexpr,
+        b_layout: gl.constexpr, ROWS: gl.constexpr, CB: gl.constexpr,
+    ):  # fmt: skip
+        """acc plus one K step's product: its weight words and scale codes (_gemv_a) times its
+        activation pairs (_gemv_b)."""
+        return mma_v2(
+            _gemv_a(w, s_codes, wq_layout, a_layout, ROWS, CB), _gemv_b(x, b_layout, CB), acc
+        )
+
+    @gluon.jit
     def wo_mx_gemv_kernel(
         a_ptr, stride_am,  # [rows of A, K] bf16, unit stride along K
         w_ptr, stride_we, stride_wn,  # [E_l, N_w, K / 2] uint8, unit stride along K
@@ -246,20 +257,17 @@ if gluon is not None:
                     kb + 2, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok,
                     x_ptrs, x_k, x_ok, K, CB,
                 )  # fmt: skip
-                a_op = _gemv_a(w0, s0, wq_layout, a_layout, ROWS, CB)
-                acc = mma_v2(a_op, _gemv_b(x0, b_layout, CB), acc)
+                acc = _gemv_mma(acc, w0, s0, x0, wq_layout, a_layout, b_layout, ROWS, CB)
                 w0, s0, x0 = _gemv_loads(
                     kb + 3, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok,
                     x_ptrs, x_k, x_ok, K, CB,
                 )  # fmt: skip
-                a_op = _gemv_a(w1, s1, wq_layout, a_layout, ROWS, CB)
-                acc = mma_v2(a_op, _gemv_b(x1, b_layout, CB), acc)
+                acc = _gemv_mma(acc, w1, s1, x1, wq_layout, a_layout, b_layout, ROWS, CB)
                 w1, s1, x1 = _gemv_loads(
                     kb + 4, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok,
                     x_ptrs, x_k, x_ok, K, CB,
                 )  # fmt: skip
-                a_op = _gemv_a(w2, s2, wq_layout, a_layout, ROWS, CB)
-                acc = mma_v2(a_op, _gemv_b(x2, b_layout, CB), acc)
+                acc = _gemv_mma(acc, w2, s2, x2, wq_layout, a_layout, b_layout, ROWS, CB)
 
             _gemv_epilogue(
                 acc, e, pid_m, pid_n, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
