@@ -410,6 +410,9 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
         (64, 128, 3, "swigluoai", False),  # three tokens: blocks of slots
         (256, 320, 5, "relu2_no_mul", True),  # not gated, in blocks
         (192, 320, 11, "silu", True),  # every token on the same experts: blocks of 8 and of 3
+        # K = 832: unmasked rounds, then a masked tail; tiles 2: GEMM2's last tile half past N
+        (832, 320, 1, "swigluoai", True),
+        (832, 320, 5, "silu", True),
     ],
 )
 @pytest.mark.parametrize(("tiles", "cb"), [(1, 16), (2, 16), (1, 32)])

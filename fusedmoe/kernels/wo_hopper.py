@@ -592,6 +592,11 @@ def launch_mx_hopper(
 #: the one-slot form's tile (wo_hopper_gemv): 16-row mma tiles a warp, bytes a lane reads per
 #: row and step (use_one_slot_tile overrides it in a scope, for sweeps and tests)
 GEMV_TILE = (1, 16)
+#: the one-slot form's registers a thread in blocks of slots (None: the compiler's choice, 128):
+#: 96 (no spills) keeps five programs an SM, which the blocks' many programs need (H200, 8
+#: tokens: 0.154 against 0.176 ms); a program a slot (few programs) runs faster with 128 (one
+#: token: 0.032 against 0.035 ms; docs/performance.md)
+GEMV_BLOCK_MAXNREG: int | None = 96
 _one_slot_tile: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "fusedmoe_one_slot_tile", default=None
 )
@@ -644,7 +649,11 @@ def launch_mx_gemv(
         *params,
     )  # fmt: skip
     num_m = num_slots if routing is None else routing.expert_ids.shape[0]
+    # blocks of slots in the shipped tile: its registers capped (GEMV_BLOCK_MAXNREG)
+    capped = routing is not None and (tiles, cb) == (1, 16) and GEMV_BLOCK_MAXNREG is not None
+    options = {"maxnreg": GEMV_BLOCK_MAXNREG} if capped else {}
     wo_mx_gemv_kernel[(num_m, num_n)](
         *args, **constexprs, HAS_MAP=expert_map is not None, DIRECT=routing is None,
         TILES=tiles, CB=cb, **gemv_layouts(tiles, cb), num_warps=4,
+        **options,
     )  # fmt: skip

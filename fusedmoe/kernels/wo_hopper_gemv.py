@@ -11,8 +11,10 @@ the H200's bandwidth, but they are spread over few experts, so each program must
 bytes in flight and spend few instructions on each. The CUDA-core GEMV (wo_gemm._wo_gemv_kernel)
 spends about 9 instructions on a weight (decode, bf16 to float32, fma, the activations moved
 through shared memory every step); here the decode's bf16 pairs are the mma's operand as they
-are (about 3.6 instructions a weight, two thirds of them the decode), and each thread keeps two
-steps of loads ahead in registers (docs/performance.md, "The one-slot form").
+are (about 3 instructions a weight, two thirds of them the decode), and each thread keeps two
+steps of loads ahead in registers: rounds of three K steps, unmasked where their loads lie
+inside K (the rows clamped), then masked (docs/performance.md, "The one-slot form" and "What
+bounds the one-slot form": the latency of the instruction stream, not the memory).
 
 Layout. A warp owns a 16-row mma tile (GATED: the gate rows and the up rows of 8 output
 columns, in its rows 0-7 and 8-15; else 16 output columns) and TILES of them (TILES * 64 rows
@@ -27,10 +29,10 @@ relabelled: stored byte c = CB t + 4 j + 2 i1 + i0 (j < CB / 4) holds logical co
 which puts the decode's registers (the low nibbles of bytes 0, 1 of a word, of 2, 3, then the
 high nibbles: wo_gemm.fp4_asm) where m16n8k16 wants them: register pairs (2t, 2t + 1) and (2t +
 8, 2t + 9) of k block 2 j + h. The activations take the same order: lane t of column g reads
-the 2 CB consecutive values 2 CB t .. of slot g (columns without a slot read zeros) and the
-compiler pairs them in registers. The scales are applied in the decode as 2^(s - 65) and the
-accumulator leaves times 2^64 (wo_hopper's module docstring: scale codes in [59, 192]); the
-epilogue is wo_hopper.mx_epilogue's. Launched by wo_hopper.launch_mx_gemv."""
+the 2 CB consecutive values 2 CB t .. of slot g (columns without a slot read row 0, their
+results unused) and the compiler pairs them in registers. The scales are applied in the decode
+as 2^(s - 65) and the accumulator leaves times 2^64 (wo_hopper's module docstring: scale codes
+in [59, 192]); the epilogue is wo_hopper.mx_epilogue's. Launched by wo_hopper.launch_mx_gemv."""
 
 from __future__ import annotations
 
@@ -70,22 +72,26 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     @gluon.jit
-    def _gemv_loads(
-        step, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok, x_ptrs, x_k, x_ok, K,
-        CB: gl.constexpr,
-    ):  # fmt: skip
+    def _gemv_loads(step, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K, CB: gl.constexpr,
+                    MASKED: gl.constexpr):  # fmt: skip
         """The loads of K step `step` (8 CB columns), as int32 words (loop-carried bytes and
         16-bit values would each take a register): this thread's weight bytes and scale codes
-        of its rows and its activations, two a word; code 0 (weights), 127 (scales) and 0.0
-        past K."""
+        of its rows and its activations, two a word. MASKED: code 0 (weights), 127 (scales)
+        and 0.0 past K; else the step lies inside K (the rows are clamped: nothing else is
+        masked)."""
         W_STEP: gl.constexpr = CB  # words of a row a step (4 CB bytes)
         G_STEP: gl.constexpr = CB // 4  # scale groups of a row a step
         c0 = step * W_STEP
-        w = gl.load(w_ptrs + c0, mask=w_rows_ok & (c0 + w_cols < K // 8), other=0)
         g0 = step * G_STEP
-        s = gl.load(s_ptrs + g0, mask=s_rows_ok & (g0 + s_groups < K // 32), other=127)
         p0 = step * 4 * CB  # activation pairs a step
-        x = gl.load(x_ptrs + p0, mask=x_ok & (p0 + x_k < K // 2), other=0)
+        if MASKED:
+            w = gl.load(w_ptrs + c0, mask=c0 + w_cols < K // 8, other=0)
+            s = gl.load(s_ptrs + g0, mask=g0 + s_groups < K // 32, other=127)
+            x = gl.load(x_ptrs + p0, mask=p0 + x_k < K // 2, other=0)
+        else:
+            w = gl.load(w_ptrs + c0)
+            s = gl.load(s_ptrs + g0)
+            x = gl.load(x_ptrs + p0)
         return w, s, x
 
     @gluon.jit
@@ -128,6 +134,25 @@ if gluon is not None:
         return mma_v2(
             _gemv_a(w, s_codes, wq_layout, a_layout, ROWS, CB), _gemv_b(x, b_layout, CB), acc
         )
+
+    @gluon.jit
+    def _gemv_round(
+        acc, kb, w0, s0, x0, w1, s1, x1, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K,
+        wq_layout: gl.constexpr, a_layout: gl.constexpr, b_layout: gl.constexpr,
+        ROWS: gl.constexpr, CB: gl.constexpr, MASKED: gl.constexpr,
+    ):  # fmt: skip
+        """Steps kb, kb + 1, kb + 2 (loaded: w0, s0, x0 and w1, s1, x1), loading steps kb + 2 ..
+        kb + 4 -> (acc, the loads of kb + 3 and kb + 4)."""
+        w2, s2, x2 = _gemv_loads(kb + 2, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K, CB,
+                                 MASKED)  # fmt: skip
+        acc = _gemv_mma(acc, w0, s0, x0, wq_layout, a_layout, b_layout, ROWS, CB)
+        w0, s0, x0 = _gemv_loads(kb + 3, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K, CB,
+                                 MASKED)  # fmt: skip
+        acc = _gemv_mma(acc, w1, s1, x1, wq_layout, a_layout, b_layout, ROWS, CB)
+        w1, s1, x1 = _gemv_loads(kb + 4, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K, CB,
+                                 MASKED)  # fmt: skip
+        acc = _gemv_mma(acc, w2, s2, x2, wq_layout, a_layout, b_layout, ROWS, CB)
+        return acc, w0, s0, x0, w1, s1, x1
 
     @gluon.jit
     def wo_mx_gemv_kernel(
@@ -182,14 +207,14 @@ if gluon is not None:
                 col = (r // 16) * 8 + r % 8
             else:
                 col = r
-            n_w = pid_n * BN + col
+            # columns past N read column N - 1 (their results are not stored)
+            n_w = gl.minimum(pid_n * BN + col, N - 1)
             gate_w, up_w = gate_up_rows(n_w, N, GATED, ACTIVATION)
             # the weight words [ROWS, CB] of a step: lane t holds words CB t / 4 .. of its rows
             if GATED:  # noqa: SIM108 (a constexpr branch)
                 row_q = gl.where((r // 8) % 2 == 0, gate_w, up_w)
             else:
                 row_q = gate_w
-            n_q = n_w
             words = gl.arange(0, CB, gl.SliceLayout(0, wq_layout))
             w_ptrs = (
                 w_ptr.to(gl.pointer_type(gl.int32)) + e * (stride_we // 4)
@@ -198,7 +223,6 @@ if gluon is not None:
             )  # fmt: skip
             zero_w = gl.zeros([ROWS, CB], gl.int32, wq_layout)
             w_cols = zero_w + gl.expand_dims(words, 0)
-            w_rows_ok = (zero_w + gl.expand_dims(n_q, 1)) < N
 
             # scale codes [ROWS, 4, G_LANE]: group t G_LANE + q of the step
             r3 = gl.arange(0, ROWS, gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
@@ -206,7 +230,7 @@ if gluon is not None:
                 col3 = (r3 // 16) * 8 + r3 % 8
             else:
                 col3 = r3
-            n_s = pid_n * BN + col3
+            n_s = gl.minimum(pid_n * BN + col3, N - 1)
             gate_s, up_s = gate_up_rows(n_s, N, GATED, ACTIVATION)
             if GATED:  # noqa: SIM108 (a constexpr branch)
                 row_s = gl.where((r3 // 8) % 2 == 0, gate_s, up_s)
@@ -221,9 +245,9 @@ if gluon is not None:
             )  # fmt: skip
             row3 = gl.expand_dims(gl.expand_dims(row_s.to(gl.int64) * stride_sn, 1), 2)
             s_ptrs = s_ptr + e * stride_se + row3 + s_groups
-            s_rows_ok = (s_groups * 0 + gl.expand_dims(gl.expand_dims(n_s, 1), 2)) < N
 
-            # the slots' activations, a slot a column (DIRECT: the first): pairs [4 CB, 8]
+            # the slots' activations, a slot a column (DIRECT: the first): pairs [4 CB, 8];
+            # columns without a slot read row 0 (their results are not stored)
             xk = gl.arange(0, 4 * CB, gl.SliceLayout(1, x_layout))
             xn = gl.arange(0, 8, gl.SliceLayout(0, x_layout))
             if DIRECT:
@@ -233,41 +257,33 @@ if gluon is not None:
             rows = gl.where(slots < num_slots, slots // A_ROW_DIV, 0).to(gl.int64)
             zero_x = gl.zeros([4 * CB, 8], gl.int32, x_layout)
             x_k = zero_x + gl.expand_dims(xk, 1)
-            x_ok = (zero_x + gl.expand_dims(slots, 0)) < num_slots
             x_ptrs = (
                 a_ptr.to(gl.pointer_type(gl.int32))
                 + gl.expand_dims(rows * (stride_am // 2), 0) + x_k
             )  # fmt: skip
 
-            # loaded two steps ahead
+            # loaded two steps ahead, in rounds of three steps (so that no loaded value is
+            # moved between registers): first the rounds whose loads lie inside K, unmasked,
+            # then the rest masked (steps past the last read zeros: codes 0, activations 0.0)
             num_k = gl.cdiv(K // 2, STEP_BYTES)
-            w0, s0, x0 = _gemv_loads(
-                0, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok, x_ptrs,
-                x_k, x_ok, K, CB,
-            )  # fmt: skip
-            w1, s1, x1 = _gemv_loads(
-                1, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok, x_ptrs,
-                x_k, x_ok, K, CB,
-            )  # fmt: skip
+            num_full = (K // 2) // STEP_BYTES
+            w0, s0, x0 = _gemv_loads(0, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K, CB,
+                                     True)  # fmt: skip
+            w1, s1, x1 = _gemv_loads(1, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K, CB,
+                                     True)  # fmt: skip
             acc = gl.zeros([ROWS, 8], gl.float32, mma)
-            # unrolled by 3 so that no loaded value is moved between registers (a rotation of
-            # two steps ahead); steps past the last read zeros (codes 0, activations 0.0)
-            for kb in range(0, num_k, 3):
-                w2, s2, x2 = _gemv_loads(
-                    kb + 2, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok,
-                    x_ptrs, x_k, x_ok, K, CB,
+            # a round starting at kb loads up to step kb + 4
+            num_inside = gl.maximum(num_full - 2, 0) // 3
+            for i in range(0, num_inside):
+                acc, w0, s0, x0, w1, s1, x1 = _gemv_round(
+                    acc, 3 * i, w0, s0, x0, w1, s1, x1, w_ptrs, w_cols, s_ptrs, s_groups,
+                    x_ptrs, x_k, K, wq_layout, a_layout, b_layout, ROWS, CB, False,
                 )  # fmt: skip
-                acc = _gemv_mma(acc, w0, s0, x0, wq_layout, a_layout, b_layout, ROWS, CB)
-                w0, s0, x0 = _gemv_loads(
-                    kb + 3, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok,
-                    x_ptrs, x_k, x_ok, K, CB,
+            for kb in range(3 * num_inside, num_k, 3):
+                acc, w0, s0, x0, w1, s1, x1 = _gemv_round(
+                    acc, kb, w0, s0, x0, w1, s1, x1, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs,
+                    x_k, K, wq_layout, a_layout, b_layout, ROWS, CB, True,
                 )  # fmt: skip
-                acc = _gemv_mma(acc, w1, s1, x1, wq_layout, a_layout, b_layout, ROWS, CB)
-                w1, s1, x1 = _gemv_loads(
-                    kb + 4, w_ptrs, w_cols, w_rows_ok, s_ptrs, s_groups, s_rows_ok,
-                    x_ptrs, x_k, x_ok, K, CB,
-                )  # fmt: skip
-                acc = _gemv_mma(acc, w2, s2, x2, wq_layout, a_layout, b_layout, ROWS, CB)
 
             _gemv_epilogue(
                 acc, e, pid_m, pid_n, bias_ptr, stride_be, stride_bn, out_ptr, stride_om,
