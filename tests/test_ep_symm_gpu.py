@@ -1,7 +1,9 @@
 """The symm_mem EP dispatch on GPUs over NVSHMEM: its forward makes no host sync, a whole EP
 layer forward captured in a CUDA graph replays new inputs equal to eager, and it equals the
-unsharded layer with skewed routing (most tokens to one rank) and ranks without tokens. Needs
->= 2 CUDA GPUs and torch with NVSHMEM; runs on 2 ranks (4 where there are 4 GPUs).
+unsharded layer with skewed routing (most tokens to one rank) and ranks without tokens; under
+torch.compile it equals eager; a rank whose peer never reaches a barrier fails within
+FUSEDMOE_EP_BARRIER_TIMEOUT_S instead of waiting forever. Needs >= 2 CUDA GPUs and torch with
+NVSHMEM; runs on 2 ranks (4 where there are 4 GPUs).
 
     pytest -q -m gpu tests/test_ep_symm_gpu.py
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from datetime import timedelta
 
 import pytest
@@ -221,3 +224,110 @@ def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(scheme, spawned
             start = sum(counts[:rank])
             exp = expected[start : start + counts[rank]]
             assert_close(got, exp, torch.bfloat16, what=f"call {c} rank {rank}", **TOL[scheme])
+
+
+def _init(rank: int, port: int, world: int) -> torch.device:
+    os.environ.update(_ENV)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=120), device_id=device,
+    )  # fmt: skip
+    return device
+
+
+def _symm_layer(device, rank: int, world: int, checkpoint) -> FusedMoE:
+    pc = ParallelConfig(
+        ep_size=world, ep_rank=rank, dp_size=world, dp_rank=rank, all2all_backend="symm_mem",
+        max_tokens_per_rank=MAX_TOKENS,
+    )  # fmt: skip
+    return _finish(_layer(device, pc), checkpoint, None)
+
+
+def _compiled_worker(rank: int, port: int, path: str) -> None:
+    device = _init(rank, port, WORLD)
+    try:
+        data = torch.load(path)
+        layer = _symm_layer(device, rank, WORLD, data["checkpoint"])
+        compiled = torch.compile(layer)
+        pairs, start = [], 0
+        for counts in CALLS:
+            rows = _rows(counts, rank, start)
+            x, logits = data["x"][rows].to(device), data["skewed"][rows].to(device)
+            with torch.no_grad():
+                pairs.append((compiled(x, logits).cpu(), layer(x, logits).cpu()))
+            start += sum(counts)
+        torch.save({"pairs": pairs, "explain": layer.backend_choice().explain()},
+                   f"{path}.rank{rank}")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _timeout_worker(rank: int, port: int, path: str) -> None:
+    """Two ranks: a forward on both (buffers made), then rank 0 alone enters a device barrier
+    with a 2 s limit; rank 1 never does. Each saves what it saw and leaves without tearing the
+    group down (rank 0's CUDA context is lost after the assert)."""
+    device = _init(rank, port, 2)
+    data = torch.load(path)
+    layer = _symm_layer(device, rank, 2, data["checkpoint"])
+    x, logits = data["x"][:4].to(device), data["skewed"][:4].to(device)
+    with torch.no_grad():
+        layer(x, logits)
+    torch.cuda.synchronize()
+    dist.barrier()
+    # the limit only now: the first forward's barriers wait for each rank's kernel compiles
+    os.environ["FUSEDMOE_EP_BARRIER_TIMEOUT_S"] = "2"
+    result = {"ran": False, "error": "", "elapsed": 0.0}
+    if rank == 0:
+        _, kernel = layer._kernel(device, torch.bfloat16, False)
+        start = time.monotonic()
+        result["ran"] = kernel.prepare_finalize.device_barrier()
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            result["error"] = str(e)
+        result["elapsed"] = time.monotonic() - start
+    else:
+        time.sleep(5)
+    torch.save(result, f"{path}.rank{rank}")
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def data_path():
+    torch.manual_seed(1)
+    checkpoint = fused_checkpoint(_layer("cpu"))
+    rows = sum(sum(c) for c in CALLS)
+    skewed = torch.randn(rows, E)
+    skewed[:, : E // WORLD] += 2.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ep_symm_data.pt")
+        x = torch.randn(rows, H, dtype=torch.bfloat16)
+        torch.save({"checkpoint": checkpoint, "x": x, "skewed": skewed}, path)
+        yield path
+
+
+def test_symm_mem_compiled_equals_eager(data_path):
+    """The symm_mem layer under torch.compile (inductor) on GPUs: every call of CALLS (uneven
+    counts, zero on some ranks, skewed routing) equals the same rank's eager forward."""
+    spawn_ranks(_compiled_worker, (free_port(), data_path), WORLD, 400, "the compiled EP workers")
+    for rank in range(WORLD):
+        got = torch.load(f"{data_path}.rank{rank}")
+        assert "dispatch: symm_mem" in got["explain"]
+        assert len(got["pairs"]) == len(CALLS)
+        for c, (compiled, eager) in enumerate(got["pairs"]):
+            assert compiled.shape == eager.shape
+            if eager.numel():
+                assert eager.abs().max() > 0
+            assert_close(compiled, eager, torch.bfloat16, what=f"call {c} rank {rank}", tol=1e-2)
+
+
+def test_barrier_times_out_when_a_rank_never_arrives(data_path):
+    """FUSEDMOE_EP_BARRIER_TIMEOUT_S = 2: rank 0's device barrier, which rank 1 never reaches,
+    fails with a device-side assert after about 2 s instead of waiting forever."""
+    spawn_ranks(_timeout_worker, (free_port(), data_path), 2, 120, "the barrier-timeout workers")
+    got = torch.load(f"{data_path}.rank0")
+    assert got["ran"], "rank 0 made no device barrier (not the peer transport?)"
+    assert "device-side assert" in got["error"], got["error"]
+    assert 2.0 <= got["elapsed"] < 60.0, got["elapsed"]

@@ -1417,6 +1417,25 @@ def test_barrier_writes_its_epoch_everywhere_and_returns_once_every_rank_is_ther
 
 
 @needs_triton
+def test_barrier_timeout_from_the_environment(monkeypatch):
+    """FUSEDMOE_EP_BARRIER_TIMEOUT_S: unset, the default (NCCL's 10 minutes); a number of
+    seconds, 0 for no limit; anything else refused before a barrier is launched."""
+    from fusedmoe.kernels import ep_rows
+
+    monkeypatch.delenv(ep_rows.BARRIER_TIMEOUT_ENV, raising=False)
+    assert ep_rows.barrier_timeout_s() == ep_rows.BARRIER_TIMEOUT_S == 600.0
+    for raw, want in (("2.5", 2.5), ("0", 0.0), ("30", 30.0)):
+        monkeypatch.setenv(ep_rows.BARRIER_TIMEOUT_ENV, raw)
+        assert ep_rows.barrier_timeout_s() == want
+    for raw in ("-1", "soon", "nan", ""):
+        monkeypatch.setenv(ep_rows.BARRIER_TIMEOUT_ENV, raw)
+        with pytest.raises(ValueError, match="FUSEDMOE_EP_BARRIER_TIMEOUT_S"):
+            ep_rows.barrier_timeout_s()
+        with pytest.raises(ValueError, match="FUSEDMOE_EP_BARRIER_TIMEOUT_S"):
+            ep_rows.barrier_triton([torch.zeros(3, dtype=torch.int64)] * 2, 0)
+
+
+@needs_triton
 def test_barrier_refuses_pads_of_another_shape():
     from fusedmoe.kernels.ep_rows import barrier_triton
 

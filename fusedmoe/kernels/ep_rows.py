@@ -28,6 +28,7 @@ most 8 programs a SM, each striding over the items.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -38,6 +39,7 @@ from fusedmoe._triton import cdiv, device_guard, launch, next_power_of_2
 
 __all__ = [
     "RankTensors",
+    "barrier_timeout_s",
     "barrier_triton",
     "dispatch_positions_triton",
     "gather_sum_rows_triton",
@@ -445,10 +447,25 @@ def gather_sum_rows_triton(src, pos: torch.Tensor, out: torch.Tensor, trash: int
 
 
 # ---- barrier ----------------------------------------------------------------------------
+#: FUSEDMOE_EP_BARRIER_TIMEOUT_S: seconds a rank waits on the GPU in barrier_triton for a peer
+#: that never arrives before the kernel fails with a device-side assert (0: no limit); the
+#: default is NCCL's own collective timeout in torch.distributed (10 minutes)
+BARRIER_TIMEOUT_ENV = "FUSEDMOE_EP_BARRIER_TIMEOUT_S"
+BARRIER_TIMEOUT_S = 600.0
+
+
 @triton.jit
+def _globaltimer(dummy):
+    """The GPU's global timer in ns (dummy: any int32 scalar, for the asm's operand list)."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [dummy], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit(debug=True)  # debug: device_assert on (this kernel only)
 def _barrier_kernel(
-    pad_ptr, offsets_ptr, rank,
-    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+    pad_ptr, offsets_ptr, rank, timeout_ns,
+    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, TIMED: tl.constexpr,
 ):  # fmt: skip
     """Epochs, one writer per word: pad[s] on each rank is the last epoch rank s reached,
     written by rank s alone; pad[R] this rank's own count of its barriers, written by this
@@ -457,7 +474,9 @@ def _barrier_kernel(
     (acquire). No word has two writers, so no count can be lost to two ranks racing on one
     word; the store to a peer is an atomic exchange at system scope, for its release order
     (measured over NVLink; a PCIe host without native peer atomics has not been tried). Every
-    rank makes the same barriers on a pad, so the epochs match."""
+    rank makes the same barriers on a pad, so the epochs match. TIMED (on a GPU, timeout_ns >
+    0): a wait past timeout_ns fails a device_assert whose thread index is the rank that did
+    not arrive (a 1-warp program: element s is thread s)."""
     ranks = tl.arange(0, RANKS_PAD)
     ok = ranks < NUM_RANKS
     epoch = tl.load(pad_ptr + NUM_RANKS) + 1
@@ -465,9 +484,35 @@ def _barrier_kernel(
     peer = tl.load(offsets_ptr + ranks, mask=ok, other=0)
     tl.atomic_xchg(pad_ptr + peer + rank, epoch + ranks * 0, mask=ok, sem="release", scope="sys")
     waiting = ok
+    if TIMED:
+        start = _globaltimer(rank)
+    polls = 0
     while tl.max(waiting.to(tl.int32), axis=0) > 0:
         seen = tl.atomic_add(pad_ptr + ranks, 0, mask=waiting, sem="acquire", scope="sys")
         waiting = waiting & (seen < epoch)
+        polls += 1
+        if TIMED and polls % 1024 == 0:  # the timer every 1024 polls (it is slow to read)
+            late = _globaltimer(rank) - start > timeout_ns
+            tl.device_assert(
+                ~(waiting & late),
+                "fusedmoe symm_mem barrier timed out: the thread index is the rank that never "
+                "arrived (FUSEDMOE_EP_BARRIER_TIMEOUT_S)",
+            )
+
+
+def barrier_timeout_s() -> float:
+    """FUSEDMOE_EP_BARRIER_TIMEOUT_S, else BARRIER_TIMEOUT_S (0: no limit); ValueError if the
+    variable is not a number >= 0."""
+    raw = os.environ.get(BARRIER_TIMEOUT_ENV)
+    if raw is None:
+        return BARRIER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{BARRIER_TIMEOUT_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
@@ -475,17 +520,20 @@ def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
     current stream. pads[r]: rank r's pad (int64 [R + 1], zero at start, symmetric memory,
     mapped here), pads[rank] this rank's own. A rank that never arrives (it died, or it raised
     between a dispatch and its combine and went on) leaves the others waiting on the GPU, as in
-    any collective: the launcher (torchrun) ends the job when a rank dies."""
+    any collective: the launcher (torchrun) ends the job when a rank dies; a rank still alive
+    fails after barrier_timeout_s() (a device-side assert naming the missing rank; the CUDA
+    context is then lost, as after any device assert). The interpreter waits without a limit."""
     num_ranks = len(pads)
     mine, offsets, _ = rank_offsets(pads, num_ranks, base_index=rank)
     if mine.dtype != torch.int64 or mine.shape != (num_ranks + 1,):
         raise ValueError(
             f"barrier pads must be int64 [R + 1], got {mine.dtype} {tuple(mine.shape)}"
         )
+    timeout_ns = int(barrier_timeout_s() * 1e9)
     constexprs = dict(NUM_RANKS=num_ranks, RANKS_PAD=max(next_power_of_2(num_ranks), 2),
-                      num_warps=1)  # fmt: skip
+                      TIMED=mine.is_cuda and timeout_ns > 0, num_warps=1)  # fmt: skip
     with device_guard(mine):
-        launch(_barrier_kernel, (1,), (mine, offsets, rank), constexprs, mine.is_cuda)
+        launch(_barrier_kernel, (1,), (mine, offsets, rank, timeout_ns), constexprs, mine.is_cuda)
 
 
 # ---- the combine's rows back to their ranks -----------------------------------------------
