@@ -250,6 +250,9 @@ def _compiled_worker(rank: int, port: int, path: str) -> None:
     try:
         data = torch.load(path)
         layer = _symm_layer(device, rank, WORLD, data["checkpoint"])
+        from torch._dynamo.utils import counters
+
+        counters.clear()
         compiled = torch.compile(layer)
         pairs, start = [], 0
         for counts in CALLS:
@@ -258,8 +261,13 @@ def _compiled_worker(rank: int, port: int, path: str) -> None:
             with torch.no_grad():
                 pairs.append((compiled(x, logits).cpu(), layer(x, logits).cpu()))
             start += sum(counts)
-        torch.save({"pairs": pairs, "explain": layer.backend_choice().explain()},
-                   f"{path}.rank{rank}")  # fmt: skip
+        _, kernel = layer._kernel(device, torch.bfloat16, False)
+        last = kernel.prepare_finalize._last_buffers
+        torch.save({
+            "pairs": pairs, "explain": layer.backend_choice().explain(),
+            "graphs": counters["stats"]["unique_graphs"],
+            "peer": bool(last is not None and last.regions and last.peer is not None),
+        }, f"{path}.rank{rank}")  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -267,7 +275,12 @@ def _compiled_worker(rank: int, port: int, path: str) -> None:
 def _timeout_worker(rank: int, port: int, path: str) -> None:
     """Two ranks: a forward on both (buffers made), then rank 0 alone enters a device barrier
     with a 2 s limit; rank 1 never does. Each saves what it saw and leaves without tearing the
-    group down (rank 0's CUDA context is lost after the assert)."""
+    group down (rank 0's CUDA context is lost after the assert). Rank 0's stdout and stderr
+    (where the device assert's message lands) go to a file."""
+    if rank == 0:
+        log = os.open(f"{path}.log0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
     device = _init(rank, port, 2)
     data = torch.load(path)
     layer = _symm_layer(device, rank, 2, data["checkpoint"])
@@ -291,6 +304,8 @@ def _timeout_worker(rank: int, port: int, path: str) -> None:
     else:
         time.sleep(5)
     torch.save(result, f"{path}.rank{rank}")
+    if rank == 0:
+        os.fsync(1)
     os._exit(0)
 
 
@@ -316,6 +331,8 @@ def test_symm_mem_compiled_equals_eager(data_path):
         got = torch.load(f"{data_path}.rank{rank}")
         assert "dispatch: symm_mem" in got["explain"]
         assert len(got["pairs"]) == len(CALLS)
+        assert got["peer"], f"rank {rank}: not the peer transport"
+        assert got["graphs"] > 0, f"rank {rank}: torch.compile compiled no graph"
         for c, (compiled, eager) in enumerate(got["pairs"]):
             assert compiled.shape == eager.shape
             if eager.numel():
@@ -325,9 +342,12 @@ def test_symm_mem_compiled_equals_eager(data_path):
 
 def test_barrier_times_out_when_a_rank_never_arrives(data_path):
     """FUSEDMOE_EP_BARRIER_TIMEOUT_S = 2: rank 0's device barrier, which rank 1 never reaches,
-    fails with a device-side assert after about 2 s instead of waiting forever."""
+    fails with the barrier's device-side assert after about 2 s instead of waiting forever."""
     spawn_ranks(_timeout_worker, (free_port(), data_path), 2, 120, "the barrier-timeout workers")
     got = torch.load(f"{data_path}.rank0")
     assert got["ran"], "rank 0 made no device barrier (not the peer transport?)"
     assert "device-side assert" in got["error"], got["error"]
     assert 2.0 <= got["elapsed"] < 60.0, got["elapsed"]
+    with open(f"{data_path}.log0", errors="replace") as f:
+        log = f.read()
+    assert "FUSEDMOE_EP_BARRIER_TIMEOUT_S" in log, log[-2000:]

@@ -1427,7 +1427,7 @@ def test_barrier_timeout_from_the_environment(monkeypatch):
     for raw, want in (("2.5", 2.5), ("0", 0.0), ("30", 30.0)):
         monkeypatch.setenv(ep_rows.BARRIER_TIMEOUT_ENV, raw)
         assert ep_rows.barrier_timeout_s() == want
-    for raw in ("-1", "soon", "nan", ""):
+    for raw in ("-1", "soon", "nan", "inf", ""):
         monkeypatch.setenv(ep_rows.BARRIER_TIMEOUT_ENV, raw)
         with pytest.raises(ValueError, match="FUSEDMOE_EP_BARRIER_TIMEOUT_S"):
             ep_rows.barrier_timeout_s()

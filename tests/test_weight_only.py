@@ -410,9 +410,11 @@ def test_mx_hopper_kernel(h, i, m, activation, skew, block_m, monkeypatch):
         (64, 128, 3, "swigluoai", False),  # three tokens: blocks of slots
         (256, 320, 5, "relu2_no_mul", True),  # not gated, in blocks
         (192, 320, 11, "silu", True),  # every token on the same experts: blocks of 8 and of 3
-        # K = 832: unmasked rounds, then a masked tail; tiles 2: GEMM2's last tile half past N
+        # K = 832: unmasked rounds (CB 16), then a masked tail; tiles 2: GEMM2's last tile
+        # half past N (832 = 6.5 x 128); the last: blocks, both GEMMs with unmasked rounds
         (832, 320, 1, "swigluoai", True),
         (832, 320, 5, "silu", True),
+        (832, 832, 5, "swigluoai", True),
     ],
 )
 @pytest.mark.parametrize(("tiles", "cb"), [(1, 16), (2, 16), (1, 32)])

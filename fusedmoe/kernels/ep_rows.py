@@ -28,6 +28,8 @@ most 8 programs a SM, each striding over the items.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import threading
 
@@ -462,9 +464,11 @@ def _globaltimer(dummy):
     )
 
 
-@triton.jit(debug=True)  # debug: device_assert on (this kernel only)
+# debug: device_assert on, for this kernel only (it also checks its int32 arithmetic for
+# overflow: nothing here can overflow, the poll counter wraps at 1024)
+@triton.jit(debug=True)
 def _barrier_kernel(
-    pad_ptr, offsets_ptr, rank, timeout_ns,
+    pad_ptr, offsets_ptr, rank, timeout_s,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, TIMED: tl.constexpr,
 ):  # fmt: skip
     """Epochs, one writer per word: pad[s] on each rank is the last epoch rank s reached,
@@ -474,9 +478,10 @@ def _barrier_kernel(
     (acquire). No word has two writers, so no count can be lost to two ranks racing on one
     word; the store to a peer is an atomic exchange at system scope, for its release order
     (measured over NVLink; a PCIe host without native peer atomics has not been tried). Every
-    rank makes the same barriers on a pad, so the epochs match. TIMED (on a GPU, timeout_ns >
-    0): a wait past timeout_ns fails a device_assert whose thread index is the rank that did
-    not arrive (a 1-warp program: element s is thread s)."""
+    rank makes the same barriers on a pad, so the epochs match. TIMED (on an NVIDIA GPU,
+    timeout_s > 0, float32 seconds): a wait past timeout_s fails a device_assert, checked
+    every 1024 polls (the timer is slow to read); rank s is element s of a RANKS_PAD vector,
+    so a thread whose index is s modulo RANKS_PAD reports the rank that did not arrive."""
     ranks = tl.arange(0, RANKS_PAD)
     ok = ranks < NUM_RANKS
     epoch = tl.load(pad_ptr + NUM_RANKS) + 1
@@ -490,29 +495,39 @@ def _barrier_kernel(
     while tl.max(waiting.to(tl.int32), axis=0) > 0:
         seen = tl.atomic_add(pad_ptr + ranks, 0, mask=waiting, sem="acquire", scope="sys")
         waiting = waiting & (seen < epoch)
-        polls += 1
-        if TIMED and polls % 1024 == 0:  # the timer every 1024 polls (it is slow to read)
-            late = _globaltimer(rank) - start > timeout_ns
-            tl.device_assert(
-                ~(waiting & late),
-                "fusedmoe symm_mem barrier timed out: the thread index is the rank that never "
-                "arrived (FUSEDMOE_EP_BARRIER_TIMEOUT_S)",
-            )
+        if TIMED:
+            polls = (polls + 1) % 1024
+            if polls == 0:
+                late = (_globaltimer(rank) - start).to(tl.float32) > timeout_s * 1e9
+                tl.device_assert(
+                    ~(waiting & late),
+                    "fusedmoe symm_mem barrier timed out (FUSEDMOE_EP_BARRIER_TIMEOUT_S): the "
+                    "rank that never arrived is the thread index modulo the ranks padded to a "
+                    "power of two",
+                )
 
 
-def barrier_timeout_s() -> float:
-    """FUSEDMOE_EP_BARRIER_TIMEOUT_S, else BARRIER_TIMEOUT_S (0: no limit); ValueError if the
-    variable is not a number >= 0."""
-    raw = os.environ.get(BARRIER_TIMEOUT_ENV)
+@functools.lru_cache(maxsize=16)
+def _parse_timeout(raw: str | None) -> float:
     if raw is None:
         return BARRIER_TIMEOUT_S
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value >= 0:
-        raise ValueError(f"{BARRIER_TIMEOUT_ENV} must be a number of seconds >= 0, got {raw!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"{BARRIER_TIMEOUT_ENV} must be a finite number of seconds >= 0 (0: no limit), "
+            f"got {raw!r}"
+        )
     return value
+
+
+def barrier_timeout_s() -> float:
+    """FUSEDMOE_EP_BARRIER_TIMEOUT_S, else BARRIER_TIMEOUT_S (0: no limit); ValueError if the
+    variable is not a finite number >= 0. Read at every barrier (a test or a long warm-up may
+    change it between calls)."""
+    return _parse_timeout(os.environ.get(BARRIER_TIMEOUT_ENV))
 
 
 def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
@@ -521,19 +536,20 @@ def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
     mapped here), pads[rank] this rank's own. A rank that never arrives (it died, or it raised
     between a dispatch and its combine and went on) leaves the others waiting on the GPU, as in
     any collective: the launcher (torchrun) ends the job when a rank dies; a rank still alive
-    fails after barrier_timeout_s() (a device-side assert naming the missing rank; the CUDA
-    context is then lost, as after any device assert). The interpreter waits without a limit."""
+    fails after barrier_timeout_s() (a device-side assert naming the variable; the CUDA context
+    is then lost, as after any device assert). The interpreter waits without a limit."""
     num_ranks = len(pads)
     mine, offsets, _ = rank_offsets(pads, num_ranks, base_index=rank)
     if mine.dtype != torch.int64 or mine.shape != (num_ranks + 1,):
         raise ValueError(
             f"barrier pads must be int64 [R + 1], got {mine.dtype} {tuple(mine.shape)}"
         )
-    timeout_ns = int(barrier_timeout_s() * 1e9)
+    timeout_s = barrier_timeout_s()
+    timed = mine.is_cuda and torch.version.cuda is not None and timeout_s > 0
     constexprs = dict(NUM_RANKS=num_ranks, RANKS_PAD=max(next_power_of_2(num_ranks), 2),
-                      TIMED=mine.is_cuda and timeout_ns > 0, num_warps=1)  # fmt: skip
+                      TIMED=timed, num_warps=1)  # fmt: skip
     with device_guard(mine):
-        launch(_barrier_kernel, (1,), (mine, offsets, rank, timeout_ns), constexprs, mine.is_cuda)
+        launch(_barrier_kernel, (1,), (mine, offsets, rank, timeout_s), constexprs, mine.is_cuda)
 
 
 # ---- the combine's rows back to their ranks -----------------------------------------------

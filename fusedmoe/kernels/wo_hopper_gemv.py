@@ -11,7 +11,7 @@ the H200's bandwidth, but they are spread over few experts, so each program must
 bytes in flight and spend few instructions on each. The CUDA-core GEMV (wo_gemm._wo_gemv_kernel)
 spends about 9 instructions on a weight (decode, bf16 to float32, fma, the activations moved
 through shared memory every step); here the decode's bf16 pairs are the mma's operand as they
-are (about 3 instructions a weight, two thirds of them the decode), and each thread keeps two
+are (about 3 instructions a weight, three quarters of them the decode), and each thread keeps two
 steps of loads ahead in registers: rounds of three K steps, unmasked where their loads lie
 inside K (the rows clamped), then masked (docs/performance.md, "The one-slot form" and "What
 bounds the one-slot form": the latency of the instruction stream, not the memory).
@@ -76,9 +76,9 @@ if gluon is not None:
                     MASKED: gl.constexpr):  # fmt: skip
         """The loads of K step `step` (8 CB columns), as int32 words (loop-carried bytes and
         16-bit values would each take a register): this thread's weight bytes and scale codes
-        of its rows and its activations, two a word. MASKED: code 0 (weights), 127 (scales)
-        and 0.0 past K; else the step lies inside K (the rows are clamped: nothing else is
-        masked)."""
+        of its rows and its activations, two a word (the rows clamped by the caller, so only K
+        can be passed). MASKED: code 0 (weights), 127 (scales) and 0.0 past K; else the step
+        lies inside K (no mask)."""
         W_STEP: gl.constexpr = CB  # words of a row a step (4 CB bytes)
         G_STEP: gl.constexpr = CB // 4  # scale groups of a row a step
         c0 = step * W_STEP
@@ -264,7 +264,7 @@ if gluon is not None:
 
             # loaded two steps ahead, in rounds of three steps (so that no loaded value is
             # moved between registers): first the rounds whose loads lie inside K, unmasked,
-            # then the rest masked (steps past the last read zeros: codes 0, activations 0.0)
+            # then the rest masked (steps past the last: weight codes 0, activations 0.0)
             num_k = gl.cdiv(K // 2, STEP_BYTES)
             num_full = (K // 2) // STEP_BYTES
             w0, s0, x0 = _gemv_loads(0, w_ptrs, w_cols, s_ptrs, s_groups, x_ptrs, x_k, K, CB,
