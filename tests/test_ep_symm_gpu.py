@@ -343,11 +343,20 @@ def test_symm_mem_compiled_equals_eager(data_path):
 def test_barrier_times_out_when_a_rank_never_arrives(data_path):
     """FUSEDMOE_EP_BARRIER_TIMEOUT_S = 2: rank 0's device barrier, which rank 1 never reaches,
     fails with the barrier's device-side assert after about 2 s instead of waiting forever."""
-    spawn_ranks(_timeout_worker, (free_port(), data_path), 2, 120, "the barrier-timeout workers")
+    log_path = f"{data_path}.log0"
+    try:
+        spawn_ranks(
+            _timeout_worker, (free_port(), data_path), 2, 120, "the barrier-timeout workers"
+        )
+    except BaseException:  # rank 0's traceback went to its log
+        if os.path.exists(log_path):
+            with open(log_path, errors="replace") as f:
+                print(f.read()[-4000:])
+        raise
     got = torch.load(f"{data_path}.rank0")
     assert got["ran"], "rank 0 made no device barrier (not the peer transport?)"
     assert "device-side assert" in got["error"], got["error"]
     assert 2.0 <= got["elapsed"] < 60.0, got["elapsed"]
-    with open(f"{data_path}.log0", errors="replace") as f:
+    with open(log_path, errors="replace") as f:
         log = f.read()
     assert "FUSEDMOE_EP_BARRIER_TIMEOUT_S" in log, log[-2000:]
