@@ -72,14 +72,20 @@ def _rows(counts, rank: int, start: int) -> slice:
     return slice(start + sum(counts[:rank]), start + sum(counts[: rank + 1]))
 
 
-def _worker(rank: int, port: int, path: str) -> None:
+def _init(rank: int, port: int, world: int) -> torch.device:
+    """A spawned rank's NCCL group of `world` (NVLink multicast off) on its own GPU."""
     os.environ.update(_ENV)
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=120), device_id=device,
     )  # fmt: skip
+    return device
+
+
+def _worker(rank: int, port: int, path: str) -> None:
+    device = _init(rank, port, WORLD)
     try:
         data = torch.load(path)
         results = {}
@@ -224,17 +230,6 @@ def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(scheme, spawned
             start = sum(counts[:rank])
             exp = expected[start : start + counts[rank]]
             assert_close(got, exp, torch.bfloat16, what=f"call {c} rank {rank}", **TOL[scheme])
-
-
-def _init(rank: int, port: int, world: int) -> torch.device:
-    os.environ.update(_ENV)
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=120), device_id=device,
-    )  # fmt: skip
-    return device
 
 
 def _symm_layer(device, rank: int, world: int, checkpoint) -> FusedMoE:

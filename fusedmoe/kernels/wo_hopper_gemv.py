@@ -200,21 +200,9 @@ if gluon is not None:
             a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
             b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
 
-            # the program's rows: tile r // 64, warp (r // 16) % 4, row (r % 16) of the warp's
-            # tile; GATED: rows 0-7 the gate rows and 8-15 the up rows of its 8 columns
-            r = gl.arange(0, ROWS, gl.SliceLayout(1, wq_layout))
-            if GATED:  # noqa: SIM108 (a constexpr branch)
-                col = (r // 16) * 8 + r % 8
-            else:
-                col = r
-            # columns past N read column N - 1 (their results are not stored)
-            n_w = gl.minimum(pid_n * BN + col, N - 1)
-            gate_w, up_w = gate_up_rows(n_w, N, GATED, ACTIVATION)
             # the weight words [ROWS, CB] of a step: lane t holds words CB t / 4 .. of its rows
-            if GATED:  # noqa: SIM108 (a constexpr branch)
-                row_q = gl.where((r // 8) % 2 == 0, gate_w, up_w)
-            else:
-                row_q = gate_w
+            r = gl.arange(0, ROWS, gl.SliceLayout(1, wq_layout))
+            row_q = _program_rows(r, pid_n, N, BN, GATED, ACTIVATION)
             words = gl.arange(0, CB, gl.SliceLayout(0, wq_layout))
             w_ptrs = (
                 w_ptr.to(gl.pointer_type(gl.int32)) + e * (stride_we // 4)
@@ -226,16 +214,7 @@ if gluon is not None:
 
             # scale codes [ROWS, 4, G_LANE]: group t G_LANE + q of the step
             r3 = gl.arange(0, ROWS, gl.SliceLayout(1, gl.SliceLayout(2, s_layout)))
-            if GATED:  # noqa: SIM108 (a constexpr branch)
-                col3 = (r3 // 16) * 8 + r3 % 8
-            else:
-                col3 = r3
-            n_s = gl.minimum(pid_n * BN + col3, N - 1)
-            gate_s, up_s = gate_up_rows(n_s, N, GATED, ACTIVATION)
-            if GATED:  # noqa: SIM108 (a constexpr branch)
-                row_s = gl.where((r3 // 8) % 2 == 0, gate_s, up_s)
-            else:
-                row_s = gate_s
+            row_s = _program_rows(r3, pid_n, N, BN, GATED, ACTIVATION)
             t3 = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
             q3 = gl.arange(0, G_LANE, gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
             s_groups = (
@@ -290,6 +269,21 @@ if gluon is not None:
                 topk_weights_ptr, sorted_ids_ptr, N, num_slots, alpha, beta, limit, ROWS, BN,
                 HAS_BIAS, ACTIVATION, GATED, HAS_LIMIT, MUL_ROUTED_WEIGHT, H_DTYPE, DIRECT,
             )  # fmt: skip
+
+    @gluon.jit
+    def _program_rows(r, pid_n, N, BN: gl.constexpr, GATED: gl.constexpr,
+                      ACTIVATION: gl.constexpr):  # fmt: skip
+        """The weight rows of the program's rows r: tile r // 64, warp (r // 16) % 4, row r % 16
+        of the warp's tile (GATED: rows 0-7 the gate rows and 8-15 the up rows of its 8 output
+        columns). Columns past N read column N - 1 (their results are not stored)."""
+        if GATED:  # noqa: SIM108 (a constexpr branch)
+            col = (r // 16) * 8 + r % 8
+        else:
+            col = r
+        gate, up = gate_up_rows(gl.minimum(pid_n * BN + col, N - 1), N, GATED, ACTIVATION)
+        if GATED:
+            gate = gl.where((r // 8) % 2 == 0, gate, up)
+        return gate
 
     @gluon.jit
     def _slot_expert(slot, ids_ptr, map_ptr, num_ids, HAS_MAP: gl.constexpr):
