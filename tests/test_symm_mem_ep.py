@@ -1187,10 +1187,10 @@ def test_regions_round_trip_over_three_ranks():
     """Three ranks on one process, through the dispatchers: each rank's rows (x's bytes, then
     its ids | weights words) into its region of every destination's receive buffer and its
     count into the destination's incoming slot; unpacked per region; the "experts" scale the
-    rows by (r + 1); each rank stores them back into their senders' send buffers (push_regions,
-    as bytes) and each sums its tokens' rows there. Rank 2 is sent nothing, and token 0 of each
-    rank goes nowhere."""
-    from fusedmoe.parallel.rows import pack_meta, push_regions, unpack_meta
+    rows by (r + 1) into their out, whose stale rows stay poisoned; each rank sums its tokens'
+    rows loaded from its region of every rank's out (the peer transport's combine). Rank 2 is
+    sent nothing, and token 0 of each rank goes nowhere."""
+    from fusedmoe.parallel.rows import pack_meta, unpack_meta
 
     num_ranks, hidden, top_k, B = 3, 45, 3, REGION_ROWS
     capacity = num_ranks * B
@@ -1245,15 +1245,9 @@ def test_regions_round_trip_over_three_ranks():
                     assert (got_ids[row] == -1).all() and (got_weights[row] == 0).all()
         outs.append(out)
     assert (incoming[2] == 0).all()
-    # each rank's combine stores: region s of its out (rank s's rows, the first incoming[s])
-    # into rank s's send at this rank's region, as bytes
-    sends = [poison_(torch.empty(capacity + 1, hidden)) for _ in range(num_ranks)]
-    for r in range(num_ranks):
-        targets = [send[r * B :].view(torch.uint8) for send in sends]
-        push_regions(outs[r][:capacity].view(torch.uint8), targets, incoming[r], B)
-    for q in range(num_ranks):  # rank q sums its tokens' rows out of its own send
+    for q in range(num_ranks):  # rank q sums its tokens' rows, loaded from region q of each out
         y = poison_(torch.empty(num_tokens[q], hidden))
-        gather_sum_rows([sends[q][r * B :] for r in range(num_ranks)], positions_of[q], y, capacity)
+        gather_sum_rows([out[q * B :] for out in outs], positions_of[q], y, capacity)
         factor = torch.tensor(
             [sum(r + 1 for r in {int(owner[e]) for e in row if e >= 0}) for row in ids[q].tolist()],
             dtype=torch.float32,
@@ -1470,50 +1464,12 @@ def test_barrier_waits_for_a_late_peer():
         assert_equal(got, expected, what=f"rank {r}'s pad")
 
 
-# ---- push_regions -----------------------------------------------------------------------------
-@pytest.mark.parametrize("runner", ["triton", "twin"])
-@pytest.mark.parametrize("received", [(2, 0, 5), (0, 0, 0), (5, 5, 5), (1, 4, 3)])
-def test_push_regions_moves_the_rows_that_arrived(runner, received):
-    """Region s of src (rows [s * B, s * B + received[s])) into dst_s rows [0, received[s]),
-    as bytes; the stale rows past received[s] stay where they are (poisoned), nothing else is
-    written. Checked against a loop, for the kernel and its twin."""
-    from fusedmoe.parallel.rows import push_regions_torch
-
-    if runner == "triton":
-        pytest.importorskip("triton")
-        from fusedmoe.kernels.ep_rows import push_regions_triton as push
-    else:
-        push = push_regions_torch
-    torch.manual_seed(sum(received))
-    num_ranks, region, width = 3, 5, 3000  # bytes: one full block and a ragged one
-    src = torch.randint(0, 256, (num_ranks * region, width), dtype=torch.uint8)
-    bufs = [torch.full((num_ranks * region + 2, width), 0xEE, dtype=torch.uint8)
-            for _ in range(num_ranks)]  # fmt: skip
-    me = 1  # this rank's region at each destination
-    want = [b.clone() for b in bufs]
-    for s, n in enumerate(received):
-        want[s][me * region : me * region + n] = src[s * region : s * region + n]
-    push(src, [b[me * region :] for b in bufs], torch.tensor(received), region)
-    for s in range(num_ranks):
-        assert torch.equal(bufs[s], want[s]), f"rank {s}'s buffer"
-
-
-@needs_triton
-def test_push_regions_refuses_rows_past_the_regions():
-    from fusedmoe.kernels.ep_rows import push_regions_triton
-
-    src = torch.zeros(16, 64, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="16 rows in regions of 5 for 3 ranks"):
-        push_regions_triton(src, [src] * 3, torch.tensor([1, 1, 1]), 5)
-
-
 @needs_triton
 @pytest.mark.parametrize("programs", [1, 3])
-def test_row_movers_striding_over_their_items_match_the_twins(monkeypatch, programs):
-    """scatter_rows and push_regions with fewer programs than items (as on a GPU, where each
-    takes at most 8 programs a SM and strides over the rest): the same bytes as the twins."""
+def test_scatter_rows_striding_over_its_items_matches_the_twin(monkeypatch, programs):
+    """scatter_rows with fewer programs than items (as on a GPU, where each takes at most 8
+    programs a SM and strides over the rest): the same bytes as its twin."""
     from fusedmoe.kernels import ep_rows
-    from fusedmoe.parallel.rows import push_regions_torch
 
     monkeypatch.setattr(ep_rows, "_programs", lambda items, t: min(items, programs))
     torch.manual_seed(programs)
@@ -1529,14 +1485,6 @@ def test_row_movers_striding_over_their_items_match_the_twins(monkeypatch, progr
                                 num_ranks * region)  # fmt: skip
     scatter_rows_torch(src, pos, [want[r * region :] for r in range(num_ranks)], 0,
                        num_ranks * region)  # fmt: skip
-    assert torch.equal(got, want)
-    received = torch.tensor([2, 0, region])
-    rows = torch.randint(0, 256, (num_ranks * region, width), dtype=torch.uint8)
-    got = torch.full((num_ranks * region, width), 0xEE, dtype=torch.uint8)
-    want = got.clone()
-    ep_rows.push_regions_triton(rows, [got[r * region :] for r in range(num_ranks)], received,
-                                region)  # fmt: skip
-    push_regions_torch(rows, [want[r * region :] for r in range(num_ranks)], received, region)
     assert torch.equal(got, want)
 
 

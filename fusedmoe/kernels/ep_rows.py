@@ -12,8 +12,6 @@ pos where a token does not go (trash).
                      the received words back, the rows past what arrived as empty slots
     gather_sum_rows: out[m, :H] = sum over r with pos[m, r] != C of src_r[pos[m, r], :H]
                      (accumulated in float32, rounded once to out's dtype)
-    push_regions:    dst_s[j] = src[s * B + j] for j < received[s]: the combine's rows (region
-                     s: what rank s sent) back into rank s's buffer
     barrier:         every rank signals every rank, then waits for every rank's signal
 
 A destination (or source) per rank, dst_r: one tensor for all (a send buffer grouped by rank),
@@ -46,7 +44,6 @@ __all__ = [
     "dispatch_positions_triton",
     "gather_sum_rows_triton",
     "pack_meta_triton",
-    "push_regions_triton",
     "scatter_rows_triton",
     "unpack_meta_triton",
 ]
@@ -170,11 +167,14 @@ def _gather_sum_rows_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    # every rank's row requested before any is added (predicated loads, no branches): the rows
+    # may be a peer's (loads over NVLink), whose latency then overlaps
     for r in tl.static_range(NUM_RANKS):
         slot = tl.load(pos_ptr + token * NUM_RANKS + r)
-        if slot != trash:
-            base = src_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
-            acc += tl.load(base + slot * stride_src + cols, mask=mask).to(tl.float32)
+        base = src_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
+        live = cols < tl.where(slot != trash, hidden, 0)  # none of a trash slot's row
+        row = tl.load(base + slot * stride_src + cols, mask=live, other=0.0)
+        acc += row.to(tl.float32)
     tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -440,7 +440,7 @@ def gather_sum_rows_triton(src, pos: torch.Tensor, out: torch.Tensor, trash: int
     if num_tokens == 0 or hidden == 0:
         return
     base, offsets, aligned = rank_offsets(src, pos.shape[1])
-    block = _block(hidden, 4)  # the float32 accumulator's bytes
+    block = _block(hidden, base.element_size())  # a 16-byte vector a thread of each row
     grid = (num_tokens, cdiv(hidden, block))
     args = (base, offsets, base.stride(0), out, out.stride(0), pos, hidden, trash)
     constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned, num_warps=8)
@@ -550,46 +550,3 @@ def barrier_triton(pads: list[torch.Tensor], rank: int) -> None:
                       TIMED=timed, num_warps=1)  # fmt: skip
     with device_guard(mine):
         launch(_barrier_kernel, (1,), (mine, offsets, rank, timeout_s), constexprs, mine.is_cuda)
-
-
-# ---- the combine's rows back to their ranks -----------------------------------------------
-@triton.jit
-def _push_regions_kernel(
-    src_ptr, stride_src,
-    dst_ptr, offsets_ptr, stride_dst,
-    received_ptr, region_rows, num_rows, width,
-    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-):  # fmt: skip
-    """Items (row, column block), strided over the programs (_programs)."""
-    blocks = tl.cdiv(width, BLOCK)
-    for item in range(tl.program_id(0), num_rows * blocks, tl.num_programs(0)):
-        row = item // blocks
-        source = row // region_rows
-        within = row - source * region_rows
-        if within < tl.load(received_ptr + source):  # a row that arrived (else stale)
-            cols = (item % blocks) * BLOCK + tl.arange(0, BLOCK)
-            mask = cols < width
-            values = tl.load(src_ptr + row.to(tl.int64) * stride_src + cols, mask=mask)
-            base = dst_ptr + _rank_offset(offsets_ptr, source, ALIGNED)
-            tl.store(base + within.to(tl.int64) * stride_dst + cols, values, mask=mask)
-
-
-def push_regions_triton(src: torch.Tensor, dst, received: torch.Tensor, region_rows: int) -> None:
-    """fusedmoe.parallel.rows.push_regions_torch in one launch: rows [s * B, s * B +
-    received[s]) of src [C, W] -> rows [0, received[s]) of dst_s (one per rank), B =
-    region_rows; the stale rows are skipped."""
-    capacity, width = src.shape
-    if capacity == 0 or width == 0:
-        return
-    num_ranks = received.shape[0]
-    if capacity > num_ranks * region_rows:
-        raise ValueError(f"{capacity} rows in regions of {region_rows} for {num_ranks} ranks")
-    base, offsets, aligned = rank_offsets(dst, num_ranks)
-    block = _block(width, src.element_size())
-    grid = (_programs(capacity * cdiv(width, block), src),)
-    args = (
-        src, src.stride(0), base, offsets, base.stride(0), received, region_rows, capacity, width,
-    )  # fmt: skip
-    constexprs = dict(BLOCK=block, ALIGNED=aligned, num_warps=8)
-    with device_guard(src):
-        launch(_push_regions_kernel, grid, args, constexprs, src.is_cuda)

@@ -38,8 +38,6 @@ __all__ = [
     "gather_sum_rows_torch",
     "pack_meta",
     "pack_meta_torch",
-    "push_regions",
-    "push_regions_torch",
     "scatter_rows",
     "scatter_rows_torch",
     "unpack_meta",
@@ -223,25 +221,3 @@ def unpack_meta(
 
         return unpack_meta_triton(src, col, received, capacity, top_k, num_scales, region_rows)
     return unpack_meta_torch(src, col, received, capacity, top_k, num_scales, region_rows)
-
-
-def push_regions_torch(
-    src: torch.Tensor, dst: RankTargets, received: torch.Tensor, region_rows: int
-) -> None:
-    """dst_s[j] = src[s * B + j] for j < received[s], B = region_rows: rank s's region of the
-    combine's rows (the partial sums of what rank s sent) into dst_s (rank s's buffer, at this
-    rank's region there). The stale rows past received[s] are not moved. (Reads the counts on
-    the host: the spec, not the GPU path.)"""
-    num_ranks = received.shape[0]
-    for s, target in enumerate(per_rank(dst, num_ranks)):
-        n = int(received[s])
-        target[:n] = src[s * region_rows : s * region_rows + n]
-
-
-def push_regions(src, dst, received, region_rows: int) -> None:
-    if triton_runs_on(src) and src.dtype != torch.float64:
-        from fusedmoe.kernels.ep_rows import push_regions_triton
-
-        push_regions_triton(src, dst, received, region_rows)
-    else:
-        push_regions_torch(src, dst, received, region_rows)

@@ -6,8 +6,9 @@ Legend: R ranks, M tokens of this rank in the call (M <= B), B = max_tokens_per_
 C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
 
 Two layouts, one per transport. Where every peer's buffers are mapped into this process (one
-host: peer access over NVLink, or PCIe (not tried), what nvshmem_ptr gives), the kernels store
-into peers' memory directly (the peer transport, the default there); elsewhere (across nodes)
+host: peer access over NVLink, or PCIe (not tried), what nvshmem_ptr gives), the dispatch
+stores into peers' memory directly and the combine loads from it (the peer transport, the
+default there); elsewhere (across nodes)
 torch's all_to_all_vdev moves the rows (the vdev transport).
 
 Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's recv):
@@ -20,17 +21,17 @@ Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's
               rows of region s past incoming[s] are stale: ids -1 (empty slots), weights 0
     experts:  the C received rows (a fixed shape: the same launches whatever the routing), x
               read in place; a backend that reduces writes its [C, H] output into `out`
-    combine:  rank s's rows (region s of out, its first incoming[s]) stored into rank s's send
-                  at rows me * B + j (a peer store);  barrier (every rank's are there)
-              y[m] = sum_r send row r * B + pos[m, r]   (the layer's output; local, in fp32)
+    combine:  barrier (every rank's experts wrote their out)
+              y[m] = sum_r rank r's out row me * B + pos[m, r]   (loads from the peers' out,
+                  over NVLink; the layer's output, summed in fp32)
 
-Two barriers a call, and no copy but the stores themselves. Why each buffer is free when it
-is written (on rank p, for any peer q): q's next dispatch stores into p's recv and incoming
-only after it passed this call's second barrier, which p reaches after its experts (which
-read recv) and its combine's stores (which read incoming); q's next combine stores into p's
-send only after the next call's first barrier, which p reaches after summing this call's
-rows out of send; out is p's own. The barrier is epochs in symmetric memory, one writer per
-word (kernels.ep_rows.barrier_triton).
+Two barriers a call, and no copy but the dispatch's stores and the combine's loads. Why each
+buffer is free when it is written (on rank p, for any peer q): q's next dispatch stores into
+p's recv and incoming only after it passed this call's second barrier, which p reaches after
+its experts (which read recv; incoming was read before them); p's next experts write p's out
+only after the next call's first barrier, which q reaches after its sum has loaded this
+call's rows from p's out. The barrier is epochs in symmetric memory, one writer per word
+(kernels.ep_rows.barrier_triton).
 
 vdev transport, grouped (the rows a rank sends grouped by destination, as an all-to-all's):
 
@@ -68,7 +69,8 @@ which allocates the buffers) uses the buffers of the eager calls.
 
 Transports (FUSEDMOE_SYMM_MEM_TRANSPORT): "auto" (the default: peer where every peer is
 mapped on every rank, else vdev), "peer", "vdev", and for machines without NVSHMEM (CPU,
-gloo) "emulated" (the regions layout; the rows move with all_to_all_single) and
+gloo) "emulated" (the regions layout; the rows move with all_to_all_single, the combine's
+as whole regions of out to their senders, where the sum reads them) and
 "emulated_vdev" (the grouped layout; the split sizes read on the host): they test the layouts,
 not the speed, and are never chosen by themselves.
 
@@ -93,7 +95,6 @@ from fusedmoe.parallel.rows import (
     dispatch_positions,
     gather_sum_rows,
     pack_meta,
-    push_regions,
     scatter_rows,
     unpack_meta,
 )
@@ -180,8 +181,8 @@ def emulated_transport() -> bool:
 class _NvshmemTransport:
     """torch's NVSHMEM symmetric memory: buffers from symm_mem.empty, rendezvoused on the group.
     Regions layout where every peer's buffers are mapped on every rank (the kernels store into
-    peers' memory; barriers in symmetric memory), else the grouped one (all_to_all_vdev reads
-    the split sizes on the GPU and writes what it received there)."""
+    and load from peers' memory; barriers in symmetric memory), else the grouped one
+    (all_to_all_vdev reads the split sizes on the GPU and writes what it received there)."""
 
     def __init__(self, group, kind: str, region_rows: int) -> None:
         import torch.distributed as dist
@@ -219,7 +220,7 @@ class _NvshmemTransport:
         bufs.pads.zero_()
         peers = None
         if self.kind != "vdev":
-            names = ("send", "recv", "incoming", "pads")
+            names = ("send", "recv", "out", "incoming", "pads")
             peers = {n: self._peers(getattr(bufs, n)) for n in names}
             if any(v is None for v in peers.values()):
                 peers = None
@@ -264,16 +265,16 @@ class _NvshmemTransport:
         barrier_triton(bufs.peer["pads"], self.rank)
 
     def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
-        """The partial sums of rank s's rows (region s of out) stored into rank s's send, at
-        this rank's region; then a barrier: every rank's are here."""
+        """A barrier: every rank's experts wrote their out (the sum then loads this rank's
+        region of each rank's out: combine_sources)."""
         from fusedmoe.kernels.ep_rows import barrier_triton
 
-        push_regions(plan.rows_bytes, plan.push, bufs.incoming, self.region_rows)
         barrier_triton(bufs.peer["pads"], self.rank)
 
-    def push_targets(self, bufs: _Buffers, view) -> list[torch.Tensor]:
-        """Where the combine stores rank r's partial sums: rank r's send, this rank's region."""
-        return self.peer_regions(bufs, "send", view)
+    def combine_sources(self, bufs: _Buffers, view) -> list[torch.Tensor]:
+        """Where the sum reads rank r's partial sums of this rank's rows: rank r's out (a
+        peer's, over NVLink), from this rank's region on."""
+        return self.peer_regions(bufs, "out", view)
 
     def peer_regions(self, bufs: _Buffers, name: str, view) -> list[torch.Tensor]:
         """Rank r's buffer `name` as rows, from this rank's region on."""
@@ -342,16 +343,14 @@ class _EmulatedTransport:
         self._move(bufs, dst, src)
         dist.all_to_all_single(bufs.incoming, bufs.staged, group=self.group)
 
-    def push_targets(self, bufs: _Buffers, view) -> list[torch.Tensor]:
-        """Where the combine stores rank r's partial sums: region r of recv (free by then: the
-        experts are done with it), the staging of the move."""
-        return self._regions(view(bufs.recv), bufs.counts.shape[0])
-
     def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
-        """The partial sums staged in recv (push_regions, as the peer transport stores them),
-        then moved to the ranks they came from: into their send, at this rank's region."""
-        push_regions(plan.rows_bytes, plan.push, bufs.incoming, self.region_rows)
-        self._move(bufs, plan.back, plan.staging)
+        """Region r of out (rank r's rows, their partial sums) to rank r, into its send at this
+        rank's region: what the peer transport's sum loads from rank r's out, moved first."""
+        self._move(bufs, plan.back, plan.rows)
+
+    def combine_sources(self, bufs: _Buffers, view) -> list[torch.Tensor]:
+        """Where the sum reads rank r's partial sums of this rank's rows: region r of send."""
+        return self._regions(view(bufs.send), bufs.counts.shape[0])
 
 
 def _make_transport(group, region_rows: int):
@@ -453,11 +452,8 @@ class _DispatchPlan:
 class _CombinePlan:
     rows: torch.Tensor  # out as [rows, row bytes]: the partial sums leave from there
     rows_c: torch.Tensor  # its first C rows as the partial sums' dtype (the experts' output)
-    rows_bytes: torch.Tensor  # the same rows as bytes (what the combine's stores copy)
-    back: torch.Tensor  # send as [rows, row bytes], where they come back
-    staging: torch.Tensor  # recv as [rows, row bytes] (the emulated transport's staging)
+    back: torch.Tensor  # send as [rows, row bytes], where they come back (vdev, emulated)
     sources: object  # where this rank's partial sums are read: one tensor or one per rank
-    push: list[torch.Tensor] | None  # regions: where rank r's partial sums are stored
 
 
 @dataclass
@@ -690,18 +686,14 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
 
             rows = view(bufs.out)
             back = view(bufs.send)
-            push = None
-            if bufs.regions:  # rank r's rows come back into region r of send
-                size = self.comm.size
-                regions = [back[r * self.max_tokens :] for r in range(size)]
-                sources = _rank_tensors(r[:, :width].view(dtype) for r in regions)
-                # as bytes: the same copy kernel whatever the dtype
-                push = _rank_tensors(r[:, :width] for r in self._transport.push_targets(bufs, view))
-            else:
+            if bufs.regions:  # rank r's partial sums of this rank's rows: its region at r
+                sources = _rank_tensors(
+                    r[:, :width].view(dtype) for r in self._transport.combine_sources(bufs, view)
+                )
+            else:  # grouped: they come back into send where they left
                 sources = back[:, :width].view(dtype)
             rows_c = rows[: self.capacity, :width].view(dtype)
-            rows_bytes = rows[: self.capacity, :width]
-            plan = _CombinePlan(rows, rows_c, rows_bytes, back, view(bufs.recv), sources, push)
+            plan = _CombinePlan(rows, rows_c, back, sources)
             bufs.plans[key] = plan
         return plan
 
