@@ -157,19 +157,28 @@ def test_dispatch_positions_torch_match_loops(case, ids_dtype):
         assert counts.tolist() == [0, case.num_tokens, 0]
 
 
-# the kernel's blocks of 64 tokens: one full block, one and a bit, two and a bit
+# with the kernel's step at 256 (blocks of 64 tokens for up to 4 ranks): one full block, one
+# and a bit, two and a bit
 BLOCK_PARAMS = [
     pytest.param(RouteCase("M64", 64, 8, 8, 4), id="M64"),
     pytest.param(RouteCase("M65", 65, 6, 2, 2, routing="repeats"), id="M65"),
     pytest.param(RouteCase("M150", 150, 8, 3, 3, "round_robin", empty=0.2), id="M150"),
+    # the shipped step: blocks of 1024 tokens for 4 ranks, two and a bit
+    pytest.param(RouteCase("M2100", 2100, 16, 8, 4, empty=0.1), id="M2100"),
 ]
 
 
 @needs_triton
 @pytest.mark.parametrize("case", [*ROUTE_PARAMS, *BLOCK_PARAMS])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-def test_dispatch_positions_kernel_match_loops(case, ids_dtype):
-    """dispatch_positions where Triton runs: one program over blocks of 64 tokens."""
+@pytest.mark.parametrize("tile", [256, None], ids=["tile256", "tile_default"])
+def test_dispatch_positions_kernel_match_loops(monkeypatch, case, ids_dtype, tile):
+    """dispatch_positions where Triton runs: one program over blocks of tokens (a step of
+    POSITIONS_TILE tokens x ranks: the shipped one, and 256, which takes several steps)."""
+    from fusedmoe.kernels import ep_rows
+
+    if tile is not None:
+        monkeypatch.setattr(ep_rows, "POSITIONS_TILE", tile)
     ids, owner = route(case)
     ids = ids.to(ids_dtype)
     num_slots = case.num_ranks * max(case.num_tokens, 1) + 5
