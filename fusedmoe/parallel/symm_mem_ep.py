@@ -8,8 +8,8 @@ C = R * B rows a rank can receive, k top-k, H hidden, G scale columns of a row.
 Two layouts, one per transport. Where every peer's buffers are mapped into this process (one
 host: peer access over NVLink, or PCIe (not tried), what nvshmem_ptr gives), the dispatch
 stores into peers' memory directly and the combine loads from it (the peer transport, the
-default there); elsewhere (across nodes)
-torch's all_to_all_vdev moves the rows (the vdev transport).
+default there); elsewhere (across nodes) torch's all_to_all_vdev moves the rows (the vdev
+transport).
 
 Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's recv):
 
@@ -220,7 +220,7 @@ class _NvshmemTransport:
         bufs.pads.zero_()
         peers = None
         if self.kind != "vdev":
-            names = ("send", "recv", "out", "incoming", "pads")
+            names = ("recv", "out", "incoming", "pads")  # what the kernels reach on peers
             peers = {n: self._peers(getattr(bufs, n)) for n in names}
             if any(v is None for v in peers.values()):
                 peers = None
