@@ -157,12 +157,13 @@ def test_dispatch_positions_torch_match_loops(case, ids_dtype):
         assert counts.tolist() == [0, case.num_tokens, 0]
 
 
-# with the kernel's step at 256 (blocks of 64 tokens for up to 4 ranks): one full block, one
-# and a bit, two and a bit
+# with the kernel's step at 256 (blocks of 64 tokens for 3 and 4 ranks): one full block, one
+# and a bit, two and a bit; at 64, 6 ranks (padded to 8) take the smallest block, 16 tokens
 BLOCK_PARAMS = [
     pytest.param(RouteCase("M64", 64, 8, 8, 4), id="M64"),
-    pytest.param(RouteCase("M65", 65, 6, 2, 2, routing="repeats"), id="M65"),
+    pytest.param(RouteCase("M65", 65, 6, 2, 3, routing="repeats"), id="M65"),
     pytest.param(RouteCase("M150", 150, 8, 3, 3, "round_robin", empty=0.2), id="M150"),
+    pytest.param(RouteCase("R6", 41, 12, 3, 6, "round_robin", empty=0.1), id="R6"),
     # the shipped step: blocks of 1024 tokens for 4 ranks, two and a bit
     pytest.param(RouteCase("M2100", 2100, 16, 8, 4, empty=0.1), id="M2100"),
 ]
@@ -171,10 +172,10 @@ BLOCK_PARAMS = [
 @needs_triton
 @pytest.mark.parametrize("case", [*ROUTE_PARAMS, *BLOCK_PARAMS])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("tile", [256, None], ids=["tile256", "tile_default"])
+@pytest.mark.parametrize("tile", [64, 256, None], ids=["tile64", "tile256", "tile_default"])
 def test_dispatch_positions_kernel_match_loops(monkeypatch, case, ids_dtype, tile):
     """dispatch_positions where Triton runs: one program over blocks of tokens (a step of
-    POSITIONS_TILE tokens x ranks: the shipped one, and 256, which takes several steps)."""
+    POSITIONS_TILE tokens x ranks: the shipped one, and 64 and 256, which take several)."""
     from fusedmoe.kernels import ep_rows
 
     if tile is not None:
@@ -334,6 +335,7 @@ GATHER_GRID = [
     (6, 3, 199, torch.float16, torch.float16, 0),
     (5, 4, 1000, torch.float32, torch.float32, 24),
     (8, 4, 199, torch.float32, torch.bfloat16, 0),  # accumulated in fp32, rounded once
+    (5, 3, 2100, torch.bfloat16, torch.bfloat16, 8),  # two column blocks (2048 bf16 a block)
 ]
 GATHER_IDS = [
     f"M{m}-R{r}-H{h}-{str(s)[6:]}-to-{str(o)[6:]}-pad{p}" for m, r, h, s, o, p in GATHER_GRID
@@ -932,7 +934,8 @@ def ungrouped_positions_ref(topk_ids, owner, num_ranks, num_slots):
     return pos, torch.tensor(counts, dtype=torch.int64)
 
 
-UNGROUPED_PARAMS = [*ROUTE_PARAMS, BLOCK_PARAMS[-1]]  # M150: a rank's count carried over blocks
+# M2100: a rank's count carried over the shipped step's blocks
+UNGROUPED_PARAMS = [*ROUTE_PARAMS, *(p for p in BLOCK_PARAMS if p.id == "M2100")]
 
 
 @pytest.mark.parametrize("case", UNGROUPED_PARAMS)

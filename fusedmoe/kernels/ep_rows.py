@@ -256,7 +256,7 @@ def dispatch_positions_triton(
         post_offsets, num_tokens, num_slots,
     )  # fmt: skip
     ranks_pad = max(next_power_of_2(num_ranks), 2)
-    block_m = max(16, min(next_power_of_2(max(num_tokens, 1)), POSITIONS_TILE // ranks_pad))
+    block_m = max(16, POSITIONS_TILE // ranks_pad)  # not M's: one compiled variant per R
     constexprs = dict(
         TOP_K=top_k, NUM_RANKS=num_ranks, RANKS_PAD=ranks_pad, BLOCK_M=block_m,
         GROUPED=grouped, POST=post is not None, num_warps=8 if block_m * ranks_pad >= 2048 else 4,

@@ -388,13 +388,16 @@ def _view_rows(capacity: int, row_bytes: int) -> int:
 @dataclass
 class _Buffers:
     """One set of byte buffers (symmetric for NVSHMEM), viewed per call as rows: the dispatch's
-    rows (x's bytes, then the metadata words) in recv (and send: grouped, or staged regions),
-    the combine's (the partial sums) in out (and send, where they come back). Each all-to-all
+    rows (x's bytes, then the metadata words) in recv (and send: grouped, or the emulated
+    transport's staged regions), the combine's (the partial sums) in out (the peer transport's
+    sum loads them there; grouped and emulated, they come back into send). Each all-to-all
     of the grouped layout sees a whole view: its block split depends on the size."""
 
-    send: torch.Tensor  # uint8: grouped, the dispatch's rows out; regions, what comes back
+    #: uint8: grouped, the dispatch's rows out and the combine's back; emulated regions, the
+    #: same; the peer transport does not use it (it is allocated before the layout is chosen)
+    send: torch.Tensor
     recv: torch.Tensor  # uint8: the dispatch's rows in (the experts read x there)
-    out: torch.Tensor  # uint8: the experts' output; the combine's rows out
+    out: torch.Tensor  # uint8: the experts' output; the combine's rows (read by the peers)
     counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
     received: torch.Tensor  # int64 [2, 2, R]: (rows, offsets) received, dispatch and combine
     incoming: torch.Tensor | None = None  # int64 [R]: rows from each rank (regions)
@@ -460,7 +463,7 @@ class _CombinePlan:
 class _DispatchState:
     pos: torch.Tensor  # int64 [M, R]: token m's row for rank r (grouped: in send; regions: in
     #                     this rank's region at rank r), C where it does not go
-    buffers: _Buffers  # the set the dispatch used: the combine moves its rows back through it
+    buffers: _Buffers  # the set the dispatch used: the combine's rows go back through it
     combine_bytes: int  # bytes of a combine row (the partial sums', padded)
     refused: bool  # this rank was over the bound: it sent nothing, its output is refused
 
@@ -634,7 +637,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         return True
 
     def expert_output_buffer(self, shape, dtype: torch.dtype, device: torch.device):
-        """The combine's send rows, where the experts may write their reduced output [C, H]
+        """The combine's rows (out), where the experts may write their reduced output [C, H]
         directly (no copy before the combine); None for another shape or dtype."""
         in_flight = self._in_flight
         if in_flight is None or len(shape) != 2 or shape[0] != self.capacity:
@@ -765,16 +768,21 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         plan = self._combine_plan(bufs, state.combine_bytes, partial.dtype, width)
         if partial.data_ptr() != plan.rows_c.data_ptr():  # else the experts wrote it there
             plan.rows_c.copy_(partial)
-        if bufs.regions:  # each rank's rows back into its region of their sender's send
-            self._transport.combine(bufs, plan)
+        if bufs.regions:  # a barrier (peer: the sum then loads from the peers' out), or the
+            self._transport.combine(bufs, plan)  # regions moved to their senders (emulated)
         else:
             # the rows each rank sent are what goes back to it: the dispatch's received counts
             # (read before the combine's barrier; no peer writes them again before it)
             self._transport.all_to_all(plan.rows, plan.back, bufs.received[0, 0], bufs.received[1])
-        bufs.release()
-        if out is None or out.dtype != partial.dtype:
-            out = partial.new_empty(num_tokens, hidden)
-        if state.refused:  # this rank sent nothing: its call is refused in finalize
-            return out.zero_()
-        gather_sum_rows(plan.sources, state.pos, out, capacity)
-        return out
+        # the exchanges are done (a call that raised before here keeps the buffers held: its
+        # exchanges are out of step, _Buffers.take); held until the sum is issued, which may
+        # read the peers' out: a forward let in before it could free them to overwrite it
+        try:
+            if out is None or out.dtype != partial.dtype:
+                out = partial.new_empty(num_tokens, hidden)
+            if state.refused:  # this rank sent nothing: its call is refused in finalize
+                return out.zero_()
+            gather_sum_rows(plan.sources, state.pos, out, capacity)
+            return out
+        finally:
+            bufs.release()

@@ -275,7 +275,7 @@ class _Timer:
 
 def _stage_buffers(layer: FusedMoE, kernel, weights, prepared, x, workspaces):
     """The experts' workspaces and output for a prepared call, as the modular kernel takes them
-    (the output where the prepare/finalize offers a buffer of its own: symm_mem's send rows)."""
+    (the output where the prepare/finalize offers a buffer of its own: symm_mem's out rows)."""
     experts = kernel.experts
     num_tokens, top_k = prepared.topk_ids.shape
     shapes = experts.workspace_shapes(
