@@ -20,7 +20,7 @@ from fusedmoe import FusedMoE, ParallelConfig, get_compressed_expert_map, select
 from fusedmoe.parallel.config import linear_expert_map, round_robin_expert_map
 from fusedmoe.parallel.naive_ep import even_split, quantizes_before_dispatch
 from fusedmoe.parallel.placement import ExpertPlacement, expert_placement
-from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV
+from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV, combine_blocks_override
 from fusedmoe.quant.config import quantize_experts
 from tests.helpers import assert_close, assert_equal, free_port, init_gloo, spawn_ranks
 
@@ -243,6 +243,9 @@ class EPCase:
     backend: str = "torch"  # triton: on the CPU under its interpreter (TRITON_INTERPRET=1)
     transport: str = "emulated"  # symm_mem's: the regions layout, or "emulated_vdev" (grouped)
     compiled: bool = False  # the layer under torch.compile (aot_eager: dynamo and aot_autograd)
+    #: symm_mem: its combine in this many column blocks of 32 (the triton backend writes them
+    #: block by block, the torch backend in one piece)
+    combine_blocks: int | None = None
 
 
 A1_SCALE, A2_SCALE = torch.tensor([0.02]), torch.tensor([0.05])
@@ -277,6 +280,12 @@ EP2_CASES = [
     EPCase("symm_eplb", "symm_mem", redundant=2, rebalance=True, calls=((11, 4), (0, 6))),
     EPCase("symm_triton_fp8_block", "symm_mem", scheme="fp8_block", backend="triton",
            calls=((5, 0), (3, 4))),
+    # the combine by column blocks, as the experts write them (triton) or after (torch)
+    EPCase("symm_blocks", "symm_mem", combine_blocks=3, calls=((5, 8), (0, 3), (13, 13))),
+    EPCase("symm_triton_blocks", "symm_mem", backend="triton", combine_blocks=3,
+           calls=((5, 0), (3, 4))),
+    EPCase("symm_triton_sp_blocks", "symm_mem", backend="triton", sequence_parallel=True,
+           combine_blocks=2, calls=((9,), (1,))),
     # under torch.compile: symm_mem's dispatch and combine run outside the graph
     EPCase("naive_compiled", compiled=True, calls=((5, 8), (0, 2))),
     EPCase("a2a_compiled", "all_to_all", compiled=True, calls=((5, 8), (0, 2))),
@@ -308,6 +317,8 @@ EP3_CASES = [
     EPCase("a2a3", "all_to_all", calls=((4, 0, 9), (1, 1, 0))),
     EPCase("symm3", "symm_mem", calls=((4, 0, 9), (0, 0, 2), (6, 6, 6))),
     EPCase("symm3_fp8_block", "symm_mem", scheme="fp8_block", calls=((5, 2, 0),)),
+    EPCase("symm3_triton_blocks", "symm_mem", backend="triton", combine_blocks=4,
+           calls=((4, 0, 9),)),
     EPCase("symm3_eplb_rr", "symm_mem", redundant=3, placement="round_robin", rebalance=True,
            calls=((5, 1, 3),)),
 ]  # fmt: skip
@@ -400,7 +411,7 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
             for _ in range(rounds):
                 for _call, ranks in call_rows(case, world):
                     rows = ranks[rank]
-                    with torch.no_grad():
+                    with torch.no_grad(), combine_blocks_override(case.combine_blocks, align=32):
                         logits = data["logits"][rows, : routing_columns(case)]
                         outputs.append(forward(data["x"][rows], logits))
                 if case.rebalance and len(placements) == 0:
@@ -627,37 +638,46 @@ def _over_bound_worker(rank: int, world: int, port: int, path: str) -> None:
         )  # fmt: skip
         layer = make_layer(EPCase("over"), pc)
         layer.load_weights(data["checkpoint"])
-        results = []
-        for counts in OVER_BOUND_CALLS:
-            start = sum(counts[:rank])
-            rows = slice(start, start + counts[rank])
-            try:
-                with torch.no_grad():
-                    results.append(layer(data["x"][rows], data["logits"][rows, :E]))
-            except ValueError as e:
-                results.append(str(e))
+        results = {}
+        for blocks, backend in OVER_BOUND_RUNS:
+            layer.set_backend(backend)
+            results[blocks, backend] = []
+            for counts in OVER_BOUND_CALLS:
+                start = sum(counts[:rank])
+                rows = slice(start, start + counts[rank])
+                try:
+                    with torch.no_grad(), combine_blocks_override(blocks, align=32):
+                        y = layer(data["x"][rows], data["logits"][rows, :E])
+                    results[blocks, backend].append(y)
+                except ValueError as e:
+                    results[blocks, backend].append(str(e))
         torch.save(results, f"{path}.rank{rank}")
     finally:
         dist.destroy_process_group()
 
 
 OVER_BOUND_CALLS = ((SYMM_MAX_TOKENS + 3, 4), (2, 5))
+#: (combine blocks, backend): one combine; blocks combined after the experts (torch), or as
+#: the experts write them (triton)
+OVER_BOUND_RUNS = ((None, "torch"), (3, "torch"), (3, "triton"))
 
 
 @needs_gloo
 def test_symm_mem_rank_over_the_bound_raises_and_its_peer_is_right():
     full, data, logits = _data([EPCase("x", calls=((SYMM_MAX_TOKENS + 3, 4), (2, 5)))])
     ranks = run_ranks(2, [], {**data, "logits": logits}, worker=_over_bound_worker)
-    assert isinstance(ranks[0][0], str) and "max_tokens_per_rank = 13" in ranks[0][0]
-    assert "this rank had 16 tokens" in ranks[0][0]
-    for c, counts in enumerate(OVER_BOUND_CALLS):
-        with torch.no_grad():
-            expected = full(data["x"][: sum(counts)], logits[: sum(counts), :E])
-        for rank in range(2):
-            if c == 0 and rank == 0:
-                continue
-            start = sum(counts[:rank])
-            got = ranks[rank][c]
-            assert not isinstance(got, str), got
-            assert_close(got, expected[start : start + counts[rank]], torch.float32,
-                         what=f"call {c} rank {rank}")  # fmt: skip
+    for run in OVER_BOUND_RUNS:
+        first = ranks[0][run][0]
+        assert isinstance(first, str) and "max_tokens_per_rank = 13" in first, (run, first)
+        assert "this rank had 16 tokens" in first
+        for c, counts in enumerate(OVER_BOUND_CALLS):
+            with torch.no_grad():
+                expected = full(data["x"][: sum(counts)], logits[: sum(counts), :E])
+            for rank in range(2):
+                if c == 0 and rank == 0:
+                    continue
+                start = sum(counts[:rank])
+                got = ranks[rank][run][c]
+                assert not isinstance(got, str), got
+                assert_close(got, expected[start : start + counts[rank]], torch.float32,
+                             what=f"{run}: call {c} rank {rank}")  # fmt: skip

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fusedmoe import FusedMoE, ParallelConfig
+from fusedmoe.parallel.symm_mem_ep import combine_blocks_override
 from tests.helpers import assert_close, free_port, fused_checkpoint, spawn_ranks
 
 
@@ -49,6 +50,9 @@ CALLS = ((37, 0, 96, 1)[:WORLD], (0, 5, 0, 0)[:WORLD], (96,) * WORLD)
 GRAPH_TOKENS = 24  # every rank's tokens in the captured forward
 OVER_CALLS = ((MAX_TOKENS + 5, 7, 0, 3)[:WORLD], (4, 9, 2, 1)[:WORLD])  # rank 0 over, then not
 GRAPH_REPLAYS = 3
+#: (scheme, combine blocks): one combine, and the combine in 3 column blocks of 128 (H =
+#: 1024: 384, 256 and 384 columns) as the triton backend writes them
+VARIANTS = tuple((scheme, blocks) for scheme in SCHEMES for blocks in (None, 3))
 _ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 
@@ -84,77 +88,84 @@ def _init(rank: int, port: int, world: int) -> torch.device:
     return device
 
 
+def _variant(rank: int, device, data, scheme) -> dict:
+    """One (scheme, combine blocks) variant's calls on this rank."""
+    pc = ParallelConfig(
+        ep_size=WORLD, ep_rank=rank, dp_size=WORLD, dp_rank=rank,
+        all2all_backend="auto", max_tokens_per_rank=MAX_TOKENS,
+    )  # fmt: skip
+    layer = _finish(_layer(device, pc), data["checkpoint"], scheme)
+    explain = layer.backend_choice().explain()
+    eager, start = [], 0
+    logits_all = data["skewed"]
+    for counts in CALLS:
+        rows = _rows(counts, rank, start)
+        x, logits = data["x"][rows].to(device), logits_all[rows].to(device)
+        with torch.no_grad():
+            eager.append(layer(x, logits).cpu())
+        start += sum(counts)
+    # no host sync in a forward (after the first: it allocates and rendezvouses)
+    x, logits = data["x"][:8].to(device), logits_all[:8].to(device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            layer(x, logits)
+        synced = ""
+    except RuntimeError as e:
+        synced = str(e)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    # one whole EP forward captured, replayed with new inputs
+    g = torch.Generator(device="cpu").manual_seed(100 + rank)
+    static_x = torch.randn(GRAPH_TOKENS, H, generator=g).to(device, torch.bfloat16)
+    static_logits = torch.randn(GRAPH_TOKENS, E, generator=g).to(device)
+    with torch.no_grad():
+        layer(static_x, static_logits)  # warm-up on every rank
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x, static_logits)
+        replays = []
+        for _ in range(GRAPH_REPLAYS):
+            new_x = torch.randn(GRAPH_TOKENS, H, generator=g).to(device, torch.bfloat16)
+            new_logits = torch.randn(GRAPH_TOKENS, E, generator=g).to(device)
+            static_x.copy_(new_x)
+            static_logits.copy_(new_logits)
+            graph.replay()
+            replayed = static_y.clone()
+            replays.append((replayed.cpu(), layer(new_x, new_logits).cpu()))
+    # rank 0 over the bound: it raises at the call's end, the others' outputs are
+    # right, and every rank's next call runs
+    over = []
+    for counts in OVER_CALLS:
+        start = sum(counts[:rank])
+        rows = slice(start, start + counts[rank])
+        x, logits = data["x"][rows].to(device), logits_all[rows].to(device)
+        try:
+            with torch.no_grad():
+                over.append(layer(x, logits).cpu())
+        except ValueError as e:
+            over.append(str(e))
+    _, kernel = layer._kernel(device, torch.bfloat16, False)
+    last = kernel.prepare_finalize._last_buffers  # this layer's buffers
+    peer = last is not None and last.regions and last.peer is not None
+    result = {
+        "eager": eager, "explain": explain, "synced": synced, "replays": replays,
+        "over": over, "peer": peer,
+    }  # fmt: skip
+    del graph, layer
+    return result
+
+
 def _worker(rank: int, port: int, path: str) -> None:
     device = _init(rank, port, WORLD)
     try:
         data = torch.load(path)
         results = {}
-        for scheme in SCHEMES:
-            pc = ParallelConfig(
-                ep_size=WORLD, ep_rank=rank, dp_size=WORLD, dp_rank=rank,
-                all2all_backend="auto", max_tokens_per_rank=MAX_TOKENS,
-            )  # fmt: skip
-            layer = _finish(_layer(device, pc), data["checkpoint"], scheme)
-            explain = layer.backend_choice().explain()
-            eager, start = [], 0
-            logits_all = data["skewed"]
-            for counts in CALLS:
-                rows = _rows(counts, rank, start)
-                x, logits = data["x"][rows].to(device), logits_all[rows].to(device)
-                with torch.no_grad():
-                    eager.append(layer(x, logits).cpu())
-                start += sum(counts)
-            # no host sync in a forward (after the first: it allocates and rendezvouses)
-            x, logits = data["x"][:8].to(device), logits_all[:8].to(device)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                with torch.no_grad():
-                    layer(x, logits)
-                synced = ""
-            except RuntimeError as e:
-                synced = str(e)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            # one whole EP forward captured, replayed with new inputs
-            g = torch.Generator(device="cpu").manual_seed(100 + rank)
-            static_x = torch.randn(GRAPH_TOKENS, H, generator=g).to(device, torch.bfloat16)
-            static_logits = torch.randn(GRAPH_TOKENS, E, generator=g).to(device)
-            with torch.no_grad():
-                layer(static_x, static_logits)  # warm-up on every rank
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static_y = layer(static_x, static_logits)
-                replays = []
-                for _ in range(GRAPH_REPLAYS):
-                    new_x = torch.randn(GRAPH_TOKENS, H, generator=g).to(device, torch.bfloat16)
-                    new_logits = torch.randn(GRAPH_TOKENS, E, generator=g).to(device)
-                    static_x.copy_(new_x)
-                    static_logits.copy_(new_logits)
-                    graph.replay()
-                    replayed = static_y.clone()
-                    replays.append((replayed.cpu(), layer(new_x, new_logits).cpu()))
-            # rank 0 over the bound: it raises at the call's end, the others' outputs are
-            # right, and every rank's next call runs
-            over = []
-            for counts in OVER_CALLS:
-                start = sum(counts[:rank])
-                rows = slice(start, start + counts[rank])
-                x, logits = data["x"][rows].to(device), logits_all[rows].to(device)
-                try:
-                    with torch.no_grad():
-                        over.append(layer(x, logits).cpu())
-                except ValueError as e:
-                    over.append(str(e))
-            _, kernel = layer._kernel(device, torch.bfloat16, False)
-            last = kernel.prepare_finalize._last_buffers  # this layer's buffers
-            peer = last is not None and last.regions and last.peer is not None
-            results[scheme] = {
-                "eager": eager, "explain": explain, "synced": synced, "replays": replays,
-                "over": over, "peer": peer,
-            }  # fmt: skip
-            del graph, layer
+        for scheme, blocks in VARIANTS:
+            with combine_blocks_override(blocks):
+                results[scheme, blocks] = _variant(rank, device, data, scheme)
         torch.save(results, f"{path}.rank{rank}")
     finally:
         dist.destroy_process_group()
@@ -178,12 +189,18 @@ def spawned():
     return checkpoint, x, skewed, results
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_sharded_equals_unsharded(scheme, spawned):
+def _variant_id(variant) -> str:
+    scheme, blocks = variant
+    return f"{scheme or 'bf16'}-{blocks or 1}_blocks"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
+def test_symm_mem_sharded_equals_unsharded(variant, spawned):
+    scheme = variant[0]
     checkpoint, x, logits, results = spawned
-    assert "dispatch: symm_mem" in results[0][scheme]["explain"]
+    assert "dispatch: symm_mem" in results[0][variant]["explain"]
     if os.environ.get("FUSEDMOE_SYMM_MEM_TRANSPORT", "auto") in ("auto", "peer"):
-        assert all(results[r][scheme]["peer"] for r in range(WORLD)), "not the peer transport"
+        assert all(results[r][variant]["peer"] for r in range(WORLD)), "not the peer transport"
     layer = _finish(_layer("cuda"), checkpoint, scheme)
     start = 0
     for c, counts in enumerate(CALLS):
@@ -192,31 +209,32 @@ def test_symm_mem_sharded_equals_unsharded(scheme, spawned):
             expected = layer(x[whole].cuda(), logits[whole].cuda()).cpu()
         for rank in range(WORLD):
             mine = _rows(counts, rank, start)
-            got = results[rank][scheme]["eager"][c]
+            got = results[rank][variant]["eager"][c]
             exp = expected[mine.start - start : mine.stop - start]
             assert_close(got, exp, torch.bfloat16, what=f"call {c} rank {rank}", **TOL[scheme])
         start += sum(counts)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_forward_makes_no_host_sync(scheme, spawned):
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
+def test_symm_mem_forward_makes_no_host_sync(variant, spawned):
     for rank in range(WORLD):
-        assert spawned[3][rank][scheme]["synced"] == "", spawned[3][rank][scheme]["synced"]
+        assert spawned[3][rank][variant]["synced"] == "", spawned[3][rank][variant]["synced"]
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_forward_replays_from_a_cuda_graph(scheme, spawned):
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
+def test_symm_mem_forward_replays_from_a_cuda_graph(variant, spawned):
     for rank in range(WORLD):
-        replays = spawned[3][rank][scheme]["replays"]
+        replays = spawned[3][rank][variant]["replays"]
         assert len(replays) == GRAPH_REPLAYS
         for i, (replayed, eager) in enumerate(replays):
             assert_close(replayed, eager, torch.bfloat16, what=f"replay {i} rank {rank}", tol=1e-2)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
-def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(scheme, spawned):
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
+def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(variant, spawned):
+    scheme = variant[0]
     checkpoint, x, logits, results = spawned
-    first = results[0][scheme]["over"][0]
+    first = results[0][variant]["over"][0]
     assert isinstance(first, str) and f"max_tokens_per_rank = {MAX_TOKENS}" in first
     layer = _finish(_layer("cuda"), checkpoint, scheme)
     for c, counts in enumerate(OVER_CALLS):
@@ -225,7 +243,7 @@ def test_symm_mem_rank_over_the_bound_raises_its_peers_are_right(scheme, spawned
         for rank in range(WORLD):
             if c == 0 and rank == 0:
                 continue
-            got = results[rank][scheme]["over"][c]
+            got = results[rank][variant]["over"][c]
             assert not isinstance(got, str), got
             start = sum(counts[:rank])
             exp = expected[start : start + counts[rank]]

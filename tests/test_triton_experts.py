@@ -23,7 +23,7 @@ from fusedmoe.activation import MoEActivation
 from fusedmoe.experts.triton import TritonExperts
 from fusedmoe.kernels import moe_align as ma
 from fusedmoe.kernels import moe_config as mc
-from fusedmoe.kernels.fused_moe import fused_experts_triton
+from fusedmoe.kernels.fused_moe import _tma_rows, fused_experts_triton
 from fusedmoe.kernels.moe_align import (
     aligned_sizes,
     moe_align_block_size,
@@ -37,8 +37,9 @@ from fusedmoe.kernels.moe_config import (
     table_path,
     use_moe_kernel_config,
 )
-from fusedmoe.modular.kernel import shared_workspaces
-from fusedmoe.modular.types import MoEProblem
+from fusedmoe.modular.kernel import FusedMoEModularKernel, shared_workspaces
+from fusedmoe.modular.prepare_finalize import NoEPPrepareFinalize
+from fusedmoe.modular.types import ActivationSpec, ExpertWeights, MoEProblem, OutputColumns
 from fusedmoe.quant import make_quant_config, quantize_experts
 from fusedmoe.quant.kernels import resolve_params
 from fusedmoe.tools.presets import PRESETS
@@ -512,6 +513,99 @@ def test_quantized_expert_map(case, num_tokens):
     kwargs = dict(quant_config=qc, expert_map=_expert_map([1, 2, 6], E), activation=activation)
     out, ref = _both(x, local, weights, ids, **kwargs)
     assert_close(out, ref, torch.bfloat16, **QUANT_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# the output by column blocks (OutputColumns: an EP combine overlapped with GEMM2)
+# ---------------------------------------------------------------------------------------------
+class _ColumnsPF(NoEPPrepareFinalize):
+    """Offers the experts a poisoned output buffer of its own and column blocks of it; keeps
+    a copy of the buffer at each report (on a GPU, after the current stream's work)."""
+
+    def __init__(self, bounds):
+        self.bounds, self.seen, self.buf = bounds, [], None
+
+    def experts_may_write_output(self):
+        return False  # so that the modular kernel asks for expert_output_buffer
+
+    def expert_output_buffer(self, shape, dtype, device):
+        self.buf = poison_(torch.empty(shape, dtype=dtype, device=device))
+        return self.buf
+
+    def output_columns(self, output, expert_output):
+        assert expert_output is self.buf
+        return OutputColumns(self.bounds, lambda j: self.seen.append((j, self.buf.clone())))
+
+
+# label -> (QUANT_CASES case or None for bf16 with biases, bounds)
+COLUMN_CASES = {
+    "bf16_uneven": (None, (0, 24, 40, 64)),
+    "bf16_one_block": (None, (0, 64)),
+    "fp8_block": ("fp8_block", (0, 128, 256)),
+    "fp8_block_bias_swigluoai": ("fp8_block_swigluoai", (0, 128, 256)),
+    "fp8_channel_bias": ("fp8_channel_bias", (0, 16, 64)),
+    "fp8_tensor": ("fp8_tensor", (0, 32, 48, 64)),
+    "int8": ("int8", (0, 40, 64)),
+}
+
+
+COLUMN_TOKENS = [13, pytest.param(300, marks=pytest.mark.skipif(DEVICE != "cuda", reason="GPU"))]
+
+
+@pytest.mark.parametrize("num_tokens", COLUMN_TOKENS)  # 300: 64-row blocks, TMA weight loads
+@pytest.mark.parametrize("label", list(COLUMN_CASES))
+def test_output_columns_written_block_by_block(label, num_tokens):
+    """GEMM2 and the sum by column blocks: at report j, columns [0, bounds[j + 1]) of the
+    output are final and the rest untouched (still the poison); the whole equals one call
+    without blocks, and the torch backend."""
+    case, bounds = COLUMN_CASES[label]
+    num_experts = 4
+    if case is None:
+        experts = _experts(num_experts, H, I, dtype=torch.bfloat16, bias=True)
+        x = torch.randn(num_tokens, H, device=DEVICE, dtype=torch.bfloat16)
+        qc, activation = None, "silu"
+    else:
+        x, experts, qc, activation = _quantized(case, num_experts, num_tokens)
+    hidden = x.shape[1]
+    assert bounds[-1] == hidden
+    weights, ids = _routing(num_tokens, num_experts, 2, empty=0.1)
+    pf = _ColumnsPF(bounds)
+    kernel = FusedMoEModularKernel(pf, TritonExperts())
+    assert kernel.experts.writes_output_columns(qc)
+    ew = ExpertWeights(experts["w13"], experts["w2"], experts["w13_bias"], experts["w2_bias"])
+    spec = ActivationSpec.make(activation)
+    out = kernel.forward(
+        x, ew, weights, ids, activation=spec, global_num_experts=num_experts, quant_config=qc
+    )
+    assert [j for j, _ in pf.seen] == list(range(len(bounds) - 1))
+    for j, snapshot in pf.seen:
+        done, rest = snapshot[:, : bounds[j + 1]], snapshot[:, bounds[j + 1] :]
+        assert_equal(done, out[:, : bounds[j + 1]], what=f"block {j}: the columns written")
+        assert bool(rest.isnan().all()), f"block {j}: a later block was written early"
+    whole = _run(x, experts, weights, ids, "triton", quant_config=qc, activation=activation)
+    assert_equal(out, whole, what="by blocks vs in one piece")
+    ref = _run(x, experts, weights, ids, "torch", quant_config=qc, activation=activation)
+    assert_close(out, ref, torch.bfloat16, **(QUANT_TOL if qc is not None else {}))
+
+
+def test_tma_rows_of_a_column_block():
+    """A weight's block of rows w[:, lo:hi] as the TMA descriptor walks it: row n of expert e
+    at e * H + n (the GEMM's coordinates), a view of the weight's own memory."""
+    w = torch.randn(3, 40, 16)
+    for lo, hi in ((0, 40), (8, 24), (32, 40)):
+        block = w[:, lo:hi]
+        rows = _tma_rows(block)
+        assert rows.data_ptr() == block.data_ptr() and rows.shape[1] == 16
+        for e in range(3):
+            assert_equal(rows[e * 40 : e * 40 + hi - lo], w[e, lo:hi], what=f"expert {e}")
+    assert _tma_rows(w[:, :, :8]) is None  # rows not dense: no descriptor
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4_w4a16", "int4_w4a16"])
+def test_output_columns_not_taken_by_the_weight_only_kernels(scheme):
+    experts = _experts(2, 128, 128, dtype=torch.float32, device="cpu")
+    _, _, qc = quantize_experts(experts["w13"], experts["w2"], scheme)
+    assert not TritonExperts().writes_output_columns(qc)
 
 
 @pytest.mark.parametrize("scheme", ["mxfp8", "mxfp4_w4a8", "nvfp4"])

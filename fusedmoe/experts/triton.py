@@ -130,6 +130,10 @@ class TritonExperts(Experts):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
 
+    def writes_output_columns(self, quant_config):
+        # the fused path (its GEMM2 and sum by column blocks); not the weight-only kernels
+        return _modes(quant_config) is not None and _weight_only(quant_config) is None
+
     def apply(self, call, gate: torch.Tensor | None = None):
         """gate: uint8 [1] on the device; where it reads 0 the call writes nothing
         (fusedmoe.kernels.fused_moe.fused_experts_triton)."""
@@ -177,6 +181,7 @@ class TritonExperts(Experts):
             mul_routed_weight=not call.apply_router_weight_on_input,
             dtype_key=dtype_key or _DTYPE_KEY[call.output.dtype],
             gate=gate,
+            output_columns=call.output_columns,
         )
 
     def _apply_weight_only(

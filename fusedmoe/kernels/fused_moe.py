@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton.language as tl
@@ -38,6 +40,9 @@ from fusedmoe.quant.kernels import (
     act_mul_group_quant_fp8_impl,
     act_mul_group_quant_fp8_op,
 )
+
+if TYPE_CHECKING:
+    from fusedmoe.modular.types import OutputColumns
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -152,9 +157,23 @@ class GemmRows:
         )  # fmt: skip
 
 
+def _tma_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """The [rows, K] matrix a TMA descriptor of t walks, or None where there is none: t
+    contiguous (t.view(-1, K)), or a weight's block of rows w[:, lo:hi] [E_l, n, K], whose row
+    n of expert e lies at row e * (stride(0) // K) + n from its first element, as the GEMM
+    addresses it (an output column block, OutputColumns)."""
+    if t.is_contiguous():
+        return t.view(-1, t.shape[-1])
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) % t.shape[2]:
+        return None
+    rows = (t.shape[0] - 1) * (t.stride(0) // t.shape[2]) + t.shape[1]
+    return t.as_strided((rows, t.shape[2]), (t.shape[2], 1))
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA loads of t: a Hopper-or-newer GPU, contiguous t with 16-byte aligned rows."""
-    if not (t.is_cuda and _TensorDescriptor is not None and t.is_contiguous()):
+    """TMA loads of t: a Hopper-or-newer GPU, t with a row matrix (_tma_rows) of 16-byte
+    aligned rows."""
+    if not (t.is_cuda and _TensorDescriptor is not None and _tma_rows(t) is not None):
         return False
     if torch.cuda.get_device_capability(t.device)[0] < 9:
         return False
@@ -162,7 +181,19 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def _tma_descriptor(t: torch.Tensor, block_rows: int, block_k: int):
-    return _TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [block_rows, block_k])
+    return _TensorDescriptor.from_tensor(_tma_rows(t), [block_rows, block_k])
+
+
+def _w_columns(scale: torch.Tensor | None, w_mode: str, lo: int, hi: int) -> torch.Tensor | None:
+    """The scales of a weight's rows [lo, hi) (GEMM2: output columns), a view: per tensor
+    all of them, per channel [E_l, hi - lo], per 128 x 128 block those of rows lo // 128 on
+    (lo a multiple of 128)."""
+    if scale is None or w_mode in ("none", "tensor"):
+        return scale
+    if w_mode == "channel":
+        return scale[:, lo:hi]
+    assert w_mode == "block" and lo % g.QUANT_GROUP == 0, (w_mode, lo)
+    return scale[:, lo // g.QUANT_GROUP : cdiv(hi, g.QUANT_GROUP)]
 
 
 @dataclass(frozen=True)
@@ -310,6 +341,45 @@ def _fused_experts_triton_impl(
     dtype_key: str,
     gate: torch.Tensor | None = None,
 ) -> None:
+    _fused_experts(
+        output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, topk_weights,
+        topk_ids, expert_map, a2_static_scale, workspace13, workspace2, activation, alpha, beta,
+        limit, has_limit, a_mode, w_mode, a2_mode, mul_routed_weight, dtype_key, gate,
+    )  # fmt: skip
+
+
+def _fused_experts(
+    output,
+    x,
+    a1_scale,
+    w13,
+    w2,
+    w13_scale,
+    w2_scale,
+    w13_bias,
+    w2_bias,
+    topk_weights,
+    topk_ids,
+    expert_map,
+    a2_static_scale,
+    workspace13,
+    workspace2,
+    activation,
+    alpha,
+    beta,
+    limit,
+    has_limit,
+    a_mode,
+    w_mode,
+    a2_mode,
+    mul_routed_weight,
+    dtype_key,
+    gate=None,
+    columns: OutputColumns | None = None,
+) -> None:
+    """_fused_experts_triton_impl (the custom op's signature), and columns: GEMM2 and the sum
+    by those output column blocks, each reported when issued (eager only: a callback is no
+    op argument)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     num_local, gemm1_rows, hidden = w13.shape
@@ -362,13 +432,19 @@ def _fused_experts_triton_impl(
             qa = quantize_activation(a2, OperandQuant(post_key))
             a2, a2_scale = qa.q, qa.scale
         y = workspace13.view(-1)[: num_slots * hidden].view(num_slots, hidden)
-        launch_gemm(
-            a2, a2_scale, _A2_SCALE[a2_mode], 1, w2, w2_scale, W_MODES[w_mode], w2_bias,
-            y, None, topk_weights.reshape(-1), rows, num_slots, config.gemm2,
-            activation=None, params=params, out_mode=g.OUT_PLAIN,
-            mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
-        )  # fmt: skip
-        moe_sum(y, output, topk_ids, expert_map, num_local, gate=gate)
+        bounds = (0, hidden) if columns is None else columns.bounds
+        for block, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            launch_gemm(
+                a2, a2_scale, _A2_SCALE[a2_mode], 1, w2[:, lo:hi],
+                _w_columns(w2_scale, w_mode, lo, hi), W_MODES[w_mode],
+                None if w2_bias is None else w2_bias[:, lo:hi],
+                y[:, lo:hi], None, topk_weights.reshape(-1), rows, num_slots, config.gemm2,
+                activation=None, params=params, out_mode=g.OUT_PLAIN,
+                mul_routed_weight=mul_routed_weight, h_dtype=h_dtype,
+            )  # fmt: skip
+            moe_sum(y[:, lo:hi], output[:, lo:hi], topk_ids, expert_map, num_local, gate=gate)
+            if columns is not None:
+                columns.done(block)
 
 
 _fused_experts_triton_op = torch.library.custom_op(
@@ -461,17 +537,26 @@ def fused_experts_triton(
     mul_routed_weight: bool = True,
     dtype_key: str = "bfloat16",
     gate: torch.Tensor | None = None,
+    output_columns: OutputColumns | None = None,
 ) -> None:
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts); params are (alpha, beta, limit, has_limit) with defaults
     resolved (fusedmoe.quant.kernels.resolve_params). gate (uint8 [1] on the device, more
     than one token): where it reads 0 the call writes nothing into output, and its GEMMs,
     activation and sum return at once (read on the GPU: one of two paths chosen without a host
-    sync; a2 quantized per row or tensor still runs)."""
+    sync; a2 quantized per row or tensor still runs). output_columns (eager, not while
+    torch.compile traces): GEMM2 and the sum run by its column blocks, each reported
+    (fusedmoe.modular.types.OutputColumns; interior bounds multiples of 128)."""
     alpha, beta, limit, has_limit = params
-    op_or_impl(_fused_experts_triton_op, _fused_experts_triton_impl)(
+    args = (
         output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,
         topk_weights, topk_ids, expert_map, a2_static_scale, workspace13, workspace2,
         activation.value, alpha, beta, limit, has_limit, a_mode, w_mode, a2_mode,
         mul_routed_weight, dtype_key, gate,
     )  # fmt: skip
+    if output_columns is not None:
+        if torch.compiler.is_compiling():
+            raise ValueError("output_columns is eager only (a callback is no op argument)")
+        _fused_experts(*args, columns=output_columns)
+        return
+    op_or_impl(_fused_experts_triton_op, _fused_experts_triton_impl)(*args)

@@ -193,6 +193,11 @@ class Experts(abc.ABC):
         """True when the backend quantizes activations itself (prepare must not)."""
         return False
 
+    def writes_output_columns(self, quant_config: FusedMoEQuantConfig | None) -> bool:
+        """Whether apply honours call.output_columns for this scheme: it writes its reduced
+        output [M, H] block by block and reports each (types.OutputColumns)."""
+        return False
+
     @abc.abstractmethod
     def workspace_shapes(
         self,

@@ -247,6 +247,7 @@ class FusedMoEModularKernel:
         workspace13 = workspaces.get("workspace13", shapes.workspace13, dtype, device)
         workspace2 = workspaces.get("workspace2", shapes.workspace2, dtype, device)
         reduce = experts.finalize_weight_and_reduce_impl()
+        output_columns = None
         if (
             isinstance(reduce, TopKWeightAndReduceNoOp)
             and self.prepare_finalize.experts_may_write_output()
@@ -259,6 +260,9 @@ class FusedMoEModularKernel:
                 expert_output = self.prepare_finalize.expert_output_buffer(
                     tuple(shapes.output), hidden_states.dtype, device
                 )
+                # the combine may start on the blocks the experts have written (EP)
+                if expert_output is not None and experts.writes_output_columns(quant_config):
+                    output_columns = self.prepare_finalize.output_columns(output, expert_output)
             if expert_output is None:
                 expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
         if num_tokens:  # EP: a rank where no token landed skips its experts, not finalize
@@ -279,6 +283,7 @@ class FusedMoEModularKernel:
                     a1q_global_scale=prepared.a1q_global_scale,
                     expert_tokens_meta=prepared.expert_tokens_meta,
                     apply_router_weight_on_input=apply_router_weight_on_input,
+                    output_columns=output_columns,
                 )
             )
         self.prepare_finalize.finalize(

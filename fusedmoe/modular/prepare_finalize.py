@@ -19,7 +19,7 @@ from fusedmoe.modular.reduce import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
 )
-from fusedmoe.modular.types import PrepareResult
+from fusedmoe.modular.types import OutputColumns, PrepareResult
 from fusedmoe.quant.activation import quantize_input
 from fusedmoe.quant.config import FusedMoEQuantConfig
 
@@ -85,6 +85,15 @@ class PrepareFinalize(abc.ABC):
         """Where the experts of the prepared call may write their output of `shape` (finalize
         then has nothing to copy before its combine), or None: the modular kernel's workspace.
         Asked between prepare and finalize."""
+        return None
+
+    def output_columns(
+        self, output: torch.Tensor, expert_output: torch.Tensor
+    ) -> OutputColumns | None:
+        """Column blocks in which finalize combines the experts' output as the experts write
+        it (types.OutputColumns), or None: one combine after the experts. output: finalize's
+        [M, H]; expert_output: where the experts write (expert_output_buffer's). Asked between
+        prepare and finalize, of a backend that writes_output_columns."""
         return None
 
     def single_pass(self) -> bool:

@@ -7,6 +7,7 @@ k top-k, H hidden_size, I intermediate_size, N = 2I (gated) or I (non-gated).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +114,9 @@ class ExpertsCall:
     #: top-1 routing with the router weight applied to the input (prepare did it): the
     #: backend must not multiply by topk_weights again
     apply_router_weight_on_input: bool = False
+    #: where finalize combines the output by column blocks (a backend that writes them, see
+    #: Experts.writes_output_columns; None: the output in one piece)
+    output_columns: OutputColumns | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +125,26 @@ class ExpertsCall:
     @property
     def top_k(self) -> int:
         return self.topk_ids.shape[1]
+
+
+@dataclass(frozen=True)
+class OutputColumns:
+    """The experts' output [M, H] in column blocks, each combined by finalize as soon as it is
+    written, while the experts write the next (an EP combine overlapped with GEMM2).
+
+        for j in range(len(bounds) - 1):
+            write output[:, bounds[j] : bounds[j + 1]] for every row   # GEMM2 and its sum
+            done(j)                                                    # on the current stream
+
+    A backend calls done once per block, in order, after the block's last write is issued on
+    the current CUDA stream; finalize combines the blocks it was not told of."""
+
+    bounds: tuple[int, ...]  # 0 = bounds[0] < bounds[1] < ... < bounds[-1] = H
+    done: Callable[[int], None]  # done(j): block j is written (issued on the current stream)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.bounds) - 1
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ whole batch (FP8 per-tensor dynamic, NVFP4) are refused: the stale rows would en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedmoe.modular.kernel import stream_handle
+from fusedmoe.modular.types import OutputColumns
 from fusedmoe.parallel.all_to_all_ep import AllToAllEPPrepareFinalize
 from fusedmoe.parallel.comm import to_wire
 from fusedmoe.parallel.naive_ep import TokenBatch, quantizes_before_dispatch
@@ -264,9 +266,9 @@ class _NvshmemTransport:
 
         barrier_triton(bufs.peer["pads"], self.rank)
 
-    def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
-        """A barrier: every rank's experts wrote their out (the sum then loads this rank's
-        region of each rank's out: combine_sources)."""
+    def combine(self, bufs: _Buffers, plan: _CombinePlan, cols: slice) -> None:
+        """A barrier: every rank's experts wrote the bytes `cols` of their out (the sum then
+        loads this rank's region of each rank's out there: combine_sources)."""
         from fusedmoe.kernels.ep_rows import barrier_triton
 
         barrier_triton(bufs.peer["pads"], self.rank)
@@ -330,11 +332,18 @@ class _EmulatedTransport:
         return self._regions(view(bufs.send), size), [bufs.staged[r : r + 1] for r in range(size)]
 
     def _move(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Region r of src -> this rank's region of rank r's dst."""
+        """Region r of src -> this rank's region of rank r's dst (rows of bytes; a block of
+        their columns goes through contiguous copies)."""
         import torch.distributed as dist
 
         rows = self.region_rows * bufs.counts.shape[0]
-        dist.all_to_all_single(dst[:rows], src[:rows], group=self.group)
+        dst, src = dst[:rows], src[:rows]
+        if dst.is_contiguous() and src.is_contiguous():
+            dist.all_to_all_single(dst, src, group=self.group)
+            return
+        moved = torch.empty_like(src, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(moved, src.contiguous(), group=self.group)
+        dst.copy_(moved)
 
     def after_dispatch(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
         """The staged rows (src) and counts to their ranks."""
@@ -343,10 +352,11 @@ class _EmulatedTransport:
         self._move(bufs, dst, src)
         dist.all_to_all_single(bufs.incoming, bufs.staged, group=self.group)
 
-    def combine(self, bufs: _Buffers, plan: _CombinePlan) -> None:
-        """Region r of out (rank r's rows, their partial sums) to rank r, into its send at this
-        rank's region: what the peer transport's sum loads from rank r's out, moved first."""
-        self._move(bufs, plan.back, plan.rows)
+    def combine(self, bufs: _Buffers, plan: _CombinePlan, cols: slice) -> None:
+        """Region r of out (rank r's rows, their partial sums: the bytes `cols`) to rank r,
+        into its send at this rank's region: what the peer transport's sum loads from rank r's
+        out, moved first."""
+        self._move(bufs, plan.back[:, cols], plan.rows[:, cols])
 
     def combine_sources(self, bufs: _Buffers, view) -> list[torch.Tensor]:
         """Where the sum reads rank r's partial sums of this rank's rows: region r of send."""
@@ -383,6 +393,52 @@ def _row_bytes(nbytes: int) -> int:
 def _view_rows(capacity: int, row_bytes: int) -> int:
     """Rows of a view: at least C + 1 (row C takes what goes nowhere), and _MIN_BYTES."""
     return max(capacity + 1, -(-_MIN_BYTES // row_bytes))
+
+
+# ---- the combine by column blocks ---------------------------------------------------------
+#: The peer transport combines the experts' output [C, H] in column blocks, each as soon as
+#: the experts' GEMM2 and sum have written it, on a side stream while they write the next:
+#: its loads over NVLink overlap GEMM2 (which reads its weights by output column, so nothing
+#: is read twice). A block costs a barrier: there are COMBINE_BLOCKS of them where the output
+#: holds at least COMBINE_BLOCKS_MIN_BYTES (prefill), one below (decode: the barrier's
+#: latency is not hidden there). Bounds are multiples of 128 columns (FP8 weight blocks).
+#: The rule reads only C, H and the dtype, which every rank shares (its fingerprint): the
+#: ranks make the same barriers.
+COMBINE_BLOCKS = 4
+COMBINE_BLOCKS_MIN_BYTES = 64 << 20
+_COLUMN_ALIGN = 128
+_blocks_override: tuple[int, int] | None = None  # (blocks, column alignment)
+
+
+@contextlib.contextmanager
+def combine_blocks_override(blocks: int | None, align: int = _COLUMN_ALIGN):
+    """Scoped: every combine of this process in `blocks` column blocks (as many as whole
+    `align`-column blocks allow), whatever the size; None: the rule. For tests and benchmarks
+    (every rank must set the same); an align other than 128 only where no weights are in
+    128-column blocks (FP8 blocks)."""
+    global _blocks_override
+    for name, value in (("blocks", blocks), ("align", align)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):  # fmt: skip
+            raise ValueError(f"combine {name} must be an int >= 1, got {value!r}")
+    saved = _blocks_override
+    _blocks_override = None if blocks is None else (blocks, align)
+    try:
+        yield
+    finally:
+        _blocks_override = saved
+
+
+def combine_bounds(capacity: int, hidden: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The column bounds (0, ..., H) of the combine's blocks for [C, H] partial sums."""
+    if _blocks_override is not None:
+        blocks, align = _blocks_override
+    else:
+        big = capacity * hidden * dtype.itemsize >= COMBINE_BLOCKS_MIN_BYTES
+        blocks, align = (COMBINE_BLOCKS if big else 1), _COLUMN_ALIGN
+    blocks = max(1, min(blocks, hidden // align))
+    inner = (round(j * hidden / blocks / align) * align for j in range(1, blocks))
+    return (0, *inner, hidden)
 
 
 @dataclass
@@ -457,6 +513,24 @@ class _CombinePlan:
     rows_c: torch.Tensor  # its first C rows as the partial sums' dtype (the experts' output)
     back: torch.Tensor  # send as [rows, row bytes], where they come back (vdev, emulated)
     sources: object  # where this rank's partial sums are read: one tensor or one per rank
+    #: (lo, hi) -> the sources' columns [lo, hi) (regions: a RankTensors), made once each
+    blocks: dict = field(default_factory=dict)
+
+    def block_sources(self, lo: int, hi: int):
+        found = self.blocks.get((lo, hi))
+        if found is None:
+            found = self.blocks[lo, hi] = _rank_tensors(s[:, lo:hi] for s in self.sources)
+        return found
+
+
+@dataclass
+class _Columns:
+    """The combine by column blocks of a call (OutputColumns): blocks [0, next) are issued."""
+
+    bounds: tuple[int, ...]  # column bounds of the blocks (combine_bounds)
+    target: torch.Tensor  # [M, H]: the combine's output, allocated before the experts ran
+    side: torch.cuda.Stream | None  # CUDA: the stream the blocks' exchanges and sums run on
+    next: int = 0  # the first block not issued yet
 
 
 @dataclass
@@ -466,6 +540,7 @@ class _DispatchState:
     buffers: _Buffers  # the set the dispatch used: the combine's rows go back through it
     combine_bytes: int  # bytes of a combine row (the partial sums', padded)
     refused: bool  # this rank was over the bound: it sent nothing, its output is refused
+    columns: _Columns | None = None  # blocks combined while the experts run (output_columns)
 
 
 class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
@@ -501,6 +576,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         self._agreed = False  # the ranks' fingerprints compared (EPGroup.agree)
         self._refused: str | None = None  # this call was over the bound: why (finalize raises)
         self._last_buffers: _Buffers | None = None  # the set of the last call (device_barrier)
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # combine's blocks
 
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
@@ -652,6 +728,70 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         rows = _Buffers.rows(state.buffers.out, self.capacity, state.combine_bytes)
         return rows[: shape[0], : shape[1] * dtype.itemsize].view(dtype)
 
+    def output_columns(self, output: torch.Tensor, expert_output: torch.Tensor):
+        """The combine's column blocks (combine_bounds) where the experts write into out (the
+        peer or emulated transport, one block or more): block j's barrier and sum are issued,
+        on a side stream on CUDA, as soon as the experts report it; None otherwise."""
+        in_flight = self._in_flight
+        if in_flight is None or torch.compiler.is_compiling():
+            return None
+        state = in_flight.dispatch
+        bufs = state.buffers
+        if not bufs.regions or state.columns is not None:
+            return None
+        if expert_output.data_ptr() != bufs.out.data_ptr() or expert_output.dim() != 2:
+            return None
+        hidden, dtype = expert_output.shape[1], expert_output.dtype
+        bounds = combine_bounds(self.capacity, hidden, dtype)
+        if len(bounds) == 2:
+            return None
+        if in_flight.sp_counts is None and output.dtype == dtype and output.shape[1] == hidden:
+            target = output
+        else:  # sequence parallel combines this rank's slice, gathered after (finalize)
+            num = output.shape[0]
+            if in_flight.sp_counts is not None:
+                num = in_flight.sp_counts[self.comm.rank]
+            target = expert_output.new_empty(num, hidden)
+        side = None
+        if expert_output.is_cuda:
+            side = self._side_streams.get(expert_output.device)
+            if side is None:
+                side = self._side_streams[expert_output.device] = torch.cuda.Stream(
+                    expert_output.device
+                )
+        state.columns = _Columns(bounds, target, side)
+        return OutputColumns(bounds, lambda block: self._combine_columns(state, block + 1))
+
+    def _combine_columns(self, state: _DispatchState, stop: int) -> None:
+        """Issue the barriers and sums of the column blocks [columns.next, stop), on the side
+        stream after what the current one issued (CUDA)."""
+        columns = state.columns
+        if stop <= columns.next:
+            return
+        if columns.side is None:
+            self._combine_blocks(state, columns, range(columns.next, stop))
+        else:
+            columns.side.wait_stream(torch.cuda.current_stream(columns.side.device))
+            with torch.cuda.stream(columns.side):
+                self._combine_blocks(state, columns, range(columns.next, stop))
+        columns.next = stop
+
+    def _combine_blocks(self, state: _DispatchState, columns, blocks) -> None:
+        """Each block's exchange (peer: a barrier) and, unless refused, its sum into the
+        target's columns. columns: a _Columns, or (bounds, target) for the blocks of finalize."""
+        if isinstance(columns, _Columns):
+            columns = (columns.bounds, columns.target)
+        bounds, target = columns
+        dtype = target.dtype
+        hidden, bufs = bounds[-1], state.buffers
+        plan = self._combine_plan(bufs, state.combine_bytes, dtype, hidden * dtype.itemsize)
+        for j in blocks:
+            lo, hi = bounds[j], bounds[j + 1]
+            self._transport.combine(bufs, plan, slice(lo * dtype.itemsize, hi * dtype.itemsize))
+            if not state.refused:
+                block = plan.sources if hi - lo == hidden else plan.block_sources(lo, hi)
+                gather_sum_rows(block, state.pos, target[:, lo:hi], self.capacity)
+
     # ---- dispatch and combine ----
     def _dispatch_plan(self, bufs: _Buffers, row_bytes: int) -> _DispatchPlan:
         """The views a dispatch with rows of row_bytes writes and reads (made once per set of
@@ -768,21 +908,31 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         plan = self._combine_plan(bufs, state.combine_bytes, partial.dtype, width)
         if partial.data_ptr() != plan.rows_c.data_ptr():  # else the experts wrote it there
             plan.rows_c.copy_(partial)
-        if bufs.regions:  # a barrier (peer: the sum then loads from the peers' out), or the
-            self._transport.combine(bufs, plan)  # regions moved to their senders (emulated)
+        columns = state.columns
+        if columns is not None:  # the blocks the experts did not report, then the join
+            self._combine_columns(state, len(columns.bounds) - 1)
+            if columns.side is not None:
+                torch.cuda.current_stream(columns.side.device).wait_stream(columns.side)
+            out = columns.target
         else:
-            # the rows each rank sent are what goes back to it: the dispatch's received counts
-            # (read before the combine's barrier; no peer writes them again before it)
-            self._transport.all_to_all(plan.rows, plan.back, bufs.received[0, 0], bufs.received[1])
-        # the exchanges are done (a call that raised before here keeps the buffers held: its
-        # exchanges are out of step, _Buffers.take); held until the sum is issued, which may
-        # read the peers' out: a forward let in before it could free them to overwrite it
-        try:
             if out is None or out.dtype != partial.dtype:
                 out = partial.new_empty(num_tokens, hidden)
-            if state.refused:  # this rank sent nothing: its call is refused in finalize
-                return out.zero_()
-            gather_sum_rows(plan.sources, state.pos, out, capacity)
-            return out
-        finally:
-            bufs.release()
+            if bufs.regions:  # per block: a barrier (peer: the sum then loads from the peers'
+                # out), or the regions moved to their senders (emulated); then the sum
+                bounds = combine_bounds(capacity, hidden, partial.dtype)
+                self._combine_blocks(state, (bounds, out), range(len(bounds) - 1))
+            else:
+                # the rows each rank sent are what goes back to it: the dispatch's received
+                # counts (read before the combine's barrier; no peer writes them again before)
+                self._transport.all_to_all(
+                    plan.rows, plan.back, bufs.received[0, 0], bufs.received[1]
+                )
+                if not state.refused:
+                    gather_sum_rows(plan.sources, state.pos, out, capacity)
+        # the exchanges are done and the sums issued (a call that raised before here keeps the
+        # buffers held: its exchanges are out of step, _Buffers.take); held until then, as the
+        # sums may read the peers' out: a forward let in before could free them to overwrite it
+        bufs.release()
+        if state.refused:  # this rank sent nothing: its call is refused in finalize
+            out.zero_()
+        return out

@@ -119,6 +119,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="symm_mem's max_tokens_per_rank (default: the largest --tokens)",
     )
+    parser.add_argument(
+        "--combine-blocks",
+        type=int,
+        default=None,
+        help="symm_mem: the combine in this many column blocks, overlapped with GEMM2 "
+        "(default: the rule of fusedmoe.parallel.symm_mem_ep.combine_bounds; 1: none)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = parser.parse_args(argv)  # fmt: skip
@@ -146,6 +153,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--warmup must be >= 0")
     if args.max_tokens is not None and args.max_tokens < 1:
         parser.error("--max-tokens must be >= 1")
+    if args.combine_blocks is not None and args.combine_blocks < 1:
+        parser.error("--combine-blocks must be >= 1")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.backend is None:
@@ -507,8 +516,11 @@ def format_table(rows: list[Row], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fusedmoe.parallel.symm_mem_ep import combine_blocks_override
+
     args = parse_args(argv)
-    rows = run(args)
+    with combine_blocks_override(args.combine_blocks):
+        rows = run(args)
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -519,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
             f"H={preset.hidden_size}, I={preset.intermediate_size}, {dist.get_world_size()} "
             f"ranks ({args.device}, {dist.get_backend()}), backend {args.backend}"
         )
+        if args.combine_blocks is not None:
+            title += f", symm_mem combine in {args.combine_blocks} column blocks"
         print(format_table(rows, title), flush=True)
         if args.json:
             with open(args.json, "w") as f:
