@@ -36,7 +36,13 @@ from fusedmoe.parallel.rows import (
     scatter_rows,
     scatter_rows_torch,
 )
-from fusedmoe.parallel.symm_mem_ep import TRANSPORT_ENV, SymmMemEPPrepareFinalize
+from fusedmoe.parallel.symm_mem_ep import (
+    COMBINE_BLOCKS_MIN_BYTES,
+    TRANSPORT_ENV,
+    SymmMemEPPrepareFinalize,
+    combine_blocks_override,
+    combine_bounds,
+)
 from fusedmoe.parallel.wiring import DispatchChoice, resolve_dispatch
 from tests.helpers import assert_close, assert_equal, poison_, random_routing
 from tests.reference import random_experts, reference
@@ -359,15 +365,16 @@ def test_gather_sum_rows_torch_matches_loops(problem):
 
 
 @needs_triton
+@pytest.mark.parametrize("max_programs", [None, 3])  # 3: programs striding over the items
 @pytest.mark.parametrize("problem", GATHER_GRID, ids=GATHER_IDS)
-def test_gather_sum_rows_triton_matches_twin(problem):
+def test_gather_sum_rows_triton_matches_twin(problem, max_programs):
     from fusedmoe.kernels.ep_rows import gather_sum_rows_triton
 
     src, pos, out, capacity = gather_problem(*problem)
     hidden, out_dtype = out.shape[1], out.dtype
     expected = torch.empty_like(out)
     gather_sum_rows_torch(src, pos, expected, capacity)
-    gather_sum_rows_triton(src, pos, out, capacity)
+    gather_sum_rows_triton(src, pos, out, capacity, max_programs)
     # both sum in float32 and round once to out's dtype: they differ by the float32 summation
     # order at most (where that moves a rounding, one ulp of out's dtype)
     assert_close(out, expected, out_dtype, what="gather kernel vs twin")
@@ -402,6 +409,36 @@ def test_gather_ignores_nan_and_inf_in_rows_no_token_addresses(gather):
     gather(src, pos, out, 3)
     expected = torch.stack([src[0], src[1], torch.zeros(8)])
     assert_close(out, expected, torch.float32, what="sum over the addressed rows only")
+
+
+# ---- the combine's column blocks ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("capacity", "hidden", "expected"),
+    [
+        (16384, 7168, (0, 3072, 5120, 6400, 7168)),  # deepseek-v3, 4 x 4096 tokens: 12/8/5/3
+        (16384, 2880, (0, 1280, 2048, 2560, 2880)),  # gpt-oss: the last block the remainder
+        (1024, 7168, (0, 7168)),  # decode-sized buffers: one block (one barrier)
+        (COMBINE_BLOCKS_MIN_BYTES // (2 * 512), 512, (0, 256, 512)),  # as 256-blocks allow
+        (COMBINE_BLOCKS_MIN_BYTES // (2 * 256), 256, (0, 256)),
+    ],
+)  # fmt: skip
+def test_combine_bounds_rule(capacity, hidden, expected):
+    bounds = combine_bounds(capacity, hidden, torch.bfloat16)
+    assert bounds == expected
+    assert all(b % 256 == 0 for b in bounds[1:-1])
+
+
+def test_combine_bounds_override_is_scoped_and_checked():
+    with combine_blocks_override(3, align=32):
+        assert combine_bounds(4, 128, torch.float32) == (0, 32, 96, 128)
+        with combine_blocks_override(None):  # the rule again
+            assert combine_bounds(4, 128, torch.float32) == (0, 128)
+        with combine_blocks_override(8):  # 128 columns hold no 256-block: one
+            assert combine_bounds(4, 128, torch.float32) == (0, 128)
+    assert combine_bounds(4, 128, torch.float32) == (0, 128)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="combine blocks"), combine_blocks_override(bad):
+            pass
 
 
 # ---- the dispatchers in rows.py ----------------------------------------------------------------

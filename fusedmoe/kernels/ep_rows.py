@@ -161,21 +161,26 @@ def _gather_sum_rows_kernel(
     out_ptr, stride_out,
     pos_ptr,
     hidden, trash,
+    num_tokens,
     NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    # every rank's row requested before any is added (predicated loads, no branches): the rows
-    # may be a peer's (loads over NVLink), whose latency then overlaps
-    for r in tl.static_range(NUM_RANKS):
-        slot = tl.load(pos_ptr + token * NUM_RANKS + r)
-        base = src_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
-        live = cols < tl.where(slot != trash, hidden, 0)  # none of a trash slot's row
-        row = tl.load(base + slot * stride_src + cols, mask=live, other=0.0)
-        acc += row.to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    """Items (token, column block), strided over the programs (one item each uncapped)."""
+    blocks = tl.cdiv(hidden, BLOCK)
+    for item in range(tl.program_id(0), num_tokens * blocks, tl.num_programs(0)):
+        token = (item // blocks).to(tl.int64)
+        cols = (item % blocks) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        # every rank's row requested before any is added (predicated loads, no branches): the
+        # rows may be a peer's (loads over NVLink), whose latency then overlaps
+        for r in tl.static_range(NUM_RANKS):
+            slot = tl.load(pos_ptr + token * NUM_RANKS + r)
+            base = src_ptr + _rank_offset(offsets_ptr, r, ALIGNED)
+            live = cols < tl.where(slot != trash, hidden, 0)  # none of a trash slot's row
+            row = tl.load(base + slot * stride_src + cols, mask=live, other=0.0)
+            acc += row.to(tl.float32)
+        out = out_ptr + token * stride_out + cols
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 #: dispatch_positions' step, tokens x ranks (padded to a power of two), of its one program:
@@ -441,16 +446,21 @@ def scatter_rows_triton(src: torch.Tensor, pos: torch.Tensor, dst, col: int, tra
         launch(_scatter_rows_kernel, grid, args, constexprs, src.is_cuda)
 
 
-def gather_sum_rows_triton(src, pos: torch.Tensor, out: torch.Tensor, trash: int) -> None:
+def gather_sum_rows_triton(
+    src, pos: torch.Tensor, out: torch.Tensor, trash: int, max_programs: int | None = None
+) -> None:
     """out [M, H] = the sum of rows pos[m, r] of src_r [>= H columns] (one tensor, or one per
-    rank), over pos[m, r] != trash."""
+    rank), over pos[m, r] != trash. max_programs: at most that many programs, each striding
+    over (token, column block) items (a sum that runs beside other kernels leaves them most
+    SMs); None: one program an item."""
     num_tokens, hidden = out.shape
     if num_tokens == 0 or hidden == 0:
         return
     base, offsets, aligned = rank_offsets(src, pos.shape[1])
     block = _block(hidden, base.element_size())  # a 16-byte vector a thread of each row
-    grid = (num_tokens, cdiv(hidden, block))
-    args = (base, offsets, base.stride(0), out, out.stride(0), pos, hidden, trash)
+    items = num_tokens * cdiv(hidden, block)
+    grid = (items if max_programs is None else max(1, min(items, max_programs)),)
+    args = (base, offsets, base.stride(0), out, out.stride(0), pos, hidden, trash, num_tokens)
     constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned, num_warps=8)
     with device_guard(out):
         launch(_gather_sum_rows_kernel, grid, args, constexprs, out.is_cuda)

@@ -119,10 +119,11 @@ def scatter_rows_torch(
 
 
 def gather_sum_rows_torch(
-    src: RankTargets, pos: torch.Tensor, out: torch.Tensor, trash: int
+    src: RankTargets, pos: torch.Tensor, out: torch.Tensor, trash: int, max_programs=None
 ) -> None:
     """out[m] = sum over r with pos[m, r] != trash of src_r[pos[m, r], :H], in float32
-    (float64 for float64), rounded once (src_r: src, or src[r] of a list)."""
+    (float64 for float64), rounded once (src_r: src, or src[r] of a list). max_programs: the
+    kernel's grid (nothing here)."""
     hidden = out.shape[1]
     sources = per_rank(src, pos.shape[1])
     acc = torch.zeros(out.shape, dtype=torch.promote_types(sources[0].dtype, torch.float32),
@@ -144,13 +145,15 @@ def scatter_rows(
         scatter_rows_torch(src, pos, dst, col, trash)
 
 
-def gather_sum_rows(src: RankTargets, pos: torch.Tensor, out: torch.Tensor, trash: int) -> None:
+def gather_sum_rows(
+    src: RankTargets, pos: torch.Tensor, out: torch.Tensor, trash: int, max_programs=None
+) -> None:
     if triton_runs_on(out) and out.dtype != torch.float64:
         from fusedmoe.kernels.ep_rows import gather_sum_rows_triton
 
-        gather_sum_rows_triton(src, pos, out, trash)
+        gather_sum_rows_triton(src, pos, out, trash, max_programs)
     else:
-        gather_sum_rows_torch(src, pos, out, trash)
+        gather_sum_rows_torch(src, pos, out, trash, max_programs)
 
 
 def pack_meta_torch(

@@ -397,25 +397,28 @@ def _view_rows(capacity: int, row_bytes: int) -> int:
 
 # ---- the combine by column blocks ---------------------------------------------------------
 #: The peer transport combines the experts' output [C, H] in column blocks, each as soon as
-#: the experts' GEMM2 and sum have written it, on a side stream while they write the next:
-#: its loads over NVLink overlap GEMM2 (which reads its weights by output column, so nothing
-#: is read twice). A block costs a barrier: there are COMBINE_BLOCKS of them where the output
-#: holds at least COMBINE_BLOCKS_MIN_BYTES (prefill), one below (decode: the barrier's
-#: latency is not hidden there). Bounds are multiples of 128 columns (FP8 weight blocks).
+#: the experts' GEMM2 and sum have written it, on a side stream of the highest priority while
+#: they write the next: its loads over NVLink overlap GEMM2 (which reads its weights by output
+#: column, so nothing is read twice), in one program a SM (the GEMM keeps the others). Each
+#: block costs a barrier: there are blocks where the output holds at least
+#: COMBINE_BLOCKS_MIN_BYTES (prefill), one below (decode: the barrier's latency is not hidden
+#: there). Their widths are COMBINE_PARTS of H, decreasing: the last block's sum, the one that
+#: nothing hides, is short, and each block's sum fits in the next block's GEMM2. Bounds are
+#: multiples of 256 columns (GEMM2's widest tile: no tile spans two blocks; FP8's 128-blocks).
 #: The rule reads only C, H and the dtype, which every rank shares (its fingerprint): the
-#: ranks make the same barriers.
-COMBINE_BLOCKS = 4
+#: ranks make the same barriers. (4 H200s, deepseek-v3, 4096 tokens a rank: docs/performance.md.)
+COMBINE_PARTS = (12, 8, 5, 3)
 COMBINE_BLOCKS_MIN_BYTES = 64 << 20
-_COLUMN_ALIGN = 128
+_COLUMN_ALIGN = 256
 _blocks_override: tuple[int, int] | None = None  # (blocks, column alignment)
 
 
 @contextlib.contextmanager
 def combine_blocks_override(blocks: int | None, align: int = _COLUMN_ALIGN):
-    """Scoped: every combine of this process in `blocks` column blocks (as many as whole
-    `align`-column blocks allow), whatever the size; None: the rule. For tests and benchmarks
-    (every rank must set the same); an align other than 128 only where no weights are in
-    128-column blocks (FP8 blocks)."""
+    """Scoped: every combine of this process in `blocks` column blocks of even widths (as
+    many as whole `align`-column blocks allow), whatever the size; None: the rule. For tests
+    and benchmarks (every rank must set the same); an align that is not a multiple of 128
+    only where no weights are in 128-column blocks (FP8 blocks)."""
     global _blocks_override
     for name, value in (("blocks", blocks), ("align", align)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -433,12 +436,18 @@ def combine_bounds(capacity: int, hidden: int, dtype: torch.dtype) -> tuple[int,
     """The column bounds (0, ..., H) of the combine's blocks for [C, H] partial sums."""
     if _blocks_override is not None:
         blocks, align = _blocks_override
+        parts = (1,) * blocks  # as wide as the alignment allows
+    elif capacity * hidden * dtype.itemsize >= COMBINE_BLOCKS_MIN_BYTES:
+        parts, align = COMBINE_PARTS, _COLUMN_ALIGN
     else:
-        big = capacity * hidden * dtype.itemsize >= COMBINE_BLOCKS_MIN_BYTES
-        blocks, align = (COMBINE_BLOCKS if big else 1), _COLUMN_ALIGN
-    blocks = max(1, min(blocks, hidden // align))
-    inner = (round(j * hidden / blocks / align) * align for j in range(1, blocks))
-    return (0, *inner, hidden)
+        return (0, hidden)
+    bounds, total, done = [0], sum(parts), 0
+    for part in parts[:-1]:
+        done += part
+        bound = round(done * hidden / total / align) * align
+        if bounds[-1] < bound < hidden:
+            bounds.append(bound)
+    return (*bounds, hidden)
 
 
 @dataclass
@@ -530,6 +539,7 @@ class _Columns:
     bounds: tuple[int, ...]  # column bounds of the blocks (combine_bounds)
     target: torch.Tensor  # [M, H]: the combine's output, allocated before the experts ran
     side: torch.cuda.Stream | None  # CUDA: the stream the blocks' exchanges and sums run on
+    programs: int | None  # CUDA: the SMs, the programs of a sum beside GEMM2
     next: int = 0  # the first block not issued yet
 
 
@@ -576,7 +586,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         self._agreed = False  # the ranks' fingerprints compared (EPGroup.agree)
         self._refused: str | None = None  # this call was over the bound: why (finalize raises)
         self._last_buffers: _Buffers | None = None  # the set of the last call (device_barrier)
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # combine's blocks
+        #: device -> (the combine's side stream, its SMs): the blocks' (output_columns)
+        self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, int]] = {}
 
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
@@ -752,17 +763,21 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             if in_flight.sp_counts is not None:
                 num = in_flight.sp_counts[self.comm.rank]
             target = expert_output.new_empty(num, hidden)
-        side = None
+        side = programs = None
         if expert_output.is_cuda:
-            side = self._side_streams.get(expert_output.device)
-            if side is None:
-                side = self._side_streams[expert_output.device] = torch.cuda.Stream(
-                    expert_output.device
+            device = expert_output.device
+            found = self._side_streams.get(device)
+            if found is None:  # the highest priority: its blocks of threads are scheduled
+                # as soon as GEMM2's free an SM, not after all of GEMM2's are
+                found = self._side_streams[device] = (
+                    torch.cuda.Stream(device, priority=-100),
+                    torch.cuda.get_device_properties(device).multi_processor_count,
                 )
-        state.columns = _Columns(bounds, target, side)
+            side, programs = found
+        state.columns = _Columns(bounds, target, side, programs)
         return OutputColumns(bounds, lambda block: self._combine_columns(state, block + 1))
 
-    def _combine_columns(self, state: _DispatchState, stop: int) -> None:
+    def _combine_columns(self, state: _DispatchState, stop: int, overlapped: bool = True) -> None:
         """Issue the barriers and sums of the column blocks [columns.next, stop), on the side
         stream after what the current one issued (CUDA)."""
         columns = state.columns
@@ -772,11 +787,12 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             self._combine_blocks(state, columns, range(columns.next, stop))
         else:
             columns.side.wait_stream(torch.cuda.current_stream(columns.side.device))
+            programs = columns.programs if overlapped else None
             with torch.cuda.stream(columns.side):
-                self._combine_blocks(state, columns, range(columns.next, stop))
+                self._combine_blocks(state, columns, range(columns.next, stop), programs)
         columns.next = stop
 
-    def _combine_blocks(self, state: _DispatchState, columns, blocks) -> None:
+    def _combine_blocks(self, state: _DispatchState, columns, blocks, programs=None) -> None:
         """Each block's exchange (peer: a barrier) and, unless refused, its sum into the
         target's columns. columns: a _Columns, or (bounds, target) for the blocks of finalize."""
         if isinstance(columns, _Columns):
@@ -790,7 +806,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             self._transport.combine(bufs, plan, slice(lo * dtype.itemsize, hi * dtype.itemsize))
             if not state.refused:
                 block = plan.sources if hi - lo == hidden else plan.block_sources(lo, hi)
-                gather_sum_rows(block, state.pos, target[:, lo:hi], self.capacity)
+                gather_sum_rows(block, state.pos, target[:, lo:hi], self.capacity, programs)
 
     # ---- dispatch and combine ----
     def _dispatch_plan(self, bufs: _Buffers, row_bytes: int) -> _DispatchPlan:
@@ -910,7 +926,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             plan.rows_c.copy_(partial)
         columns = state.columns
         if columns is not None:  # the blocks the experts did not report, then the join
-            self._combine_columns(state, len(columns.bounds) - 1)
+            self._combine_columns(state, len(columns.bounds) - 1, overlapped=False)
             if columns.side is not None:
                 torch.cuda.current_stream(columns.side.device).wait_stream(columns.side)
             out = columns.target
