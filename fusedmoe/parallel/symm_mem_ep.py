@@ -24,8 +24,12 @@ Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's
     combine:  barrier (every rank's experts wrote their out)
               y[m] = sum_r rank r's out row me * B + pos[m, r]   (loads from the peers' out,
                   over NVLink; the layer's output, summed in fp32)
+              at prefill sizes by column blocks (combine_bounds): a barrier and a sum per
+                  block, issued on a side stream as soon as the experts wrote the block
+                  (OutputColumns), while they write the next
 
-Two barriers a call, and no copy but the dispatch's stores and the combine's loads. Why each
+Two barriers a call (one more per extra column block), and no copy but the dispatch's stores
+and the combine's loads. Why each
 buffer is free when it is written (on rank p, for any peer q): q's next dispatch stores into
 p's recv and incoming only after it passed this call's second barrier, which p reaches after
 its experts (which read recv; incoming was read before them); p's next experts write p's out
