@@ -7,6 +7,8 @@ expert, all tokens at once) computed here.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -246,6 +248,8 @@ class EPCase:
     #: symm_mem: its combine in this many column blocks of 32 (the triton backend writes them
     #: block by block, the torch backend in one piece)
     combine_blocks: int | None = None
+    #: the triton backend reports only its first this many blocks: finalize issues the rest
+    reported_blocks: int | None = None
 
 
 A1_SCALE, A2_SCALE = torch.tensor([0.02]), torch.tensor([0.05])
@@ -286,6 +290,8 @@ EP2_CASES = [
            calls=((5, 0), (3, 4))),
     EPCase("symm_triton_sp_blocks", "symm_mem", backend="triton", sequence_parallel=True,
            combine_blocks=2, calls=((9,), (1,))),
+    EPCase("symm_triton_blocks_reported_1", "symm_mem", backend="triton", combine_blocks=3,
+           reported_blocks=1, calls=((5, 0), (3, 4))),
     # under torch.compile: symm_mem's dispatch and combine run outside the graph
     EPCase("naive_compiled", compiled=True, calls=((5, 8), (0, 2))),
     EPCase("a2a_compiled", "all_to_all", compiled=True, calls=((5, 8), (0, 2))),
@@ -376,6 +382,32 @@ def total_rows(cases) -> int:
 SYMM_MAX_TOKENS = 13  # the symm_mem cases' bound: calls of 13 tokens a rank fill it
 
 
+@contextlib.contextmanager
+def reporting_only(blocks: int):
+    """The triton backend (in this process) calls OutputColumns.done for its first `blocks`
+    blocks only, as a backend that stops reporting would."""
+    from fusedmoe.experts.triton import TritonExperts
+    from fusedmoe.modular.types import OutputColumns
+
+    real = TritonExperts.apply
+
+    def apply(self, call, gate=None):
+        columns = call.output_columns
+        if columns is not None:
+            done = columns.done
+            call = dataclasses.replace(
+                call,
+                output_columns=OutputColumns(columns.bounds, lambda j: j < blocks and done(j)),
+            )
+        return real(self, call, gate)
+
+    TritonExperts.apply = apply
+    try:
+        yield
+    finally:
+        TritonExperts.apply = real
+
+
 def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ[TRANSPORT_ENV] = "emulated"  # symm_mem's layout over gloo
     init_gloo(rank, world, port)
@@ -411,7 +443,11 @@ def _ep_worker(rank: int, world: int, port: int, path: str) -> None:
             for _ in range(rounds):
                 for _call, ranks in call_rows(case, world):
                     rows = ranks[rank]
-                    with torch.no_grad(), combine_blocks_override(case.combine_blocks, align=32):
+                    blocks = combine_blocks_override(case.combine_blocks, align=32)
+                    reports = contextlib.nullcontext()
+                    if case.reported_blocks is not None:
+                        reports = reporting_only(case.reported_blocks)
+                    with torch.no_grad(), blocks, reports:
                         logits = data["logits"][rows, : routing_columns(case)]
                         outputs.append(forward(data["x"][rows], logits))
                 if case.rebalance and len(placements) == 0:

@@ -50,8 +50,8 @@ CALLS = ((37, 0, 96, 1)[:WORLD], (0, 5, 0, 0)[:WORLD], (96,) * WORLD)
 GRAPH_TOKENS = 24  # every rank's tokens in the captured forward
 OVER_CALLS = ((MAX_TOKENS + 5, 7, 0, 3)[:WORLD], (4, 9, 2, 1)[:WORLD])  # rank 0 over, then not
 GRAPH_REPLAYS = 3
-#: (scheme, combine blocks): one combine, and the combine in 3 column blocks of 128 (H =
-#: 1024: 384, 256 and 384 columns) as the triton backend writes them
+#: (scheme, combine blocks): one combine, and the combine in 3 column blocks on 256-column
+#: bounds (H = 1024: 256, 512 and 256 columns) as the triton backend writes them
 VARIANTS = tuple((scheme, blocks) for scheme in SCHEMES for blocks in (None, 3))
 _ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
@@ -152,7 +152,7 @@ def _variant(rank: int, device, data, scheme) -> dict:
     peer = last is not None and last.regions and last.peer is not None
     result = {
         "eager": eager, "explain": explain, "synced": synced, "replays": replays,
-        "over": over, "peer": peer,
+        "over": over, "peer": peer, "send": last is not None and last.send is not None,
     }  # fmt: skip
     del graph, layer
     return result
@@ -201,6 +201,8 @@ def test_symm_mem_sharded_equals_unsharded(variant, spawned):
     assert "dispatch: symm_mem" in results[0][variant]["explain"]
     if os.environ.get("FUSEDMOE_SYMM_MEM_TRANSPORT", "auto") in ("auto", "peer"):
         assert all(results[r][variant]["peer"] for r in range(WORLD)), "not the peer transport"
+        # the peer transport stores into and loads from the peers' buffers: no send buffer
+        assert not any(results[r][variant]["send"] for r in range(WORLD))
     layer = _finish(_layer("cuda"), checkpoint, scheme)
     start = 0
     for c, counts in enumerate(CALLS):

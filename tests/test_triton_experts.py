@@ -588,6 +588,33 @@ def test_output_columns_written_block_by_block(label, num_tokens):
     assert_close(out, ref, torch.bfloat16, **(QUANT_TOL if qc is not None else {}))
 
 
+def test_output_columns_bad_bounds_refused_before_anything_is_written():
+    with pytest.raises(ValueError, match="rise from 0"):
+        OutputColumns((0, 32, 32, 64), lambda j: None)
+    with pytest.raises(ValueError, match="rise from 0"):
+        OutputColumns((8, 64), lambda j: None)
+    for case, bounds, match in (
+        (None, (0, 32, 48), "end at 48"),
+        ("fp8_block", (0, 64, 256), "multiples of 128"),
+    ):
+        if case is None:
+            experts = _experts(4, H, I, dtype=torch.bfloat16)
+            x = torch.randn(5, H, device=DEVICE, dtype=torch.bfloat16)
+            qc, activation = None, "silu"
+        else:
+            x, experts, qc, activation = _quantized(case, 4, 5)
+        weights, ids = _routing(5, 4, 2)
+        pf = _ColumnsPF(bounds)
+        kernel = FusedMoEModularKernel(pf, TritonExperts())
+        ew = ExpertWeights(experts["w13"], experts["w2"], experts["w13_bias"], experts["w2_bias"])
+        with pytest.raises(ValueError, match=match):
+            kernel.forward(
+                x, ew, weights, ids, activation=ActivationSpec.make(activation),
+                global_num_experts=4, quant_config=qc,
+            )  # fmt: skip
+        assert pf.seen == [] and bool(pf.buf.isnan().all())  # nothing reported nor written
+
+
 def test_tma_rows_of_a_column_block():
     """A weight's block of rows w[:, lo:hi] as the TMA descriptor walks it: row n of expert e
     at e * H + n (the GEMM's coordinates), a view of the weight's own memory."""

@@ -20,8 +20,9 @@ this process by symmetric memory, written with plain stores). A kernel takes
 the first as its pointer and the others as element offsets from it, kept on the GPU (one small
 tensor per set of addresses, made once): the launch is the same whatever the routing, and can
 be captured in a CUDA graph. A program's item is one token (or row) and one column block, so a
-token's row is read once however many ranks it goes to; on a GPU the row movers launch at
-most 8 programs a SM, each striding over the items.
+token's row is read once however many ranks it goes to; on a GPU the scatter launches at most
+8 programs a SM and the gather one program an item (or at most max_programs), striding over
+the items.
 """
 
 from __future__ import annotations

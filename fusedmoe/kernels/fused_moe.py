@@ -546,8 +546,12 @@ def fused_experts_triton(
     activation and sum return at once (read on the GPU: one of two paths chosen without a host
     sync; a2 quantized per row or tensor still runs). output_columns (eager, not while
     torch.compile traces): GEMM2 and the sum run by its column blocks, each reported
-    (fusedmoe.modular.types.OutputColumns; interior bounds multiples of 128)."""
+    (fusedmoe.modular.types.OutputColumns; inner bounds multiples of 128 for 128-block
+    weights)."""
     alpha, beta, limit, has_limit = params
+    if output_columns is not None:  # before any launch: a rank that raises mid-way strands
+        # its peers at the combine's barriers
+        output_columns.check(output.shape[1], g.QUANT_GROUP if w_mode == "block" else 1)
     args = (
         output, x, a1_scale, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias,
         topk_weights, topk_ids, expert_map, a2_static_scale, workspace13, workspace2,

@@ -7,6 +7,7 @@ k top-k, H hidden_size, I intermediate_size, N = 2I (gated) or I (non-gated).
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -141,6 +142,22 @@ class OutputColumns:
 
     bounds: tuple[int, ...]  # 0 = bounds[0] < bounds[1] < ... < bounds[-1] = H
     done: Callable[[int], None]  # done(j): block j is written (issued on the current stream)
+
+    def __post_init__(self) -> None:
+        b = self.bounds
+        if len(b) < 2 or b[0] != 0 or any(lo >= hi for lo, hi in itertools.pairwise(b)):
+            raise ValueError(f"OutputColumns.bounds must rise from 0 to H, got {b!r}")
+
+    def check(self, hidden: int, multiple: int = 1) -> None:
+        """A backend's check before it writes anything: the bounds end at H, and the inner
+        ones are multiples of `multiple` (its weights' scale blocks)."""
+        if self.bounds[-1] != hidden:
+            raise ValueError(f"OutputColumns.bounds end at {self.bounds[-1]}, H is {hidden}")
+        if any(b % multiple for b in self.bounds[1:-1]):
+            raise ValueError(
+                f"OutputColumns.bounds {self.bounds!r}: this backend needs the inner bounds "
+                f"multiples of {multiple} columns"
+            )
 
     @property
     def num_blocks(self) -> int:

@@ -250,6 +250,10 @@ class _NvshmemTransport:
         bufs.peer = peers
         return want
 
+    def uses_send(self, bufs: _Buffers) -> bool:
+        """Grouped only: the peer transport stores into and loads from the peers' buffers."""
+        return not bufs.regions
+
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, counts: torch.Tensor, received: torch.Tensor
     ) -> None:
@@ -308,6 +312,9 @@ class _EmulatedTransport:
 
     def regions(self, bufs: _Buffers) -> bool:
         return self.kind == "emulated"
+
+    def uses_send(self, bufs: _Buffers) -> bool:
+        return True  # regions: the staging; grouped: the rows out and back
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, counts: torch.Tensor, received: torch.Tensor
@@ -405,10 +412,13 @@ def _view_rows(capacity: int, row_bytes: int) -> int:
 #: they write the next: its loads over NVLink overlap GEMM2 (which reads its weights by output
 #: column, so nothing is read twice), in one program a SM (the GEMM keeps the others). Each
 #: block costs a barrier: there are blocks where the output holds at least
-#: COMBINE_BLOCKS_MIN_BYTES (prefill), one below (decode: the barrier's latency is not hidden
-#: there). Their widths are COMBINE_PARTS of H, decreasing: the last block's sum, the one that
-#: nothing hides, is short, and each block's sum fits in the next block's GEMM2. Bounds are
-#: multiples of 256 columns (GEMM2's widest tile: no tile spans two blocks; FP8's 128-blocks).
+#: COMBINE_BLOCKS_MIN_BYTES (a prefill-sized bound), one below (a decode-sized bound: the
+#: barriers' latency is not hidden there). The rule reads the bound, not the call's tokens:
+#: a small call of a layer bounded for prefill runs in blocks too (docs/expert-parallelism.md:
+#: 40-60 us at 128 tokens on 4 H200s). The blocks are COMBINE_PARTS of H wide, decreasing: the
+#: last block's sum, the one that nothing hides, is short, and each block's sum fits in the
+#: next block's GEMM2. Bounds are multiples of 256 columns (GEMM2's widest tile: no tile spans
+#: two blocks; FP8's 128-blocks).
 #: The rule reads only C, H and the dtype, which every rank shares (its fingerprint): the
 #: ranks make the same barriers. (4 H200s, deepseek-v3, 4096 tokens a rank: docs/performance.md.)
 COMBINE_PARTS = (12, 8, 5, 3)
@@ -462,13 +472,14 @@ class _Buffers:
     sum loads them there; grouped and emulated, they come back into send). Each all-to-all
     of the grouped layout sees a whole view: its block split depends on the size."""
 
-    #: uint8: grouped, the dispatch's rows out and the combine's back; emulated regions, the
-    #: same; the peer transport does not use it (it is allocated before the layout is chosen)
-    send: torch.Tensor
     recv: torch.Tensor  # uint8: the dispatch's rows in (the experts read x there)
     out: torch.Tensor  # uint8: the experts' output; the combine's rows (read by the peers)
     counts: torch.Tensor  # int64 [R]: rows this rank sends to each rank
     received: torch.Tensor  # int64 [2, 2, R]: (rows, offsets) received, dispatch and combine
+    #: uint8: grouped, the dispatch's rows out and the combine's back; emulated regions, the
+    #: same; None for the peer transport, which stores into and loads from the peers' recv
+    #: and out (allocated once the ranks have chosen the layout)
+    send: torch.Tensor | None = None
     incoming: torch.Tensor | None = None  # int64 [R]: rows from each rank (regions)
     staged: torch.Tensor | None = None  # int64 [R]: counts before they move (emulated regions)
     pads: torch.Tensor | None = None  # int64 [R + 1]: the barrier's epochs (peer transport)
@@ -514,7 +525,8 @@ class _Buffers:
 class _DispatchPlan:
     recv: torch.Tensor  # [rows, row bytes] the rows that arrive here
     recv_words: torch.Tensor  # the same as int32 words (the metadata's unpack reads them)
-    staging: torch.Tensor  # send as rows: grouped, the rows out; emulated regions, the staging
+    staging: torch.Tensor | None  # send as rows: grouped, the rows out; emulated regions, the
+    #                               staging; None for the peer transport (no send)
     targets: object  # send [rows, row bytes] (grouped), or each rank's region (regions)
     words: object  # targets as int32 words (the metadata's)
     posts: list[torch.Tensor] | None  # regions: each rank's slot for this rank's count
@@ -524,7 +536,7 @@ class _DispatchPlan:
 class _CombinePlan:
     rows: torch.Tensor  # out as [rows, row bytes]: the partial sums leave from there
     rows_c: torch.Tensor  # its first C rows as the partial sums' dtype (the experts' output)
-    back: torch.Tensor  # send as [rows, row bytes], where they come back (vdev, emulated)
+    back: torch.Tensor | None  # send as [rows, bytes], where they come back (vdev, emulated)
     sources: object  # where this rank's partial sums are read: one tensor or one per rank
     #: (lo, hi) -> the sources' columns [lo, hi) (regions: a RankTensors), made once each
     blocks: dict = field(default_factory=dict)
@@ -700,7 +712,6 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     return transport.alloc(shape, dtype, device)
 
                 bufs = _Buffers(
-                    send=alloc((nbytes,), torch.uint8),
                     recv=alloc((nbytes,), torch.uint8),
                     out=alloc((nbytes,), torch.uint8),
                     counts=alloc((size,), torch.int64),  # all_to_all_vdev's splits: symmetric
@@ -710,6 +721,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     pads=alloc((size + 1,), torch.int64),
                 )
                 bufs.regions = transport.regions(bufs)  # collective where it maps peers
+                if transport.uses_send(bufs):  # the same on every rank (the layout is)
+                    bufs.send = alloc((nbytes,), torch.uint8)
                 _BUFFERS[key] = bufs
         self._last_buffers = bufs
         return bufs
@@ -768,7 +781,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 num = in_flight.sp_counts[self.comm.rank]
             target = expert_output.new_empty(num, hidden)
         side = programs = None
-        if expert_output.is_cuda:
+        if expert_output.is_cuda:  # (the side stream's uses recorded below)
             device = expert_output.device
             found = self._side_streams.get(device)
             if found is None:  # the highest priority: its blocks of threads are scheduled
@@ -778,6 +791,10 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     torch.cuda.get_device_properties(device).multi_processor_count,
                 )
             side, programs = found
+            # a forward whose experts raise after some blocks never joins the side stream:
+            # what it writes and reads there stays allocated until that work is done
+            target.record_stream(side)
+            state.pos.record_stream(side)
         state.columns = _Columns(bounds, target, side, programs)
         return OutputColumns(bounds, lambda block: self._combine_columns(state, block + 1))
 
@@ -830,7 +847,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             else:  # send, grouped by destination
                 targets, posts = view(bufs.send), None
                 words = targets.view(torch.int32)
-            staging = view(bufs.send)
+            staging = None if bufs.send is None else view(bufs.send)
             recv = view(bufs.recv)
             plan = _DispatchPlan(recv, recv.view(torch.int32), staging, targets, words, posts)
             bufs.plans[key] = plan
@@ -848,7 +865,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 return _Buffers.rows(buf, self.capacity, row_bytes)
 
             rows = view(bufs.out)
-            back = view(bufs.send)
+            back = None if bufs.send is None else view(bufs.send)
             if bufs.regions:  # rank r's partial sums of this rank's rows: its region at r
                 sources = _rank_tensors(
                     r[:, :width].view(dtype) for r in self._transport.combine_sources(bufs, view)
@@ -949,9 +966,10 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                 )
                 if not state.refused:
                     gather_sum_rows(plan.sources, state.pos, out, capacity)
-        # the exchanges are done and the sums issued (a call that raised before here keeps the
-        # buffers held: its exchanges are out of step, _Buffers.take); held until then, as the
-        # sums may read the peers' out: a forward let in before could free them to overwrite it
+        # the exchanges are done and the sums issued (a call that raised before here, a sum
+        # included, keeps the buffers held: its exchanges may be out of step, _Buffers.take);
+        # held until then, as the sums may read the peers' out: a forward let in before could
+        # free them to overwrite it
         bufs.release()
         if state.refused:  # this rank sent nothing: its call is refused in finalize
             out.zero_()
