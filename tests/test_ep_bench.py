@@ -92,6 +92,7 @@ def test_ep_bench_symm_mem_over_the_emulated_transport(monkeypatch):
         (["--tokens", "a"], "--tokens must be a comma list"),
         (["--kinds", "deepep"], "--kinds"),
         (["--iters", "0"], "--iters must be >= 1"),
+        (["--combine-blocks", "0"], "--combine-blocks must be >= 1"),
     ],
 )
 def test_ep_bench_arguments(argv, match, capsys):
