@@ -159,10 +159,6 @@ class OutputColumns:
                 f"multiples of {multiple} columns"
             )
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.bounds) - 1
-
 
 @dataclass(frozen=True)
 class WorkspaceShapes:

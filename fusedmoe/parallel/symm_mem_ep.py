@@ -554,6 +554,7 @@ class _Columns:
 
     bounds: tuple[int, ...]  # column bounds of the blocks (combine_bounds)
     target: torch.Tensor  # [M, H]: the combine's output, allocated before the experts ran
+    plan: _CombinePlan  # the views the blocks' exchanges and sums read and write
     side: torch.cuda.Stream | None  # CUDA: the stream the blocks' exchanges and sums run on
     programs: int | None  # CUDA: the SMs, the programs of a sum beside GEMM2
     next: int = 0  # the first block not issued yet
@@ -795,7 +796,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             # what it writes and reads there stays allocated until that work is done
             target.record_stream(side)
             state.pos.record_stream(side)
-        state.columns = _Columns(bounds, target, side, programs)
+        plan = self._combine_plan(bufs, state.combine_bytes, dtype, hidden * dtype.itemsize)
+        state.columns = _Columns(bounds, target, plan, side, programs)
         return OutputColumns(bounds, lambda block: self._combine_columns(state, block + 1))
 
     def _combine_columns(self, state: _DispatchState, stop: int, overlapped: bool = True) -> None:
@@ -804,24 +806,24 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         columns = state.columns
         if stop <= columns.next:
             return
+        blocks = range(columns.next, stop)
         if columns.side is None:
-            self._combine_blocks(state, columns, range(columns.next, stop))
+            self._combine_blocks(state, columns.plan, columns.bounds, columns.target, blocks)
         else:
             columns.side.wait_stream(torch.cuda.current_stream(columns.side.device))
             programs = columns.programs if overlapped else None
             with torch.cuda.stream(columns.side):
-                self._combine_blocks(state, columns, range(columns.next, stop), programs)
+                self._combine_blocks(
+                    state, columns.plan, columns.bounds, columns.target, blocks, programs
+                )
         columns.next = stop
 
-    def _combine_blocks(self, state: _DispatchState, columns, blocks, programs=None) -> None:
+    def _combine_blocks(
+        self, state: _DispatchState, plan: _CombinePlan, bounds, target, blocks, programs=None
+    ) -> None:
         """Each block's exchange (peer: a barrier) and, unless refused, its sum into the
-        target's columns. columns: a _Columns, or (bounds, target) for the blocks of finalize."""
-        if isinstance(columns, _Columns):
-            columns = (columns.bounds, columns.target)
-        bounds, target = columns
-        dtype = target.dtype
-        hidden, bufs = bounds[-1], state.buffers
-        plan = self._combine_plan(bufs, state.combine_bytes, dtype, hidden * dtype.itemsize)
+        target's columns [bounds[j], bounds[j + 1])."""
+        dtype, hidden, bufs = target.dtype, bounds[-1], state.buffers
         for j in blocks:
             lo, hi = bounds[j], bounds[j + 1]
             self._transport.combine(bufs, plan, slice(lo * dtype.itemsize, hi * dtype.itemsize))
@@ -957,7 +959,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             if bufs.regions:  # per block: a barrier (peer: the sum then loads from the peers'
                 # out), or the regions moved to their senders (emulated); then the sum
                 bounds = combine_bounds(capacity, hidden, partial.dtype)
-                self._combine_blocks(state, (bounds, out), range(len(bounds) - 1))
+                self._combine_blocks(state, plan, bounds, out, range(len(bounds) - 1))
             else:
                 # the rows each rank sent are what goes back to it: the dispatch's received
                 # counts (read before the combine's barrier; no peer writes them again before)
