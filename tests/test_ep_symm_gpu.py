@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from fusedmoe import FusedMoE, ParallelConfig
-from fusedmoe.parallel.symm_mem_ep import combine_blocks_override
+from fusedmoe.parallel import symm_mem_ep
+from fusedmoe.parallel.symm_mem_ep import combine_blocks_override, routing_first_override
 from tests.helpers import assert_close, free_port, fused_checkpoint, spawn_ranks
 
 
@@ -50,8 +51,10 @@ CALLS = ((37, 0, 96, 1)[:WORLD], (0, 5, 0, 0)[:WORLD], (96,) * WORLD)
 GRAPH_TOKENS = 24  # every rank's tokens in the captured forward
 OVER_CALLS = ((MAX_TOKENS + 5, 7, 0, 3)[:WORLD], (4, 9, 2, 1)[:WORLD])  # rank 0 over, then not
 GRAPH_REPLAYS = 3
-#: (scheme, combine blocks): one combine, and the combine in 3 column blocks on 256-column
-#: bounds (H = 1024: 256, 512 and 256 columns) as the triton backend writes them
+#: (scheme, combine blocks): the decode form (one combine; the routing travels with the
+#: activations), and the prefill form: the combine in 3 column blocks on 256-column bounds
+#: (H = 1024: 256, 512 and 256 columns) as the triton backend writes them, and the routing
+#: sent first, the activations on a side stream (symm_mem_ep.routing_first)
 VARIANTS = tuple((scheme, blocks) for scheme in SCHEMES for blocks in (None, 3))
 _ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
@@ -163,9 +166,19 @@ def _worker(rank: int, port: int, path: str) -> None:
     try:
         data = torch.load(path)
         results = {}
+        sent_first = []  # routing_first's answers (the dispatch asks it at every call)
+        asked = symm_mem_ep.routing_first
+
+        def spied(*args):
+            sent_first.append(asked(*args))
+            return sent_first[-1]
+
+        symm_mem_ep.routing_first = spied
         for scheme, blocks in VARIANTS:
-            with combine_blocks_override(blocks):
+            sent_first.clear()
+            with combine_blocks_override(blocks), routing_first_override(blocks is not None):
                 results[scheme, blocks] = _variant(rank, device, data, scheme)
+            results[scheme, blocks]["routing_first"] = set(sent_first)
         torch.save(results, f"{path}.rank{rank}")
     finally:
         dist.destroy_process_group()
@@ -201,6 +214,9 @@ def test_symm_mem_sharded_equals_unsharded(variant, spawned):
     assert "dispatch: symm_mem" in results[0][variant]["explain"]
     if os.environ.get("FUSEDMOE_SYMM_MEM_TRANSPORT", "auto") in ("auto", "peer"):
         assert all(results[r][variant]["peer"] for r in range(WORLD)), "not the peer transport"
+        # the prefill form sent the routing first at every call, the decode form never
+        form = {variant[1] is not None}
+        assert all(results[r][variant]["routing_first"] == form for r in range(WORLD))
         # the peer transport stores into and loads from the peers' buffers: no send buffer
         assert not any(results[r][variant]["send"] for r in range(WORLD))
     layer = _finish(_layer("cuda"), checkpoint, scheme)

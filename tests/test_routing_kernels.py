@@ -461,8 +461,10 @@ def ambiguous_rows(logits, bias, scoring, top_k, rel=2e-6):
 @pytest.mark.parametrize("num_tokens", [1, 129, 4099])
 @pytest.mark.parametrize(
     "num_experts, groups, topk_group, top_k",
-    [(256, 8, 4, 8), (512, 1, 1, 10), (128, 1, 1, 128), (384, 12, 4, 8)],
-)
+    # from 128 experts a row a program; below, rows of 128 logits (mixtral's 8, qwen2's 60)
+    [(256, 8, 4, 8), (512, 1, 1, 10), (128, 1, 1, 128), (384, 12, 4, 8), (8, 1, 1, 2),
+     (60, 1, 1, 4)],
+)  # fmt: skip
 @pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
 @pytest.mark.parametrize("scoring", SCORINGS)
 def test_gpu_matches_twin(scoring, with_bias, num_experts, groups, topk_group, top_k, num_tokens):

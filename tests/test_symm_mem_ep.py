@@ -38,10 +38,13 @@ from fusedmoe.parallel.rows import (
 )
 from fusedmoe.parallel.symm_mem_ep import (
     COMBINE_BLOCKS_MIN_BYTES,
+    ROUTING_FIRST_MIN_BYTES,
     TRANSPORT_ENV,
     SymmMemEPPrepareFinalize,
     combine_blocks_override,
     combine_bounds,
+    routing_first,
+    routing_first_override,
 )
 from fusedmoe.parallel.wiring import DispatchChoice, resolve_dispatch
 from tests.helpers import assert_close, assert_equal, poison_, random_routing
@@ -163,14 +166,14 @@ def test_dispatch_positions_torch_match_loops(case, ids_dtype):
         assert counts.tolist() == [0, case.num_tokens, 0]
 
 
-# with the kernel's step at 256 (blocks of 64 tokens for 3 and 4 ranks): one full block, one
+# with the kernel's tile at 256 (blocks of 64 tokens for 3 and 4 ranks): one full block, one
 # and a bit, two and a bit; at 64, 6 ranks (padded to 8) take the smallest block, 16 tokens
 BLOCK_PARAMS = [
     pytest.param(RouteCase("M64", 64, 8, 8, 4), id="M64"),
     pytest.param(RouteCase("M65", 65, 6, 2, 3, routing="repeats"), id="M65"),
     pytest.param(RouteCase("M150", 150, 8, 3, 3, "round_robin", empty=0.2), id="M150"),
     pytest.param(RouteCase("R6", 41, 12, 3, 6, "round_robin", empty=0.1), id="R6"),
-    # the shipped step: blocks of 1024 tokens for 4 ranks, two and a bit
+    # the shipped tile: blocks of 256 tokens for 4 ranks, eight and a bit
     pytest.param(RouteCase("M2100", 2100, 16, 8, 4, empty=0.1), id="M2100"),
 ]
 
@@ -180,8 +183,8 @@ BLOCK_PARAMS = [
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("tile", [64, 256, None], ids=["tile64", "tile256", "tile_default"])
 def test_dispatch_positions_kernel_match_loops(monkeypatch, case, ids_dtype, tile):
-    """dispatch_positions where Triton runs: one program over blocks of tokens (a step of
-    POSITIONS_TILE tokens x ranks: the shipped one, and 64 and 256, which take several)."""
+    """dispatch_positions where Triton runs: a program a block of POSITIONS_TILE tokens x ranks
+    (the shipped tile, and 64 and 256), then the blocks' offsets where there are several."""
     from fusedmoe.kernels import ep_rows
 
     if tile is not None:
@@ -439,6 +442,41 @@ def test_combine_bounds_override_is_scoped_and_checked():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="combine blocks"), combine_blocks_override(bad):
             pass
+
+
+def test_routing_first_rule_and_override():
+    """The routing travels ahead of the activations where C rows of the dispatch hold 64 MiB
+    (deepseek-v3's bf16 rows at a bound of 4096 tokens on 4 ranks; not at 256); the override
+    is scoped and checked."""
+    row = 7168 * 2 + 64  # bf16 activations, then the metadata words, padded
+    assert routing_first(4 * 4096, row) and not routing_first(4 * 256, row)
+    assert routing_first(ROUTING_FIRST_MIN_BYTES, 1)
+    assert not routing_first(ROUTING_FIRST_MIN_BYTES - 1, 1)
+    with routing_first_override(True):
+        assert routing_first(4, 64)
+        with routing_first_override(None):  # the rule again
+            assert not routing_first(4, 64)
+        with routing_first_override(False):
+            assert not routing_first(4 * 4096, row)
+    assert not routing_first(4, 64)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="True, False or None"), routing_first_override(bad):
+            pass
+
+
+@needs_triton
+def test_positions_blocks_capped(monkeypatch):
+    """More blocks than _POSITIONS_MAX_BLOCKS: the blocks grow (the second launch reads every
+    block's counts in one tile); the positions are the same."""
+    from fusedmoe.kernels import ep_rows
+
+    monkeypatch.setattr(ep_rows, "POSITIONS_TILE", 64)  # 16 tokens a block at 3 ranks
+    monkeypatch.setattr(ep_rows, "_POSITIONS_MAX_BLOCKS", 4)  # 150 tokens: blocks of 64
+    case = RouteCase("capped", 150, 8, 3, 3, "round_robin", empty=0.2)
+    ids, owner = route(case)
+    counts = torch.empty(3, dtype=torch.int64)
+    pos = dispatch_positions(ids, owner, 3, 3 * 150, counts)
+    check_positions(pos, counts, ids, owner, 3, 3 * 150, what="capped blocks")
 
 
 # ---- the dispatchers in rows.py ----------------------------------------------------------------

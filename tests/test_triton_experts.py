@@ -10,6 +10,7 @@ I intermediate, N = 2I (gated) or I, BM rows per aligned block.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -20,6 +21,7 @@ pytest.importorskip("triton")
 
 from fusedmoe import ActivationParams, FusedMoE, fused_experts, select_backend
 from fusedmoe.activation import MoEActivation
+from fusedmoe.experts.torch_ref import TorchExperts
 from fusedmoe.experts.triton import TritonExperts
 from fusedmoe.kernels import moe_align as ma
 from fusedmoe.kernels import moe_config as mc
@@ -613,6 +615,82 @@ def test_output_columns_bad_bounds_refused_before_anything_is_written():
                 global_num_experts=4, quant_config=qc,
             )  # fmt: skip
         assert pf.seen == [] and bool(pf.buf.isnan().all())  # nothing reported nor written
+
+
+class _LatePF(NoEPPrepareFinalize):
+    """Hands the experts poisoned activations (and scales) and an input_ready that writes the
+    real ones in: an EP dispatch whose activations arrive after the routing. `events` records
+    the order of the slots' alignment (gemm_rows, patched by the test) and input_ready."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def num_tokens_across_ranks(self, num_tokens, device):
+        return max(num_tokens, 1)  # as if a peer had tokens: a rank without any still prepares
+
+    def prepare(self, a1, *args, **kwargs):
+        self.events.append("prepare")
+        prepared = super().prepare(a1, *args, **kwargs)
+        real = (prepared.a1q, prepared.a1q_scale)
+        late = [None if t is None else _poisoned_like(t) for t in real]
+
+        def ready():
+            self.events.append("ready")
+            for dst, src in zip(late, real, strict=True):
+                if dst is not None:
+                    dst.copy_(src)
+
+        return dataclasses.replace(prepared, a1q=late[0], a1q_scale=late[1], input_ready=ready)
+
+
+def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(t)
+    if out.dtype.itemsize == 1 and out.is_floating_point():  # FP8: its NaN byte
+        out.view(torch.uint8).fill_(0x7F)
+        return out
+    return poison_(out)
+
+
+@pytest.mark.parametrize("num_tokens", [13, 0])
+@pytest.mark.parametrize("case", [None, "fp8_block", "torch"])
+def test_input_ready_called_after_the_alignment_before_the_input_is_read(
+    monkeypatch, case, num_tokens
+):
+    """ExpertsCall.input_ready: the triton backend's fused path aligns its slots, then calls
+    it, then reads x (the poison it replaces would reach the output); a backend that does not
+    read its input late (the torch reference) gets it called by the modular kernel first.
+    Called once, also without tokens."""
+    import fusedmoe.kernels.fused_moe as fm
+
+    events = []
+    aligned = fm.gemm_rows
+
+    def gemm_rows(*args, **kwargs):
+        events.append("align")
+        return aligned(*args, **kwargs)
+
+    monkeypatch.setattr(fm, "gemm_rows", gemm_rows)
+    if case in (None, "torch"):
+        experts = _experts(4, H, I, dtype=torch.bfloat16, bias=True)
+        x = torch.randn(num_tokens, H, device=DEVICE, dtype=torch.bfloat16)
+        qc, activation = None, "silu"
+    else:
+        x, experts, qc, activation = _quantized(case, 4, num_tokens)
+    weights, ids = _routing(num_tokens, 4, 2, empty=0.1)
+    backend = TorchExperts() if case == "torch" else TritonExperts()
+    ew = ExpertWeights(experts["w13"], experts["w2"], experts["w13_bias"], experts["w2_bias"])
+    call = dict(activation=ActivationSpec.make(activation), global_num_experts=4,
+                quant_config=qc)  # fmt: skip
+    expected = FusedMoEModularKernel(NoEPPrepareFinalize(), backend).forward(
+        x, ew, weights, ids, **call
+    )
+    events.clear()
+    out = FusedMoEModularKernel(_LatePF(events), backend).forward(x, ew, weights, ids, **call)
+    assert_equal(out, expected, what="activations that arrive late")
+    if case == "torch" or num_tokens == 0:
+        assert events == ["prepare", "ready"]
+    else:
+        assert backend.reads_input_late(qc) and events == ["prepare", "align", "ready"]
 
 
 def test_tma_rows_of_a_column_block():

@@ -134,6 +134,10 @@ class TritonExperts(Experts):
         # the fused path (its GEMM2 and sum by column blocks); not the weight-only kernels
         return _modes(quant_config) is not None and _weight_only(quant_config) is None
 
+    def reads_input_late(self, quant_config):
+        # the fused path: its alignment of the slots runs before GEMM1 reads x
+        return self.writes_output_columns(quant_config)
+
     def apply(self, call, gate: torch.Tensor | None = None):
         """gate: uint8 [1] on the device; where it reads 0 the call writes nothing
         (fusedmoe.kernels.fused_moe.fused_experts_triton)."""
@@ -149,6 +153,8 @@ class TritonExperts(Experts):
         if needs_grad(call.hidden_states, weights, call.topk_weights):
             if gate is not None:
                 raise ValueError("a gated call is inference only (run under torch.no_grad())")
+            if call.input_ready is not None:
+                call.input_ready()
             self._apply_recorded(call)
             return
         if weight_only is not None:
@@ -182,6 +188,7 @@ class TritonExperts(Experts):
             dtype_key=dtype_key or _DTYPE_KEY[call.output.dtype],
             gate=gate,
             output_columns=call.output_columns,
+            input_ready=call.input_ready,
         )
 
     def _apply_weight_only(

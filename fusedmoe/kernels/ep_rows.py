@@ -5,7 +5,8 @@ a barrier of the ranks on the GPU. Their torch twins, the spec, are in fusedmoe.
 Legend: M tokens of this rank, R ranks, W bytes (or elements) of a row, H hidden, C the value of
 pos where a token does not go (trash).
 
-    dispatch_positions: pos [M, R] and counts [R] of fusedmoe.parallel.rows (one program); the
+    dispatch_positions: pos [M, R] and counts [R] of fusedmoe.parallel.rows (a program a block
+                     of tokens, then one a block adding the earlier blocks' counts); the
                      counts also stored into one slot per rank (a peer's, over NVLink)
     scatter_rows:    dst_r[pos[m, r], col:col + W] = src[m, :W]  for every r with pos[m, r] != C
     pack_meta / unpack_meta: a token's ids | weights (| scales) as int32 words into its rows;
@@ -21,7 +22,7 @@ the first as its pointer and the others as element offsets from it, kept on the 
 tensor per set of addresses, made once): the launch is the same whatever the routing, and can
 be captured in a CUDA graph. A program's item is one token (or row) and one column block, so a
 token's row is read once however many ranks it goes to; on a GPU the scatter launches at most
-8 programs a SM and the gather one program an item (or at most max_programs), striding over
+2 programs a SM and the gather one program an item (or at most max_programs), striding over
 the items.
 """
 
@@ -184,59 +185,94 @@ def _gather_sum_rows_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-#: dispatch_positions' step, tokens x ranks (padded to a power of two), of its one program:
-#: each step is a few dependent loads long whatever its size (blocks of 64 tokens took 100 us
-#: at 4096 tokens of k = 8 over 4 ranks on an H200, 64 steps)
-POSITIONS_TILE = 4096
+#: dispatch_positions' block, tokens x ranks (padded to a power of two), of one program: the
+#: programs run at once, then a second launch adds each block's offsets (one program at 4096
+#: tokens of k = 8 over 4 ranks took 29 us on an H200 in blocks of 1024 tokens; a block is a
+#: few dependent loads long whatever its size)
+POSITIONS_TILE = 1024
+#: at most this many blocks (the second launch reads every block's counts in one tile)
+_POSITIONS_MAX_BLOCKS = 1024
+
+
+@triton.jit
+def _store_counts(
+    counts, counts_ptr, post_ptr, post_offsets_ptr, ranks, rank_ok, POST: tl.constexpr
+):
+    """counts [RANKS_PAD] into counts_ptr and, POST, each also at post + post_offsets[r]."""
+    tl.store(counts_ptr + ranks, counts, mask=rank_ok)
+    if POST:
+        post = tl.load(post_offsets_ptr + ranks, mask=rank_ok, other=0)
+        tl.store(post_ptr + post, counts, mask=rank_ok)
 
 
 @triton.jit
 def _dispatch_positions_kernel(
     ids_ptr, stride_ids_m, stride_ids_k,
     owner_ptr,
-    pos_ptr, counts_ptr, post_ptr, post_offsets_ptr,
+    pos_ptr, counts_ptr, post_ptr, post_offsets_ptr, block_counts_ptr,
     num_tokens, num_slots,
     TOP_K: tl.constexpr, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, GROUPED: tl.constexpr, POST: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUPED: tl.constexpr, POST: tl.constexpr, SINGLE: tl.constexpr,
 ):  # fmt: skip
-    """One program: a running count per rank over blocks of BLOCK_M tokens (POSITIONS_TILE;
-    pass 1 stores each sent pair's index within its rank), then, GROUPED, the ranks' starts
-    added (pass 2); the counts stored, and POST, also each at post + post_offsets[r]."""
+    """A program a block of BLOCK_M tokens: each sent pair's index among the block's tokens
+    going to its rank. SINGLE (one block): pos as it stays (GROUPED: the ranks' starts added)
+    and the counts (POST: also each at post + post_offsets[r]). Else pos holds the index (-1
+    where not sent) and block_counts[block] the block's count per rank, for
+    _positions_offsets_kernel."""
+    block = tl.program_id(0)
     ranks = tl.arange(0, RANKS_PAD)
     rank_ok = ranks < NUM_RANKS
-    seen = tl.zeros((RANKS_PAD,), dtype=tl.int64)  # tokens so far going to each rank
-    for start in range(0, num_tokens, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_ok = rows < num_tokens
-        goes = tl.zeros((BLOCK_M, RANKS_PAD), dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            expert = tl.load(
-                ids_ptr + rows.to(tl.int64) * stride_ids_m + j * stride_ids_k,
-                mask=row_ok, other=-1,
-            )  # fmt: skip
-            dest = tl.load(owner_ptr + expert, mask=expert >= 0, other=-1)
-            goes = tl.maximum(goes, (dest[:, None] == ranks[None, :]).to(tl.int32))
-        within = seen[None, :] + tl.cumsum(goes, axis=0) - goes
-        fill = num_slots
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_tokens
+    goes = tl.zeros((BLOCK_M, RANKS_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(
+            ids_ptr + rows.to(tl.int64) * stride_ids_m + j * stride_ids_k, mask=row_ok, other=-1
+        )  # fmt: skip
+        dest = tl.load(owner_ptr + expert, mask=expert >= 0, other=-1)
+        goes = tl.maximum(goes, (dest[:, None] == ranks[None, :]).to(tl.int32))
+    within = tl.cumsum(goes, axis=0) - goes
+    sent = tl.sum(goes, axis=0).to(tl.int64)  # [RANKS_PAD]
+    ptrs = pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
+    mask = row_ok[:, None] & rank_ok[None, :]
+    if SINGLE:
+        starts = tl.zeros((RANKS_PAD,), dtype=tl.int64)
         if GROUPED:
-            fill = -1  # pass 2 tells the sent pairs from the others
-        slot = tl.where(goes > 0, within, fill)
-        mask = row_ok[:, None] & rank_ok[None, :]
-        tl.store(pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :], slot, mask=mask)
-        seen += tl.sum(goes, axis=0).to(tl.int64)
-    tl.store(counts_ptr + ranks, seen, mask=rank_ok)
-    if POST:
-        post = tl.load(post_offsets_ptr + ranks, mask=rank_ok, other=0)
-        tl.store(post_ptr + post, seen, mask=rank_ok)
+            starts = tl.cumsum(sent, axis=0) - sent
+        tl.store(ptrs, tl.where(goes > 0, within + starts[None, :], num_slots), mask=mask)
+        _store_counts(sent, counts_ptr, post_ptr, post_offsets_ptr, ranks, rank_ok, POST)
+    else:
+        tl.store(ptrs, tl.where(goes > 0, within, -1), mask=mask)
+        tl.store(block_counts_ptr + block * RANKS_PAD + ranks, sent)
+
+
+@triton.jit
+def _positions_offsets_kernel(
+    pos_ptr, counts_ptr, post_ptr, post_offsets_ptr, block_counts_ptr,
+    num_tokens, num_slots, num_blocks,
+    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr, GROUPED: tl.constexpr, POST: tl.constexpr,
+):  # fmt: skip
+    """A program a block: its pairs' indices offset by the earlier blocks' counts (GROUPED:
+    and the ranks' starts), num_slots where not sent; program 0 stores the counts."""
+    block = tl.program_id(0)
+    ranks = tl.arange(0, RANKS_PAD)
+    rank_ok = ranks < NUM_RANKS
+    b = tl.arange(0, BLOCKS_PAD)[:, None]
+    per_block = tl.load(
+        block_counts_ptr + b * RANKS_PAD + ranks[None, :], mask=b < num_blocks, other=0
+    )  # [BLOCKS_PAD, RANKS_PAD]
+    totals = tl.sum(per_block, axis=0)
+    before = tl.sum(tl.where(b < block, per_block, 0), axis=0)
     if GROUPED:
-        starts = tl.cumsum(seen, axis=0) - seen
-        tl.debug_barrier()  # pass 1's stores seen by every thread of the program
-        for start in range(0, num_tokens, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            mask = (rows < num_tokens)[:, None] & rank_ok[None, :]
-            ptrs = pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
-            slot = tl.load(ptrs, mask=mask, other=-1)
-            tl.store(ptrs, tl.where(slot >= 0, slot + starts[None, :], num_slots), mask=mask)
+        before += tl.cumsum(totals, axis=0) - totals
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    ptrs = pos_ptr + rows.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
+    mask = (rows < num_tokens)[:, None] & rank_ok[None, :]
+    slot = tl.load(ptrs, mask=mask, other=-1)
+    tl.store(ptrs, tl.where(slot >= 0, slot + before[None, :], num_slots), mask=mask)
+    if block == 0:
+        _store_counts(totals, counts_ptr, post_ptr, post_offsets_ptr, ranks, rank_ok, POST)
 
 
 def dispatch_positions_triton(
@@ -249,26 +285,39 @@ def dispatch_positions_triton(
     grouped: bool = True,
     post: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """fusedmoe.parallel.rows.dispatch_positions_torch in one launch: -> pos int64 [M, R],
-    the counts written into `counts` (int64 [R]) and, where given, count r into post[r]
-    (a one-element int64 tensor: a peer's)."""
+    """fusedmoe.parallel.rows.dispatch_positions_torch: -> pos int64 [M, R], the counts written
+    into `counts` (int64 [R]) and, where given, count r into post[r] (a one-element int64
+    tensor: a peer's). One launch where the tokens fit one block, else two (the blocks, then
+    their offsets)."""
     num_tokens, top_k = topk_ids.shape
-    pos = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=topk_ids.device)
+    device = topk_ids.device
+    pos = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=device)
     post_base, post_offsets = counts, counts
     if post is not None:
         post_base, post_offsets, _ = rank_offsets(post, num_ranks)
+    ranks_pad = max(next_power_of_2(num_ranks), 2)
+    block_m = max(16, POSITIONS_TILE // ranks_pad)  # not M's: a compiled variant per R ...
+    block_m = max(block_m, next_power_of_2(cdiv(num_tokens, _POSITIONS_MAX_BLOCKS)))  # (bar huge M)
+    num_blocks = max(cdiv(num_tokens, block_m), 1)
+    single = num_blocks == 1
+    block_counts = counts if single else torch.empty(
+        num_blocks, ranks_pad, dtype=torch.int64, device=device
+    )  # fmt: skip
+    warps = 8 if block_m * ranks_pad >= 2048 else 4
+    common = dict(NUM_RANKS=num_ranks, RANKS_PAD=ranks_pad, BLOCK_M=block_m, GROUPED=grouped,
+                  POST=post is not None, num_warps=warps)  # fmt: skip
     args = (
         topk_ids, topk_ids.stride(0), topk_ids.stride(1), owner, pos, counts, post_base,
-        post_offsets, num_tokens, num_slots,
-    )  # fmt: skip
-    ranks_pad = max(next_power_of_2(num_ranks), 2)
-    block_m = max(16, POSITIONS_TILE // ranks_pad)  # not M's: one compiled variant per R
-    constexprs = dict(
-        TOP_K=top_k, NUM_RANKS=num_ranks, RANKS_PAD=ranks_pad, BLOCK_M=block_m,
-        GROUPED=grouped, POST=post is not None, num_warps=8 if block_m * ranks_pad >= 2048 else 4,
+        post_offsets, block_counts, num_tokens, num_slots,
     )  # fmt: skip
     with device_guard(topk_ids):
-        launch(_dispatch_positions_kernel, (1,), args, constexprs, topk_ids.is_cuda)
+        launch(_dispatch_positions_kernel, (num_blocks,), args,
+               dict(common, TOP_K=top_k, SINGLE=single), topk_ids.is_cuda)  # fmt: skip
+        if not single:
+            args = (pos, counts, post_base, post_offsets, block_counts, num_tokens, num_slots,
+                    num_blocks)  # fmt: skip
+            constexprs = dict(common, BLOCKS_PAD=next_power_of_2(num_blocks))
+            launch(_positions_offsets_kernel, (num_blocks,), args, constexprs, topk_ids.is_cuda)
     return pos
 
 
@@ -409,10 +458,13 @@ def unpack_meta_triton(
     return ids, weights, scale
 
 
-#: programs per SM of the row movers on a GPU: they stride over their items (on 4 H200s, 137 MB
-#: to the peers in 4 KiB blocks: 8 a SM moved 220 GB/s, one program per item 200;
-#: docs/performance.md)
-_PROGRAMS_PER_SM = 8
+#: programs per SM of the scatter on a GPU, 4 warps each, over blocks of 8 KiB: they stride
+#: over their items and leave room on every SM for the kernels that run beside the
+#: activations' stores (symm_mem_ep.routing_first). On 4 H200s, 130 MB to the peers: 2 a SM
+#: of 4 warps as fast as 8 of 8 warps (0.46-0.48 ms, and 0.48-0.51); docs/performance.md
+_PROGRAMS_PER_SM = 2
+_SCATTER_WARPS = 4
+_SCATTER_BLOCK_BYTES = 8192
 _SMS: dict[int, int] = {}
 
 
@@ -428,8 +480,8 @@ def _programs(items: int, t: torch.Tensor) -> int:
     return max(1, min(items, _PROGRAMS_PER_SM * sms))
 
 
-def _block(width: int, element_size: int) -> int:
-    return min(next_power_of_2(max(width, 1)), max(_BLOCK_BYTES // element_size, 16))
+def _block(width: int, element_size: int, block_bytes: int = _BLOCK_BYTES) -> int:
+    return min(next_power_of_2(max(width, 1)), max(block_bytes // element_size, 16))
 
 
 def scatter_rows_triton(src: torch.Tensor, pos: torch.Tensor, dst, col: int, trash: int) -> None:
@@ -439,10 +491,11 @@ def scatter_rows_triton(src: torch.Tensor, pos: torch.Tensor, dst, col: int, tra
     if num_tokens == 0 or width == 0:
         return
     base, offsets, aligned = rank_offsets(dst, pos.shape[1])
-    block = _block(width, src.element_size())
+    block = _block(width, src.element_size(), _SCATTER_BLOCK_BYTES)
     grid = (_programs(num_tokens * cdiv(width, block), src),)
     args = (src, src.stride(0), base, offsets, base.stride(0), col, pos, num_tokens, width, trash)
-    constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned, num_warps=8)
+    constexprs = dict(NUM_RANKS=pos.shape[1], BLOCK=block, ALIGNED=aligned,
+                      num_warps=_SCATTER_WARPS)  # fmt: skip
     with device_guard(src):
         launch(_scatter_rows_kernel, grid, args, constexprs, src.is_cuda)
 

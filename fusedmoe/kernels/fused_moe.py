@@ -42,6 +42,8 @@ from fusedmoe.quant.kernels import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fusedmoe.modular.types import OutputColumns
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -376,16 +378,20 @@ def _fused_experts(
     dtype_key,
     gate=None,
     columns: OutputColumns | None = None,
+    input_ready: Callable[[], None] | None = None,
 ) -> None:
     """_fused_experts_triton_impl (the custom op's signature), and columns: GEMM2 and the sum
-    by those output column blocks, each reported when issued (eager only: a callback is no
-    op argument)."""
+    by those output column blocks, each reported when issued; input_ready: called after the
+    slots' alignment, before GEMM1 reads x and a1_scale (eager only: a callback is no op
+    argument)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     num_local, gemm1_rows, hidden = w13.shape
     act = MoEActivation(activation)
     width = act.output_size(gemm1_rows)
     if num_tokens == 0:
+        if input_ready is not None:
+            input_ready()
         return
     config = moe_kernel_config(
         num_tokens, top_k, num_local, gemm1_rows, hidden, width, dtype_key, device_name(x)
@@ -397,6 +403,8 @@ def _fused_experts(
                 raise ValueError("a gated call needs the aligned rows: more than one token")
             # no rows in use: every GEMM program returns at once; the sum writes nothing
             rows.routing.num_tokens_post_padded.mul_(gate)
+        if input_ready is not None:  # x may have been arriving while the slots were aligned
+            input_ready()
         out_mode, post_key = A2_MODES[a2_mode]
         a2, a2_scale = _a2_buffers(workspace2, num_slots, width, a2_mode, output.dtype)
         if out_mode == g.OUT_FP8_STATIC:
@@ -538,6 +546,7 @@ def fused_experts_triton(
     dtype_key: str = "bfloat16",
     gate: torch.Tensor | None = None,
     output_columns: OutputColumns | None = None,
+    input_ready: Callable[[], None] | None = None,
 ) -> None:
     """Write the experts' weighted top-k sum into output [M, H]. Inputs are assumed checked by
     the caller (TritonExperts); params are (alpha, beta, limit, has_limit) with defaults
@@ -547,7 +556,8 @@ def fused_experts_triton(
     sync; a2 quantized per row or tensor still runs). output_columns (eager, not while
     torch.compile traces): GEMM2 and the sum run by its column blocks, each reported
     (fusedmoe.modular.types.OutputColumns; inner bounds multiples of 128 for 128-block
-    weights)."""
+    weights). input_ready (eager too): called once the slots are aligned, before x and a1_scale
+    are read (fusedmoe.modular.types.ExpertsCall.input_ready)."""
     alpha, beta, limit, has_limit = params
     if output_columns is not None:  # before any launch: a rank that raises mid-way strands
         # its peers at the combine's barriers
@@ -558,9 +568,11 @@ def fused_experts_triton(
         activation.value, alpha, beta, limit, has_limit, a_mode, w_mode, a2_mode,
         mul_routed_weight, dtype_key, gate,
     )  # fmt: skip
-    if output_columns is not None:
+    if output_columns is not None or input_ready is not None:
         if torch.compiler.is_compiling():
-            raise ValueError("output_columns is eager only (a callback is no op argument)")
-        _fused_experts(*args, columns=output_columns)
+            raise ValueError(
+                "output_columns and input_ready are eager only (a callback is no op argument)"
+            )
+        _fused_experts(*args, columns=output_columns, input_ready=input_ready)
         return
     op_or_impl(_fused_experts_triton_op, _fused_experts_triton_impl)(*args)

@@ -198,6 +198,12 @@ class Experts(abc.ABC):
         output [M, H] block by block and reports each (types.OutputColumns)."""
         return False
 
+    def reads_input_late(self, quant_config: FusedMoEQuantConfig | None) -> bool:
+        """Whether apply honours call.input_ready for this scheme: it does its routing work
+        (the alignment of the slots by expert) first, then calls it, then reads the input. An
+        EP dispatch then moves the activations while that work runs."""
+        return False
+
     @abc.abstractmethod
     def workspace_shapes(
         self,

@@ -228,6 +228,10 @@ class FusedMoEModularKernel:
             **({"requires_grad": True} if recorded else {}),
         )
         num_tokens, top_k = prepared.topk_ids.shape
+        input_ready = prepared.input_ready  # the activations may still be on their way
+        if input_ready is not None and not (num_tokens and experts.reads_input_late(quant_config)):
+            input_ready()
+            input_ready = None
         shapes = experts.workspace_shapes(
             num_tokens,
             weights.gemm1_out_size,
@@ -284,6 +288,7 @@ class FusedMoEModularKernel:
                     expert_tokens_meta=prepared.expert_tokens_meta,
                     apply_router_weight_on_input=apply_router_weight_on_input,
                     output_columns=output_columns,
+                    input_ready=input_ready,
                 )
             )
         self.prepare_finalize.finalize(

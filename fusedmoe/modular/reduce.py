@@ -49,7 +49,8 @@ class TopKWeightAndReduceContiguous(TopKWeightAndReduce):
         self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input
     ):
         num_tokens, top_k = topk_ids.shape
-        y = fused_expert_output.view(num_tokens, top_k, -1)
+        # H named: a rank where no token landed has no elements to infer it from
+        y = fused_expert_output.view(num_tokens, top_k, fused_expert_output.shape[-1])
         acc = torch.promote_types(y.dtype, torch.float32)  # float32, float64 for float64
         if apply_router_weight_on_input:  # the weight was applied to x in prepare
             reduced = y.to(acc).sum(dim=1)

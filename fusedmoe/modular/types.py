@@ -88,6 +88,10 @@ class PrepareResult:
     topk_ids: torch.Tensor  # int32 [M, k], global expert ids; -1 marks an empty slot
     a1q_global_scale: torch.Tensor | None = None  # NVFP4 activations: float32 [1]
     expert_tokens_meta: ExpertTokensMeta | None = None
+    #: where a1q and its scales may still be arriving (an EP dispatch that sends the routing
+    #: first): call it, on the current stream, before reading them; the routing fields are
+    #: ready. None: everything is (the modular kernel calls it: Experts.reads_input_late)
+    input_ready: Callable[[], None] | None = None
 
 
 @dataclass
@@ -118,6 +122,10 @@ class ExpertsCall:
     #: where finalize combines the output by column blocks (a backend that writes them, see
     #: Experts.writes_output_columns; None: the output in one piece)
     output_columns: OutputColumns | None = None
+    #: a backend that reads_input_late calls it once, on the current stream, after the work
+    #: that reads only the routing and before its first read of hidden_states or a1q_scale
+    #: (PrepareResult.input_ready); None: the input is there
+    input_ready: Callable[[], None] | None = None
 
     @property
     def num_tokens(self) -> int:

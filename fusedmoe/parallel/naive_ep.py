@@ -31,6 +31,7 @@ Quantized dispatch stays inference only.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,7 @@ class EPPrepareFinalize(PrepareFinalize):
             row_scale = row_scale.contiguous()
         batch = TokenBatch(x, row_scale, topk_ids.to(torch.int32), topk_weights.float())
         received, state = self._dispatch(batch)
+        input_ready = self._input_ready(state)  # the activations may still be arriving
         tied = (received.x, received.topk_weights) if requires_grad else None
         self._in_flight = _InFlight(state, sp_counts, tied)
         self.stats.add(calls=1)
@@ -204,6 +206,9 @@ class EPPrepareFinalize(PrepareFinalize):
         if col_major and a1q_scale is not None:  # back to the layout the config asked for
             a1q_scale = a1q_scale.t().contiguous().t()
         if not quantize_first:
+            if input_ready is not None:  # the quantizer reads them
+                input_ready()
+                input_ready = None
             q = _quantize_rows(received.x, qc)
             a1q, a1q_scale, global_scale = q.q, q.scale, q.global_scale
         return PrepareResult(
@@ -212,7 +217,13 @@ class EPPrepareFinalize(PrepareFinalize):
             a1q_global_scale=global_scale,
             topk_weights=received.topk_weights,
             topk_ids=received.topk_ids,
+            input_ready=input_ready,
         )
+
+    def _input_ready(self, state) -> Callable[[], None] | None:
+        """Where the dispatch's activations are still on their way when it returns: what
+        makes them ready (PrepareResult.input_ready); None: they are there."""
+        return None
 
     def finalize(
         self,

@@ -86,8 +86,10 @@ whole batch (FP8 per-tensor dynamic, NVFP4) are refused: the stale rows would en
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -224,9 +226,10 @@ class _NvshmemTransport:
         import torch.distributed as dist
 
         bufs.pads.zero_()
+        bufs.pads_x.zero_()
         peers = None
         if self.kind != "vdev":
-            names = ("recv", "out", "incoming", "pads")  # what the kernels reach on peers
+            names = ("recv", "out", "incoming", "pads", "pads_x")  # what kernels reach on peers
             peers = {n: self._peers(getattr(bufs, n)) for n in names}
             if any(v is None for v in peers.values()):
                 peers = None
@@ -268,11 +271,14 @@ class _NvshmemTransport:
         rows = self.peer_regions(bufs, "recv", view)
         return rows, [peer[me : me + 1] for peer in bufs.peer["incoming"]]
 
-    def after_dispatch(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
-        """The rows stored are seen where they went (dst, src: the staging's rows; unused)."""
+    def after_dispatch(
+        self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None, pads: str = "pads"
+    ) -> None:
+        """The rows stored are seen where they went (dst, src: the staging's rows; unused): a
+        barrier on `pads` ("pads_x": the activations' own, when they travel apart)."""
         from fusedmoe.kernels.ep_rows import barrier_triton
 
-        barrier_triton(bufs.peer["pads"], self.rank)
+        barrier_triton(bufs.peer[pads], self.rank)
 
     def combine(self, bufs: _Buffers, plan: _CombinePlan, cols: slice) -> None:
         """A barrier: every rank's experts wrote the bytes `cols` of their out (the sum then
@@ -356,8 +362,10 @@ class _EmulatedTransport:
         dist.all_to_all_single(moved, src.contiguous(), group=self.group)
         dst.copy_(moved)
 
-    def after_dispatch(self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None) -> None:
-        """The staged rows (src) and counts to their ranks."""
+    def after_dispatch(
+        self, bufs: _Buffers, dst: torch.Tensor, src: torch.Tensor | None, pads: str = "pads"
+    ) -> None:
+        """The staged rows (src) and counts to their ranks (pads: the peer transport's)."""
         import torch.distributed as dist
 
         self._move(bufs, dst, src)
@@ -464,6 +472,41 @@ def combine_bounds(capacity: int, hidden: int, dtype: torch.dtype) -> tuple[int,
     return (*bounds, hidden)
 
 
+#: The peer transport's dispatch sends the routing ahead of the activations where the rows a
+#: rank can receive hold at least this many bytes (C x the row's bytes: a prefill-sized bound):
+#: the ids and weights are stored and a barrier passed on the current stream, where the experts
+#: align their slots (ExpertsCall.input_ready), while the activations are stored on a side
+#: stream with a barrier of their own, which the experts wait for before GEMM1. Below it (a
+#: decode-sized bound) one chain and one barrier cost less than two. Like combine_bounds, the
+#: rule reads only what every rank shares: the ranks make the same barriers.
+ROUTING_FIRST_MIN_BYTES = 64 << 20
+_routing_first_override: bool | None = None
+
+
+@contextlib.contextmanager
+def routing_first_override(on: bool | None):
+    """Scoped: every peer-transport dispatch of this process sends the routing first (True)
+    or not (False), whatever the size; None: the rule. For tests and benchmarks (every rank
+    must set the same)."""
+    global _routing_first_override
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"routing_first_override takes True, False or None, got {on!r}")
+    saved = _routing_first_override
+    _routing_first_override = on
+    try:
+        yield
+    finally:
+        _routing_first_override = saved
+
+
+def routing_first(capacity: int, row_bytes: int) -> bool:
+    """Whether a dispatch of C rows of row_bytes sends the routing ahead of the activations
+    (ROUTING_FIRST_MIN_BYTES, or the override)."""
+    if _routing_first_override is not None:
+        return _routing_first_override
+    return capacity * row_bytes >= ROUTING_FIRST_MIN_BYTES
+
+
 @dataclass
 class _Buffers:
     """One set of byte buffers (symmetric for NVSHMEM), viewed per call as rows: the dispatch's
@@ -483,6 +526,9 @@ class _Buffers:
     incoming: torch.Tensor | None = None  # int64 [R]: rows from each rank (regions)
     staged: torch.Tensor | None = None  # int64 [R]: counts before they move (emulated regions)
     pads: torch.Tensor | None = None  # int64 [R + 1]: the barrier's epochs (peer transport)
+    #: the same for the activations' barrier, where they travel beside the routing (on a side
+    #: stream: its barrier may run at the same time as one on pads)
+    pads_x: torch.Tensor | None = None
     regions: bool = False  # the layout (the module docstring)
     peer: dict | None = None  # name -> every rank's copy of that buffer, mapped here (peer)
     plans: dict = field(default_factory=dict)  # (what, row bytes, ...) -> _DispatchPlan etc.
@@ -568,6 +614,8 @@ class _DispatchState:
     combine_bytes: int  # bytes of a combine row (the partial sums', padded)
     refused: bool  # this rank was over the bound: it sent nothing, its output is refused
     columns: _Columns | None = None  # blocks combined while the experts run (output_columns)
+    #: the activations still arriving on a side stream (routing_first): joins it
+    input_ready: Callable[[], None] | None = None
 
 
 class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
@@ -603,8 +651,12 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         self._agreed = False  # the ranks' fingerprints compared (EPGroup.agree)
         self._refused: str | None = None  # this call was over the bound: why (finalize raises)
         self._last_buffers: _Buffers | None = None  # the set of the last call (device_barrier)
-        #: device -> (the combine's side stream, its SMs): the blocks' (output_columns)
+        #: device -> (the side stream, its SMs): the activations' stores (routing_first) and
+        #: the combine's blocks (output_columns)
         self._side_streams: dict[torch.device, tuple[torch.cuda.Stream, int]] = {}
+        #: this call's activations may travel on a side stream (not where torch.compile
+        #: traces the layer: its graph would not join it); set by prepare
+        self._overlap_input = True
 
     # ---- the PrepareFinalize contract ----
     def single_pass(self) -> bool:
@@ -647,8 +699,8 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
     # (docs/expert-parallelism.md). torch.compiler.disable is applied when compiling only: as a
     # decorator it would import torch._dynamo with this module and wrap every eager call.
     def prepare(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return torch.compiler.disable(self._prepare)(*args, **kwargs)
+        if torch.compiler.is_compiling():  # (its graph would not join a side stream)
+            return torch.compiler.disable(self._prepare)(*args, overlap_input=False, **kwargs)
         return self._prepare(*args, **kwargs)
 
     def finalize(self, *args, **kwargs):
@@ -667,7 +719,9 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         quant_config,
         defer_input_quant=False,
         requires_grad=False,
+        overlap_input=True,
     ):
+        self._overlap_input = overlap_input  # read by _dispatch (routing_first)
         if requires_grad:
             raise ValueError(
                 "the symm_mem dispatch is inference only: a forward that autograd records runs "
@@ -720,6 +774,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
                     incoming=alloc((size,), torch.int64),
                     staged=torch.zeros(size, dtype=torch.int64, device=device),
                     pads=alloc((size + 1,), torch.int64),
+                    pads_x=alloc((size + 1,), torch.int64),
                 )
                 bufs.regions = transport.regions(bufs)  # collective where it maps peers
                 if transport.uses_send(bufs):  # the same on every rank (the layout is)
@@ -783,15 +838,7 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             target = expert_output.new_empty(num, hidden)
         side = programs = None
         if expert_output.is_cuda:  # (the side stream's uses recorded below)
-            device = expert_output.device
-            found = self._side_streams.get(device)
-            if found is None:  # the highest priority: its blocks of threads are scheduled
-                # as soon as GEMM2's free an SM, not after all of GEMM2's are
-                found = self._side_streams[device] = (
-                    torch.cuda.Stream(device, priority=-100),
-                    torch.cuda.get_device_properties(device).multi_processor_count,
-                )
-            side, programs = found
+            side, programs = self._side_stream(expert_output.device)
             # a forward whose experts raise after some blocks never joins the side stream:
             # what it writes and reads there stays allocated until that work is done
             target.record_stream(side)
@@ -799,6 +846,18 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         plan = self._combine_plan(bufs, state.combine_bytes, dtype, hidden * dtype.itemsize)
         state.columns = _Columns(bounds, target, plan, side, programs)
         return OutputColumns(bounds, lambda block: self._combine_columns(state, block + 1))
+
+    def _side_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, int]:
+        """(the side stream of this device, its SMs). The highest priority: the combine's
+        blocks of threads are scheduled as soon as GEMM2's free an SM, not after all of
+        GEMM2's are."""
+        found = self._side_streams.get(device)
+        if found is None:
+            found = self._side_streams[device] = (
+                torch.cuda.Stream(device, priority=-100),
+                torch.cuda.get_device_properties(device).multi_processor_count,
+            )
+        return found
 
     def _combine_columns(self, state: _DispatchState, stop: int, overlapped: bool = True) -> None:
         """Issue the barriers and sums of the column blocks [columns.next, stop), on the side
@@ -904,7 +963,23 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         pos = dispatch_positions(
             ids_, owner, size, capacity, bufs.counts, grouped=not bufs.regions, post=plan.posts
         )
-        scatter_rows(x, pos, plan.targets, 0, capacity)
+        input_ready = None
+        if (
+            self._overlap_input and bufs.peer is not None
+            and routing_first(capacity, dispatch_bytes)
+        ):  # fmt: skip
+            # the activations on the side stream with a barrier of their own, the routing
+            # here: the experts align their slots while the activations travel
+            main, side = torch.cuda.current_stream(device), self._side_stream(device)[0]
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                scatter_rows(x, pos, plan.targets, 0, capacity)
+                self._transport.after_dispatch(bufs, recv, plan.staging, pads="pads_x")
+            x.record_stream(side)
+            pos.record_stream(side)
+            input_ready = functools.partial(main.wait_stream, side)
+        else:
+            scatter_rows(x, pos, plan.targets, 0, capacity)
         pack_meta(ids_, weights_, batch.scale, pos, plan.words, x_bytes // 4, capacity)
         if bufs.regions:  # each rank's rows are in its region at the destination
             self._transport.after_dispatch(bufs, recv, plan.staging)
@@ -923,8 +998,11 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
         x_in = recv[:capacity, : x.shape[1]].view(batch.x.dtype)  # rows dispatch_bytes apart
         if self.count_traffic:  # the counts on the host: a sync, only where asked
             self._count(bufs.counts, received, dispatch_bytes, combine_bytes)
-        state = _DispatchState(pos, bufs, combine_bytes, refused)
+        state = _DispatchState(pos, bufs, combine_bytes, refused, input_ready=input_ready)
         return TokenBatch(x_in, scale, ids, weights), state
+
+    def _input_ready(self, state: _DispatchState):
+        return state.input_ready
 
     def _count(self, sent, received, dispatch_bytes: int, combine_bytes: int) -> None:
         """The traffic of the call (rows as they travel, padding included) into self.stats."""

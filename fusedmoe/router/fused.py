@@ -203,19 +203,26 @@ class RoutingKernelConfig:
     num_warps: int
 
 
-_GPU_TILE = 1024  # logits per program on a GPU: 8 per thread at 4 warps
+#: On a GPU, from this many (padded) experts a row is one program of one warp: its reductions
+#: stay a warp's shuffles, and rows do not wait for each other (H200, deepseek-v3's grouped
+#: routing at 4096 tokens: 15.6 us against 25.0 in 4 rows of 4 warps; docs/performance.md)
+_GPU_ROW_PROGRAM_EXPERTS = 128
+_GPU_TILE = 128  # logits per program on a GPU below that: one per thread at 4 warps
 _INTERPRETER_TILE = 1 << 14  # the CPU interpreter: cost per program and op, not per element
 
 
 def routing_kernel_config(
     num_tokens: int, padded_experts: int, on_gpu: bool
 ) -> RoutingKernelConfig:
-    """BM rows of G_PAD * S_PAD logits per program: about _GPU_TILE logits (one warp per 256, so
-    that a decode row of up to 256 experts reduces inside one warp), or on the interpreter as
-    many rows as fit _INTERPRETER_TILE (few programs)."""
+    """BM rows of G_PAD * S_PAD logits per program: on a GPU one row in one warp from
+    _GPU_ROW_PROGRAM_EXPERTS experts, else rows of about _GPU_TILE logits; on the interpreter
+    as many rows as fit _INTERPRETER_TILE (few programs)."""
+    if on_gpu and padded_experts >= _GPU_ROW_PROGRAM_EXPERTS:
+        return RoutingKernelConfig(block_m=1, num_warps=1)
     tile = _GPU_TILE if on_gpu else _INTERPRETER_TILE
     block_m = min(next_power_of_2(max(num_tokens, 1)), max(1, tile // padded_experts))
-    num_warps = max(1, min(4, block_m * padded_experts // 256))
+    per_warp = 32 if on_gpu else 256  # logits a warp
+    num_warps = max(1, min(4, block_m * padded_experts // per_warp))
     return RoutingKernelConfig(block_m=block_m, num_warps=num_warps)
 
 

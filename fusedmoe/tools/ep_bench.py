@@ -300,6 +300,18 @@ def _stage_buffers(layer: FusedMoE, kernel, weights, prepared, x, workspaces):
     return ws13, ws2, out
 
 
+def _prepare(pf, x, topk_weights, topk_ids, num_physical, layer, experts, qc):
+    """The dispatch stage: prepare, and its activations arrived (PrepareResult.input_ready:
+    the experts' stage is timed alone)."""
+    prepared = pf.prepare(
+        x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
+        defer_input_quant=experts.wants_unquantized_input(),
+    )  # fmt: skip
+    if prepared.input_ready is not None:
+        prepared.input_ready()
+    return prepared
+
+
 def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float, float, float]:
     """One forward split into its stages, through the layer's own modular kernel:
     -> (dispatch ms, experts ms, combine ms)."""
@@ -311,10 +323,7 @@ def time_stages(layer: FusedMoE, x, logits, timer: _Timer, dist) -> tuple[float,
     num_physical = layer.placement.num_physical  # the ids the experts see (E without replicas)
     timer.settle(dist, pf)
     t0 = timer.mark()
-    prepared = pf.prepare(
-        x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
-        defer_input_quant=experts.wants_unquantized_input(),
-    )  # fmt: skip
+    prepared = _prepare(pf, x, topk_weights, topk_ids, num_physical, layer, experts, qc)
     t1 = timer.mark()
     num_tokens = prepared.topk_ids.shape[0]
     ws13, ws2, out = _stage_buffers(layer, kernel, weights, prepared, x, kernel.workspaces)
@@ -362,11 +371,8 @@ def graphed_stages(layer: FusedMoE, x, logits):
     qc = layer.quant_config
     num_physical = layer.placement.num_physical
     g1, prepared = _captured(
-        lambda: pf.prepare(
-            x, topk_weights, topk_ids, num_physical, layer.expert_map, False, qc,
-            defer_input_quant=experts.wants_unquantized_input(),
-        )
-    )  # fmt: skip
+        lambda: _prepare(pf, x, topk_weights, topk_ids, num_physical, layer, experts, qc)
+    )
     ws13, ws2, out = _stage_buffers(layer, kernel, weights, prepared, x, WorkspaceCache())
     call = ExpertsCall(
         output=out, hidden_states=prepared.a1q, weights=weights,
