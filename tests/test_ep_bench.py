@@ -93,6 +93,7 @@ def test_ep_bench_symm_mem_over_the_emulated_transport(monkeypatch):
         (["--kinds", "deepep"], "--kinds"),
         (["--iters", "0"], "--iters must be >= 1"),
         (["--combine-blocks", "0"], "--combine-blocks must be >= 1"),
+        (["--routing-first", "yes"], "--routing-first"),
     ],
 )
 def test_ep_bench_arguments(argv, match, capsys):

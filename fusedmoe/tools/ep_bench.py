@@ -126,6 +126,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="symm_mem: the combine in this many column blocks, overlapped with GEMM2 "
         "(default: the rule of fusedmoe.parallel.symm_mem_ep.combine_bounds; 1: none)",
     )
+    parser.add_argument(
+        "--routing-first",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="symm_mem's peer transport: the routing sent ahead of the activations, which "
+        "travel on a side stream while the experts align their slots (default: the rule of "
+        "fusedmoe.parallel.symm_mem_ep.routing_first)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = parser.parse_args(argv)  # fmt: skip
@@ -522,10 +530,11 @@ def format_table(rows: list[Row], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fusedmoe.parallel.symm_mem_ep import combine_blocks_override
+    from fusedmoe.parallel.symm_mem_ep import combine_blocks_override, routing_first_override
 
     args = parse_args(argv)
-    with combine_blocks_override(args.combine_blocks):
+    first = {"auto": None, "on": True, "off": False}[args.routing_first]
+    with combine_blocks_override(args.combine_blocks), routing_first_override(first):
         rows = run(args)
     import torch.distributed as dist
 
@@ -539,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.combine_blocks is not None:
             title += f", symm_mem combine in {args.combine_blocks} column blocks"
+        if first is not None:
+            title += f", routing first {args.routing_first}"
         print(format_table(rows, title), flush=True)
         if args.json:
             with open(args.json, "w") as f:
