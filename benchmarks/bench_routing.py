@@ -6,8 +6,9 @@ other tiles (rows a program x warps) and the torch twins (the routing under auto
     python benchmarks/bench_routing.py --tokens 1,4096 --presets deepseek-v3 --no-sweep
 
 Times are medians of CUDA-graph replays of 20 calls (us a call; the twins: 20 eager calls,
-launches included). Every tile's ids are checked against the shipped rule's ('!' marks a tile
-that differs). docs/performance.md has the runs.
+launches included), with the rule's rates: GB/s of float32 logits read, million tokens routed
+a second. Every tile's ids are checked against the shipped rule's ('!' marks a tile that
+differs). docs/performance.md has the runs.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     shipped = fused.routing_kernel_config
-    print(f"{'preset':16s} {'tokens':>6s} {'rule':>5s} {'us':>7s} {'twin us':>8s}  best tiles")
+    print(
+        f"{'preset':16s} {'tokens':>6s} {'rule':>5s} {'us':>7s} {'GB/s':>6s} {'Mtok/s':>7s} "
+        f"{'twin us':>8s}  best tiles"
+    )
     for name in args.presets.split(","):
         layer = get_preset(name).scaled(64).build(dtype=torch.bfloat16, device="cuda")
         router = layer.router
@@ -101,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                     fused.routing_kernel_config = shipped
                 best.sort()
             tiles = " ".join(f"{r}x{w}:{t:.1f}{'' if ok else '!'}" for t, r, w, ok in best[:4])
+            gbps = logits.numel() * logits.element_size() / rule_us / 1e3  # the logits read
             print(
                 f"{name:16s} {m:6d} {rule.block_m:>2d}x{rule.num_warps:<2d} {rule_us:7.1f} "
-                f"{twin_us:8.1f}  {tiles}",
+                f"{gbps:6.1f} {m / rule_us:7.1f} {twin_us:8.1f}  {tiles}",
                 flush=True,
             )
     return 0

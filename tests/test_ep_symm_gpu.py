@@ -21,7 +21,11 @@ import torch.distributed as dist
 
 from fusedmoe import FusedMoE, ParallelConfig
 from fusedmoe.parallel import symm_mem_ep
-from fusedmoe.parallel.symm_mem_ep import combine_blocks_override, routing_first_override
+from fusedmoe.parallel.symm_mem_ep import (
+    SymmMemEPPrepareFinalize,
+    combine_blocks_override,
+    routing_first_override,
+)
 from tests.helpers import assert_close, free_port, fused_checkpoint, spawn_ranks
 
 
@@ -174,6 +178,15 @@ def _worker(rank: int, port: int, path: str) -> None:
             return sent_first[-1]
 
         symm_mem_ep.routing_first = spied
+        # the activations' stores start late (about 1 ms): an experts' stage that read them
+        # before joining their stream would read stale rows
+        send = SymmMemEPPrepareFinalize._send_activations
+
+        def late(*args, **kwargs):
+            torch.cuda._sleep(2_000_000)
+            return send(*args, **kwargs)
+
+        SymmMemEPPrepareFinalize._send_activations = late
         for scheme, blocks in VARIANTS:
             sent_first.clear()
             with combine_blocks_override(blocks), routing_first_override(blocks is not None):
@@ -289,7 +302,9 @@ def _compiled_worker(rank: int, port: int, path: str) -> None:
         for counts in CALLS:
             rows = _rows(counts, rank, start)
             x, logits = data["x"][rows].to(device), data["skewed"][rows].to(device)
-            with torch.no_grad():
+            # the routing first: compiled, the activations travel on the current stream, eager
+            # on a side stream; the calls alternate, with the same barriers on every rank
+            with torch.no_grad(), routing_first_override(True):
                 pairs.append((compiled(x, logits).cpu(), layer(x, logits).cpu()))
             start += sum(counts)
         _, kernel = layer._kernel(device, torch.bfloat16, False)
@@ -356,7 +371,8 @@ def data_path():
 
 def test_symm_mem_compiled_equals_eager(data_path):
     """The symm_mem layer under torch.compile (inductor) on GPUs: every call of CALLS (uneven
-    counts, zero on some ranks, skewed routing) equals the same rank's eager forward."""
+    counts, zero on some ranks, skewed routing; the routing sent first) equals the same rank's
+    eager forward."""
     spawn_ranks(_compiled_worker, (free_port(), data_path), WORLD, 400, "the compiled EP workers")
     for rank in range(WORLD):
         got = torch.load(f"{data_path}.rank{rank}")

@@ -465,18 +465,34 @@ def test_routing_first_rule_and_override():
 
 
 @needs_triton
-def test_positions_blocks_capped(monkeypatch):
-    """More blocks than _POSITIONS_MAX_BLOCKS: the blocks grow (the second launch reads every
-    block's counts in one tile); the positions are the same."""
+@pytest.mark.parametrize("grouped", [True, False])
+def test_positions_blocks_counts_read_in_chunks(monkeypatch, grouped):
+    """Several blocks, their counts read a chunk at a time by the second launch (chunks of 2
+    blocks here: five of them, the last whole); the positions, counts and posts as the twin's."""
     from fusedmoe.kernels import ep_rows
 
     monkeypatch.setattr(ep_rows, "POSITIONS_TILE", 64)  # 16 tokens a block at 3 ranks
-    monkeypatch.setattr(ep_rows, "_POSITIONS_MAX_BLOCKS", 4)  # 150 tokens: blocks of 64
-    case = RouteCase("capped", 150, 8, 3, 3, "round_robin", empty=0.2)
+    monkeypatch.setattr(ep_rows, "_COUNTS_CHUNK", 2)
+    grids = []
+    launch = ep_rows.launch
+
+    def spied(kernel, grid, *args):
+        grids.append(grid[0])
+        return launch(kernel, grid, *args)
+
+    monkeypatch.setattr(ep_rows, "launch", spied)
+    case = RouteCase("chunks", 150, 8, 3, 3, "round_robin", empty=0.2)
     ids, owner = route(case)
     counts = torch.empty(3, dtype=torch.int64)
-    pos = dispatch_positions(ids, owner, 3, 3 * 150, counts)
-    check_positions(pos, counts, ids, owner, 3, 3 * 150, what="capped blocks")
+    posts = [torch.full((4,), -9, dtype=torch.int64) for _ in range(3)]
+    pos = dispatch_positions(ids, owner, 3, 3 * 150, counts, grouped=grouped,
+                             post=[p[1:2] for p in posts])  # fmt: skip
+    assert grids == [10, 10]  # 150 tokens in blocks of 16, then their offsets
+    twin_pos, twin_counts = dispatch_positions_torch(ids, owner, 3, 3 * 150, grouped)
+    assert_equal(pos, twin_pos, what="positions")
+    assert_equal(counts, twin_counts, what="counts")
+    for r, p in enumerate(posts):
+        assert p.tolist() == [-9, int(twin_counts[r]), -9, -9], f"post {r}"
 
 
 # ---- the dispatchers in rows.py ----------------------------------------------------------------
@@ -1009,7 +1025,7 @@ def ungrouped_positions_ref(topk_ids, owner, num_ranks, num_slots):
     return pos, torch.tensor(counts, dtype=torch.int64)
 
 
-# M2100: a rank's count carried over the shipped step's blocks
+# M2100: a rank's count carried over the shipped tile's blocks (nine, then their offsets)
 UNGROUPED_PARAMS = [*ROUTE_PARAMS, *(p for p in BLOCK_PARAMS if p.id == "M2100")]
 
 

@@ -634,7 +634,9 @@ class _LatePF(NoEPPrepareFinalize):
         real = (prepared.a1q, prepared.a1q_scale)
         late = [None if t is None else _poisoned_like(t) for t in real]
 
-        def ready():
+        def ready():  # a second call does nothing (the contract)
+            if "ready" in self.events:
+                return
             self.events.append("ready")
             for dst, src in zip(late, real, strict=True):
                 if dst is not None:
@@ -691,6 +693,27 @@ def test_input_ready_called_after_the_alignment_before_the_input_is_read(
         assert events == ["prepare", "ready"]
     else:
         assert backend.reads_input_late(qc) and events == ["prepare", "align", "ready"]
+
+
+def test_input_ready_joined_where_the_experts_raise():
+    """A backend that reads its input late and raises first: the modular kernel still calls
+    input_ready (what the dispatch left in flight is joined; a CUDA graph capture must end with
+    its streams joined), then the error goes on."""
+
+    class Raises(TritonExperts):
+        def apply(self, call, gate=None):
+            raise ValueError("raised before reading the input")
+
+    events = []
+    experts = _experts(4, H, I, dtype=torch.bfloat16)
+    weights, ids = _routing(5, 4, 2)
+    ew = ExpertWeights(experts["w13"], experts["w2"])
+    x = torch.randn(5, H, device=DEVICE, dtype=torch.bfloat16)
+    kernel = FusedMoEModularKernel(_LatePF(events), Raises())
+    with pytest.raises(ValueError, match="before reading"):
+        kernel.forward(x, ew, weights, ids, activation=ActivationSpec.make("silu"),
+                       global_num_experts=4)  # fmt: skip
+    assert events == ["prepare", "ready"]
 
 
 def test_tma_rows_of_a_column_block():

@@ -186,12 +186,11 @@ def _gather_sum_rows_kernel(
 
 
 #: dispatch_positions' block, tokens x ranks (padded to a power of two), of one program: the
-#: programs run at once, then a second launch adds each block's offsets (one program at 4096
-#: tokens of k = 8 over 4 ranks took 29 us on an H200 in blocks of 1024 tokens; a block is a
-#: few dependent loads long whatever its size)
+#: programs run at once, then a second launch adds each block's offsets. At 4096 tokens of k = 8
+#: over 4 ranks on an H200: 4.3 + 1.7 us in blocks of 256 tokens, against 29 us for one program
+#: walking blocks of 1024 (docs/performance.md)
 POSITIONS_TILE = 1024
-#: at most this many blocks (the second launch reads every block's counts in one tile)
-_POSITIONS_MAX_BLOCKS = 1024
+_COUNTS_CHUNK = 64  # blocks' counts the second launch reads at a time
 
 
 @triton.jit
@@ -251,19 +250,23 @@ def _positions_offsets_kernel(
     pos_ptr, counts_ptr, post_ptr, post_offsets_ptr, block_counts_ptr,
     num_tokens, num_slots, num_blocks,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCKS_PAD: tl.constexpr, GROUPED: tl.constexpr, POST: tl.constexpr,
+    CHUNK: tl.constexpr, GROUPED: tl.constexpr, POST: tl.constexpr,
 ):  # fmt: skip
     """A program a block: its pairs' indices offset by the earlier blocks' counts (GROUPED:
-    and the ranks' starts), num_slots where not sent; program 0 stores the counts."""
+    and the ranks' starts), num_slots where not sent; program 0 stores the counts. The
+    blocks' counts are read CHUNK blocks at a time (one compiled variant whatever M)."""
     block = tl.program_id(0)
     ranks = tl.arange(0, RANKS_PAD)
     rank_ok = ranks < NUM_RANKS
-    b = tl.arange(0, BLOCKS_PAD)[:, None]
-    per_block = tl.load(
-        block_counts_ptr + b * RANKS_PAD + ranks[None, :], mask=b < num_blocks, other=0
-    )  # [BLOCKS_PAD, RANKS_PAD]
-    totals = tl.sum(per_block, axis=0)
-    before = tl.sum(tl.where(b < block, per_block, 0), axis=0)
+    totals = tl.zeros((RANKS_PAD,), dtype=tl.int64)
+    before = tl.zeros((RANKS_PAD,), dtype=tl.int64)
+    for start in range(0, num_blocks, CHUNK):
+        b = start + tl.arange(0, CHUNK)[:, None]
+        per_block = tl.load(
+            block_counts_ptr + b * RANKS_PAD + ranks[None, :], mask=b < num_blocks, other=0
+        )  # [CHUNK, RANKS_PAD]
+        totals += tl.sum(per_block, axis=0)
+        before += tl.sum(tl.where(b < block, per_block, 0), axis=0)
     if GROUPED:
         before += tl.cumsum(totals, axis=0) - totals
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -296,8 +299,7 @@ def dispatch_positions_triton(
     if post is not None:
         post_base, post_offsets, _ = rank_offsets(post, num_ranks)
     ranks_pad = max(next_power_of_2(num_ranks), 2)
-    block_m = max(16, POSITIONS_TILE // ranks_pad)  # not M's: a compiled variant per R ...
-    block_m = max(block_m, next_power_of_2(cdiv(num_tokens, _POSITIONS_MAX_BLOCKS)))  # (bar huge M)
+    block_m = max(16, POSITIONS_TILE // ranks_pad)  # not M's: compiled variants per R, not M
     num_blocks = max(cdiv(num_tokens, block_m), 1)
     single = num_blocks == 1
     block_counts = counts if single else torch.empty(
@@ -316,7 +318,7 @@ def dispatch_positions_triton(
         if not single:
             args = (pos, counts, post_base, post_offsets, block_counts, num_tokens, num_slots,
                     num_blocks)  # fmt: skip
-            constexprs = dict(common, BLOCKS_PAD=next_power_of_2(num_blocks))
+            constexprs = dict(common, CHUNK=_COUNTS_CHUNK)
             launch(_positions_offsets_kernel, (num_blocks,), args, constexprs, topk_ids.is_cuda)
     return pos
 
@@ -460,8 +462,9 @@ def unpack_meta_triton(
 
 #: programs per SM of the scatter on a GPU, 4 warps each, over blocks of 8 KiB: they stride
 #: over their items and leave room on every SM for the kernels that run beside the
-#: activations' stores (symm_mem_ep.routing_first). On 4 H200s, 130 MB to the peers: 2 a SM
-#: of 4 warps as fast as 8 of 8 warps (0.46-0.48 ms, and 0.48-0.51); docs/performance.md
+#: activations' stores (symm_mem_ep.routing_first). On 4 H200s, 130 MB to the peers with a
+#: barrier: 2 a SM of 4 warps in 0.463 ms, 8 of 8 warps over 4 KiB (before) 0.478-0.514 in
+#: the same run (docs/performance.md)
 _PROGRAMS_PER_SM = 2
 _SCATTER_WARPS = 4
 _SCATTER_BLOCK_BYTES = 8192

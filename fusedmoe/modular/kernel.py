@@ -229,7 +229,10 @@ class FusedMoEModularKernel:
         )
         num_tokens, top_k = prepared.topk_ids.shape
         input_ready = prepared.input_ready  # the activations may still be on their way
-        if input_ready is not None and not (num_tokens and experts.reads_input_late(quant_config)):
+        if input_ready is not None and (
+            not (num_tokens and experts.reads_input_late(quant_config))
+            or torch.compiler.is_compiling()  # a callback is no op argument
+        ):
             input_ready()
             input_ready = None
         shapes = experts.workspace_shapes(
@@ -270,27 +273,31 @@ class FusedMoEModularKernel:
             if expert_output is None:
                 expert_output = workspaces.get("output", shapes.output, hidden_states.dtype, device)
         if num_tokens:  # EP: a rank where no token landed skips its experts, not finalize
-            experts.apply(
-                ExpertsCall(
-                    output=expert_output,
-                    hidden_states=prepared.a1q,
-                    weights=weights,
-                    topk_weights=prepared.topk_weights,
-                    topk_ids=prepared.topk_ids,
-                    activation=activation,
-                    global_num_experts=global_num_experts,
-                    workspace13=workspace13,
-                    workspace2=workspace2,
-                    expert_map=expert_map,
-                    quant_config=quant_config,
-                    a1q_scale=prepared.a1q_scale,
-                    a1q_global_scale=prepared.a1q_global_scale,
-                    expert_tokens_meta=prepared.expert_tokens_meta,
-                    apply_router_weight_on_input=apply_router_weight_on_input,
-                    output_columns=output_columns,
-                    input_ready=input_ready,
-                )
+            call = ExpertsCall(
+                output=expert_output,
+                hidden_states=prepared.a1q,
+                weights=weights,
+                topk_weights=prepared.topk_weights,
+                topk_ids=prepared.topk_ids,
+                activation=activation,
+                global_num_experts=global_num_experts,
+                workspace13=workspace13,
+                workspace2=workspace2,
+                expert_map=expert_map,
+                quant_config=quant_config,
+                a1q_scale=prepared.a1q_scale,
+                a1q_global_scale=prepared.a1q_global_scale,
+                expert_tokens_meta=prepared.expert_tokens_meta,
+                apply_router_weight_on_input=apply_router_weight_on_input,
+                output_columns=output_columns,
+                input_ready=input_ready,
             )
+            try:
+                experts.apply(call)
+            except BaseException:
+                if input_ready is not None:  # what the dispatch left in flight is joined (a
+                    input_ready()  # CUDA graph capture must end with every stream joined)
+                raise
         self.prepare_finalize.finalize(
             output,
             expert_output,

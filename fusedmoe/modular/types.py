@@ -90,7 +90,8 @@ class PrepareResult:
     expert_tokens_meta: ExpertTokensMeta | None = None
     #: where a1q and its scales may still be arriving (an EP dispatch that sends the routing
     #: first): call it, on the current stream, before reading them; the routing fields are
-    #: ready. None: everything is (the modular kernel calls it: Experts.reads_input_late)
+    #: ready. A second call does nothing (the modular kernel calls it again where the experts
+    #: raise). None: everything is there (Experts.reads_input_late says who calls it)
     input_ready: Callable[[], None] | None = None
 
 

@@ -80,8 +80,9 @@ def dispatch_positions(
 ) -> torch.Tensor:
     """dispatch_positions_torch, the counts written into `counts` (int64 [R]) and, where
     `post` is given, count r also into post[r] (a one-element int64 tensor: rank r's slot for
-    this rank's count, a peer's memory): -> pos. One Triton program where Triton runs
-    (fusedmoe.kernels.ep_rows), the twin elsewhere."""
+    this rank's count, a peer's memory): -> pos. The Triton kernels where Triton runs (a
+    program a block of tokens, then the blocks' offsets: fusedmoe.kernels.ep_rows), the twin
+    elsewhere."""
     if triton_runs_on(topk_ids):
         from fusedmoe.kernels.ep_rows import dispatch_positions_triton
 

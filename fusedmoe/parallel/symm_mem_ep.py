@@ -19,8 +19,12 @@ Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's
                   rank r's recv row me * B + pos[m, r] for every rank r it goes to
               barrier (every rank's stores done and seen)
               rows of region s past incoming[s] are stale: ids -1 (empty slots), weights 0
+              at prefill sizes (routing_first) the rows' x bytes go on a side stream, then a
+              barrier of their own (pads_x); the metadata words and the barrier above stay on
+              the current stream, where the experts align their slots meanwhile
     experts:  the C received rows (a fixed shape: the same launches whatever the routing), x
-              read in place; a backend that reduces writes its [C, H] output into `out`
+              read in place (after joining the side stream: PrepareResult.input_ready); a
+              backend that reduces writes its [C, H] output into `out`
     combine:  barrier (every rank's experts wrote their out)
               y[m] = sum_r rank r's out row me * B + pos[m, r]   (loads from the peers' out,
                   over NVLink; the layer's output, summed in fp32)
@@ -28,12 +32,13 @@ Peer transport, regions (rank s's rows at rank p: rows [s * B, s * B + n) of p's
                   block, issued on a side stream as soon as the experts wrote the block
                   (OutputColumns), while they write the next
 
-Two barriers a call (one more per extra column block), and no copy but the dispatch's stores
-and the combine's loads. Why each
+Two barriers a call (one more per extra column block, one more where the routing goes
+first), and no copy but the dispatch's stores and the combine's loads. Why each
 buffer is free when it is written (on rank p, for any peer q): q's next dispatch stores into
-p's recv and incoming only after it passed this call's second barrier, which p reaches after
-its experts (which read recv; incoming was read before them); p's next experts write p's out
-only after the next call's first barrier, which q reaches after its sum has loaded this
+p's recv and incoming only after it passed this call's combine barriers, which p reaches
+after its experts (which read recv; incoming was read before them; a side stream's stores
+start after what q's current stream issued before them); p's next experts write p's out
+only after the next call's dispatch barriers, which q reaches after its sum has loaded this
 call's rows from p's out. The barrier is epochs in symmetric memory, one writer per word
 (kernels.ep_rows.barrier_triton).
 
@@ -86,7 +91,6 @@ whole batch (FP8 per-tensor dynamic, NVFP4) are refused: the stale rows would en
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from collections.abc import Callable
@@ -606,6 +610,19 @@ class _Columns:
     next: int = 0  # the first block not issued yet
 
 
+class _Join:
+    """PrepareResult.input_ready of a dispatch whose activations travel on a side stream: the
+    stream current at the call waits for it; once (later calls do nothing)."""
+
+    def __init__(self, side: torch.cuda.Stream) -> None:
+        self.side: torch.cuda.Stream | None = side
+
+    def __call__(self) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+            self.side = None
+
+
 @dataclass
 class _DispatchState:
     pos: torch.Tensor  # int64 [M, R]: token m's row for rank r (grouped: in send; regions: in
@@ -964,20 +981,19 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
             ids_, owner, size, capacity, bufs.counts, grouped=not bufs.regions, post=plan.posts
         )
         input_ready = None
-        if (
-            self._overlap_input and bufs.peer is not None
-            and routing_first(capacity, dispatch_bytes)
-        ):  # fmt: skip
-            # the activations on the side stream with a barrier of their own, the routing
-            # here: the experts align their slots while the activations travel
-            main, side = torch.cuda.current_stream(device), self._side_stream(device)[0]
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                scatter_rows(x, pos, plan.targets, 0, capacity)
-                self._transport.after_dispatch(bufs, recv, plan.staging, pads="pads_x")
-            x.record_stream(side)
-            pos.record_stream(side)
-            input_ready = functools.partial(main.wait_stream, side)
+        # the barriers a call makes follow only what every rank shares (routing_first); where
+        # the activations go first decides only the stream they travel on
+        if bufs.peer is not None and routing_first(capacity, dispatch_bytes):
+            if self._overlap_input:  # the experts align their slots while they travel
+                side = self._side_stream(device)[0]
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    self._send_activations(bufs, plan, x, pos, "pads_x")
+                x.record_stream(side)
+                pos.record_stream(side)
+                input_ready = _Join(side)
+            else:  # (torch.compile: its graph would not join a side stream)
+                self._send_activations(bufs, plan, x, pos, "pads_x")
         else:
             scatter_rows(x, pos, plan.targets, 0, capacity)
         pack_meta(ids_, weights_, batch.scale, pos, plan.words, x_bytes // 4, capacity)
@@ -1003,6 +1019,12 @@ class SymmMemEPPrepareFinalize(AllToAllEPPrepareFinalize):
 
     def _input_ready(self, state: _DispatchState):
         return state.input_ready
+
+    def _send_activations(self, bufs: _Buffers, plan: _DispatchPlan, x, pos, pads: str) -> None:
+        """The activations' bytes of each row into its destinations, then a barrier on pads
+        (the routing's words travel apart, with the dispatch's own barrier)."""
+        scatter_rows(x, pos, plan.targets, 0, self.capacity)
+        self._transport.after_dispatch(bufs, plan.recv, plan.staging, pads=pads)
 
     def _count(self, sent, received, dispatch_bytes: int, combine_bytes: int) -> None:
         """The traffic of the call (rows as they travel, padding included) into self.stats."""
