@@ -482,8 +482,9 @@ def combine_bounds(capacity: int, hidden: int, dtype: torch.dtype) -> tuple[int,
 #: align their slots (ExpertsCall.input_ready), while the activations are stored on a side
 #: stream with a barrier of their own, which the experts wait for before GEMM1. Below it (a
 #: decode-sized bound) the stores are short and leave little to hide: one chain, one barrier
-#: (the two have not been timed against each other there). Like combine_bounds, the rule
-#: reads only what every rank shares: the ranks make the same barriers.
+#: (on 2 H200s either way took the same time there; docs/performance.md). Like
+#: combine_bounds, the rule reads only what every rank shares: the ranks make the same
+#: barriers.
 ROUTING_FIRST_MIN_BYTES = 64 << 20
 _routing_first_override: bool | None = None
 
