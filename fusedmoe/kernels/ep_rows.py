@@ -299,7 +299,7 @@ def dispatch_positions_triton(
     if post is not None:
         post_base, post_offsets, _ = rank_offsets(post, num_ranks)
     ranks_pad = max(next_power_of_2(num_ranks), 2)
-    block_m = max(16, POSITIONS_TILE // ranks_pad)  # not M's: compiled variants per R, not M
+    block_m = max(16, POSITIONS_TILE // ranks_pad)  # not from M: the variants follow R
     num_blocks = max(cdiv(num_tokens, block_m), 1)
     single = num_blocks == 1
     block_counts = counts if single else torch.empty(
